@@ -1,0 +1,1 @@
+"""kvroute service: wire decoding, subscribers, registry, scoring, HTTP API, CLI."""

@@ -1,0 +1,368 @@
+"""Decoding and encoding of vLLM's KV-event wire format.
+
+Facts this module relies on (see DESIGN.md, "vLLM wire protocol"):
+
+- A payload is a msgpack array ``[ts, events]`` or ``[ts, events, data_parallel_rank]``
+  (a map ``{"ts", "events", "data_parallel_rank"}`` is accepted too).
+- Events are msgpack maps tagged by ``"type"`` (vLLM >= ~0.26) or arrays with the tag first
+  (older vLLM). Field order of the array form is the declaration order of the fields below,
+  which is also the order vLLM added them in.
+- Block hashes are unsigned 64-bit ints (values >= 2**63 occur), signed ints (older vLLM) or
+  raw bytes.
+
+Invariants:
+
+- ``decode_batch`` raises ``WireError`` only when the payload as a whole is unusable (not
+  msgpack, not an envelope, no event list). One bad event never costs the others: it is
+  counted in ``EventBatch.malformed`` and left out; unknown event types are counted in
+  ``EventBatch.unknown`` and left out; unknown fields are ignored.
+- Decoded events are always instances of the public ``BlockStored``, ``BlockRemoved`` and
+  ``AllBlocksCleared`` classes, whichever encoding they came in.
+- ``apply_batch`` applies each event to the index on its own; an event the index rejects
+  (``ValueError``) is counted as malformed and the rest of the batch still applies.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal, Protocol
+
+import msgspec
+
+Hash = int | bytes
+Encoding = Literal["map", "array"]
+
+#: The 8-byte seq frame vLLM's replay ROUTER sends after the last buffered batch.
+END_SEQ = b"\xff" * 8
+SEQ_BYTES = 8
+
+MEDIUM_GPU = "GPU"
+
+
+class WireError(ValueError):
+    """A payload or frame that cannot be decoded at all."""
+
+
+# --- events ---------------------------------------------------------------------------------
+# gc=False: events hold only ints, strings, bytes and lists of them, never cycles; this keeps
+# the garbage collector out of the hot path. omit_defaults keeps encoded maps as small as
+# vLLM's own.
+
+
+class BlockStored(
+    msgspec.Struct, tag_field="type", tag="BlockStored", omit_defaults=True, gc=False
+):
+    """A chain of blocks: block k holds ``token_ids[k*block_size:(k+1)*block_size]``."""
+
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: Any = None
+    ownership: Any = None
+    session_id: Any = None
+
+
+class BlockRemoved(
+    msgspec.Struct, tag_field="type", tag="BlockRemoved", omit_defaults=True, gc=False
+):
+    block_hashes: list[Hash]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: Any = None
+    ownership: Any = None
+
+
+class AllBlocksCleared(
+    msgspec.Struct, tag_field="type", tag="AllBlocksCleared", omit_defaults=True, gc=False
+):
+    pass
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+# The older array encoding: same fields, same order, tag first. Subclasses, so a decoded
+# event is an instance of the public class whatever its encoding.
+class _ArrayBlockStored(BlockStored, array_like=True, tag="BlockStored"):
+    pass
+
+
+class _ArrayBlockRemoved(BlockRemoved, array_like=True, tag="BlockRemoved"):
+    pass
+
+
+class _ArrayAllBlocksCleared(AllBlocksCleared, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+_ARRAY_CLASS: dict[type, type] = {
+    BlockStored: _ArrayBlockStored,
+    BlockRemoved: _ArrayBlockRemoved,
+    AllBlocksCleared: _ArrayAllBlocksCleared,
+    _ArrayBlockStored: _ArrayBlockStored,
+    _ArrayBlockRemoved: _ArrayBlockRemoved,
+    _ArrayAllBlocksCleared: _ArrayAllBlocksCleared,
+}
+# Fields vLLM always wrote in the array form (no defaults there); later fields are written
+# only up to the last one that is set, as an older vLLM would have.
+_ARRAY_REQUIRED = {BlockStored: 6, BlockRemoved: 2, AllBlocksCleared: 0}
+KNOWN_EVENT_TYPES = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
+
+
+class EventBatch(msgspec.Struct):
+    """One decoded payload. ``malformed`` and ``unknown`` count events left out."""
+
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+    malformed: int = 0
+    unknown: int = 0
+
+
+# --- decoders -------------------------------------------------------------------------------
+# Fast path: the whole batch in one typed decode (one C call). Mixed array/map tagged unions
+# are not allowed by msgspec, so there is one decoder per event encoding. When both fail
+# (a bad or unknown event somewhere), the slow path decodes event by event.
+
+
+class _MapEnvelope(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+class _ArrayEnvelope(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_ArrayBlockStored | _ArrayBlockRemoved | _ArrayAllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+class _RawEnvelope(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: Any = None
+
+
+class _RawMapEnvelope(msgspec.Struct, gc=False):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: Any = None
+
+
+_map_batch = msgspec.msgpack.Decoder(_MapEnvelope)
+_array_batch = msgspec.msgpack.Decoder(_ArrayEnvelope)
+_raw_batch = msgspec.msgpack.Decoder(_RawEnvelope)
+_raw_map_batch = msgspec.msgpack.Decoder(_RawMapEnvelope)
+_map_event = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksCleared)
+_array_event = msgspec.msgpack.Decoder(
+    _ArrayBlockStored | _ArrayBlockRemoved | _ArrayAllBlocksCleared
+)
+_any = msgspec.msgpack.Decoder()
+_encoder = msgspec.msgpack.Encoder()
+
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError)
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """Decode one payload frame; see the module docstring for what raises and what is counted."""
+    for decoder in (_map_batch, _array_batch):
+        try:
+            env = decoder.decode(payload)
+        except _DECODE_ERRORS:
+            continue
+        return EventBatch(env.ts, env.events, env.data_parallel_rank)  # type: ignore[arg-type]
+    return _decode_event_by_event(payload)
+
+
+def _decode_event_by_event(payload: bytes) -> EventBatch:
+    env: _RawEnvelope | _RawMapEnvelope | None = None
+    error: Exception | None = None
+    for decoder in (_raw_batch, _raw_map_batch):
+        try:
+            env = decoder.decode(payload)
+            break
+        except _DECODE_ERRORS as exc:
+            error = error or exc  # the array envelope's complaint is the informative one
+    if env is None:
+        raise WireError(f"undecodable event batch ({len(payload)} bytes): {error}")
+    rank = env.data_parallel_rank
+    batch = EventBatch(env.ts, [], rank if type(rank) is int else None)
+    if rank is not None and type(rank) is not int:
+        batch.malformed += 1  # a garbled rank is a defect of the batch, not of its events
+    for raw in env.events:
+        event = _decode_one(raw)
+        if event is not None:
+            batch.events.append(event)
+        elif _is_unknown_type(raw):
+            batch.unknown += 1
+        else:
+            batch.malformed += 1
+    return batch
+
+
+def _decode_one(raw: msgspec.Raw) -> Event | None:
+    for decoder in (_map_event, _array_event):
+        try:
+            return decoder.decode(raw)
+        except _DECODE_ERRORS:
+            continue
+    return None
+
+
+def _is_unknown_type(raw: msgspec.Raw) -> bool:
+    """An event well-formed enough to name a type we do not know (a newer vLLM's event)."""
+    try:
+        obj = _any.decode(raw)
+    except _DECODE_ERRORS:
+        return False
+    if isinstance(obj, dict):
+        tag = obj.get("type")
+    elif isinstance(obj, list) and obj:
+        tag = obj[0]
+    else:
+        return False
+    return isinstance(tag, str) and tag not in KNOWN_EVENT_TYPES
+
+
+def encode_batch(
+    events: Iterable[Event],
+    *,
+    ts: float | None = None,
+    dp_rank: int | None = None,
+    encoding: Encoding = "map",
+) -> bytes:
+    """Encode events as vLLM would: ``encoding="map"`` like 0.26+, ``"array"`` like older vLLM."""
+    if encoding == "map":
+        body: list[Any] = list(events)
+    elif encoding == "array":
+        body = [_as_array_event(ev) for ev in events]
+    else:
+        raise ValueError(f"unknown encoding {encoding!r}: expected 'map' or 'array'")
+    envelope: list[Any] = [time.time() if ts is None else ts, body]
+    if dp_rank is not None:
+        envelope.append(dp_rank)
+    return _encoder.encode(envelope)
+
+
+def _as_array_event(event: Event) -> list[Any]:
+    base = next(c for c in (BlockStored, BlockRemoved, AllBlocksCleared) if isinstance(event, c))
+    fields = list(msgspec.structs.astuple(event))
+    keep = _ARRAY_REQUIRED[base]
+    for i in range(len(fields) - 1, keep - 1, -1):
+        if fields[i] is not None:
+            keep = i + 1
+            break
+    return [base.__struct_config__.tag, *fields[:keep]]
+
+
+# --- frames ---------------------------------------------------------------------------------
+
+
+def decode_seq(frame: bytes) -> int:
+    """The 8-byte big-endian sequence number frame."""
+    if len(frame) != SEQ_BYTES:
+        raise WireError(f"sequence frame must be {SEQ_BYTES} bytes, got {len(frame)}")
+    return int.from_bytes(frame, "big")
+
+
+def encode_seq(seq: int) -> bytes:
+    return seq.to_bytes(SEQ_BYTES, "big")
+
+
+class ReplayFrame(msgspec.Struct, frozen=True):
+    """One reply from the replay ROUTER as a DEALER sees it; ``seq is None`` ends the replay."""
+
+    seq: int | None
+    payload: bytes
+
+
+def decode_replay_frame(frames: Sequence[bytes]) -> ReplayFrame:
+    """Understand both reply formats.
+
+    0.32.0: ``[b"", topic, seq, payload]``, ended by ``[b"", b"", END_SEQ, b""]``;
+    before mid-2026: ``[b"", seq, payload]``, ended by ``[b"", END_SEQ, b""]``.
+    """
+    if len(frames) == 4 and frames[0] == b"":
+        seq_frame, payload = frames[2], frames[3]
+    elif len(frames) == 3 and frames[0] == b"":
+        seq_frame, payload = frames[1], frames[2]
+    else:
+        raise WireError(f"unexpected replay reply with {len(frames)} frames")
+    if seq_frame == END_SEQ:
+        return ReplayFrame(None, b"")
+    return ReplayFrame(decode_seq(seq_frame), payload)
+
+
+# --- applying to the index ------------------------------------------------------------------
+
+
+class IndexWriter(Protocol):
+    def apply_stored(self, worker: Any, block_hashes: Any, parent_block_hash: Any,
+                     token_ids: Any, block_size: int, **kwargs: Any) -> None: ...
+
+    def apply_removed(self, worker: Any, block_hashes: Any, **kwargs: Any) -> None: ...
+
+    def clear_worker(self, worker: Any) -> None: ...
+
+
+def normalise_medium(medium: str | None) -> str:
+    """None means GPU (vLLM's default); some connectors send lowercase names."""
+    return MEDIUM_GPU if medium is None else medium.upper()
+
+
+def lora_key(event: BlockStored) -> str | None:
+    """The LoRA identity a block's content key carries.
+
+    Old vLLM sends only the numeric ``lora_id``; such blocks must never match base-model
+    blocks with the same tokens, so they get a name of their own (a query by adapter name
+    will not match them either: no answer is better than a wrong one).
+    """
+    if event.lora_name is not None:
+        return event.lora_name
+    if event.lora_id is not None:
+        return f"lora-id:{event.lora_id}"
+    return None
+
+
+def apply_batch(index: IndexWriter, worker: Any, batch: EventBatch) -> int:
+    """Apply a decoded batch to ``index`` for ``worker``; returns the number of blocks stored
+    or removed. Synchronous on purpose: no other writer can interleave within an event."""
+    blocks = 0
+    for event in batch.events:
+        try:
+            if isinstance(event, BlockStored):
+                index.apply_stored(
+                    worker,
+                    event.block_hashes,
+                    event.parent_block_hash,
+                    event.token_ids,
+                    event.block_size,
+                    lora_name=lora_key(event),
+                    extra_keys=event.extra_keys,
+                    medium=normalise_medium(event.medium),
+                    group_idx=event.group_idx or 0,
+                    kv_cache_spec_kind=event.kv_cache_spec_kind,
+                )
+                blocks += len(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                index.apply_removed(
+                    worker,
+                    event.block_hashes,
+                    medium=normalise_medium(event.medium),
+                    group_idx=event.group_idx or 0,
+                )
+                blocks += len(event.block_hashes)
+            else:
+                index.clear_worker(worker)
+        except ValueError:
+            batch.malformed += 1
+    return blocks
