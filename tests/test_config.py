@@ -1,0 +1,89 @@
+"""Configuration layering and validation: every bad value is a ConfigError naming it."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.config import ConfigError, InstanceConfig, default_instance_id, load_settings
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "kvroute.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_bind_loopback():
+    settings = load_settings(environ={})
+    assert settings.host == "127.0.0.1"
+    assert settings.port == 8000
+    assert settings.instances == ()
+    assert settings.tokenizer is None
+
+
+def test_file_env_and_flags_layer_in_order(tmp_path):
+    path = write(tmp_path, 'port = 9000\nhost = "0.0.0.0"\n[[instances]]\nurl = "http://a:8000"\n')
+    env = {"KVROUTE_PORT": "9100", "KVROUTE_INSTANCES": "http://b:8000, http://c:8001"}
+    settings = load_settings(path, environ=env, flags={"port": 9200, "host": None})
+    assert settings.port == 9200  # flag beats env beats file
+    assert settings.host == "0.0.0.0"  # a flag left unset does not override
+    assert [i.url for i in settings.instances] == ["http://a:8000", "http://b:8000",
+                                                   "http://c:8001"]
+
+
+def test_explicit_endpoints_per_rank(tmp_path):
+    path = write(tmp_path, """
+[[instances]]
+id = "gpu-a"
+model = "m"
+events = ["tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558"]
+replay = ["tcp://10.0.0.1:6557", "tcp://10.0.0.1:6558"]
+""")
+    (instance,) = load_settings(path, environ={}).instances
+    assert instance == InstanceConfig(id="gpu-a", model="m",
+                                      events=("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558"),
+                                      replay=("tcp://10.0.0.1:6557", "tcp://10.0.0.1:6558"))
+    assert default_instance_id(instance) == "gpu-a"
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("port = 'x'", "port must be a positive integer"),
+        ("port = 70000", "port must be at most 65535"),
+        ("ready_grace_seconds = -1", "ready_grace_seconds"),
+        ("log_level = 'loud'", "log_level must be one of"),
+        ("colour = 'blue'", "unknown setting 'colour'"),
+        ("port = ", "not valid TOML"),
+        ("[[instances]]\nurl = 'ftp://x'", "instances[0].url"),
+        ("[[instances]]\nmodel = 'm'", "give `url`"),
+        ("[[instances]]\nevents = ['tcp://*:5557']", "bind address"),
+        ("[[instances]]\nevents = ['udp://h:1']", "not a tcp://HOST:PORT"),
+        ("[[instances]]\nurl = 'http://h:1'\nbogus = 1", "unknown field(s) bogus"),
+        ("[[instances]]\nevents = ['tcp://h:1']\nreplay = ['tcp://h:2', 'tcp://h:3']",
+         "one per data-parallel rank"),
+        ("[[instances]]\nurl = 'http://h:1'\nblock_size = 0", "block_size"),
+    ],
+)
+def test_bad_file_values_are_named(tmp_path, text, needle):
+    with pytest.raises(ConfigError, match=None) as info:
+        load_settings(write(tmp_path, text), environ={})
+    assert needle in str(info.value)
+    assert "config file" in str(info.value)
+
+
+def test_bad_environment_is_named():
+    with pytest.raises(ConfigError) as info:
+        load_settings(environ={"KVROUTE_MAX_PROMPT_TOKENS": "many"})
+    assert "environment" in str(info.value) and "max_prompt_tokens" in str(info.value)
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_settings(tmp_path / "nope.toml", environ={})
+
+
+def test_default_instance_id_from_url():
+    assert default_instance_id(InstanceConfig(url="http://h:8001")) == "h:8001"
+    assert default_instance_id(InstanceConfig(url="https://h")) == "h:443"
+    assert default_instance_id(InstanceConfig(events=("tcp://h:5557",))) == "h:5557"
