@@ -1,0 +1,499 @@
+"""One simulated vLLM instance: ``dp_size`` engines behind one OpenAI-style HTTP server.
+
+Ownership: a ``SimInstance`` owns its engines, one ``EventPublisher`` per data-parallel rank
+(rank r publishes on ``kv_port + r`` and answers replays on ``replay_port + r``, as vLLM does),
+one uvicorn server on a thread, and one stepping thread per rank. ``stop()`` releases all of
+them; nothing outlives it.
+
+Two ways to drive the engines, never mixed on one instance:
+
+- HTTP (demo, end-to-end tests): ``POST /v1/completions`` queues the request on a rank and a
+  stepping thread runs that rank's steps until every HTTP request on it is done, publishing
+  each step's events. Steps do not sleep unless ``time_scale > 0`` (then a step takes
+  ``time_scale`` times its modelled duration in real time).
+- Directly (benchmarks): ``rank.lock`` held, call ``rank.engine`` and ``rank.publish``; the
+  stepping thread only steps while HTTP requests are pending, so it stays out of the way.
+
+Text prompts use a byte tokenizer: one token per UTF-8 byte (ids 0..255). Generated tokens are
+lowercase letters chosen deterministically from the prompt, so responses are reproducible.
+
+``/reset_prefix_cache`` behaves like vLLM's: refused (still 200) while blocks are in use, and the
+``AllBlocksCleared`` event goes out with the rank's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import random
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from app.sim.engine import Engine, EngineError, RequestOutcome, StepResult, TimeModel
+from app.sim.publisher import EventPublisher
+from app.wire import Event
+
+HOST = "127.0.0.1"
+_REQUEST_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    """How one simulated vLLM is set up. ``num_blocks`` counts vLLM's reserved null block."""
+
+    model: str = "sim-model"
+    block_size: int = 16
+    num_blocks: int = 1024
+    dp_size: int = 1
+    seed: int = 0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    vocab_size: int = 32000
+    time_model: TimeModel = field(default_factory=TimeModel)
+    hash_format: str = "int"
+    encoding: str = "map"  # "map" (vLLM >= ~0.26) or "array" (older)
+    replay_format: str = "new"  # replay reply frames of 0.32.0 ("new") or older ("old")
+    topic: str = "kv-events"
+    time_scale: float = 0.0
+    sources_envelope: bool = True  # /kv_event_sources as {"sources": [...]} (else bare list)
+
+
+class SimRank:
+    """One data-parallel rank: an engine, its publisher and its stepping thread."""
+
+    def __init__(self, config: InstanceConfig, rank: int, endpoint: str, replay: str) -> None:
+        self.rank = rank
+        self.engine = Engine(
+            num_blocks=config.num_blocks,
+            block_size=config.block_size,
+            seed=config.seed * 1009 + rank,  # a distinct hash seed per process, as in vLLM
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            time_model=config.time_model,
+            hash_format=config.hash_format,  # type: ignore[arg-type]
+        )
+        self.publisher = EventPublisher(
+            endpoint=endpoint,
+            replay_endpoint=replay,
+            topic=config.topic,
+            encoding=config.encoding,
+            replay_format=config.replay_format,
+            dp_rank=rank,
+        )
+        self.lock = threading.Lock()
+        self._time_scale = config.time_scale
+        self._wake = threading.Condition(self.lock)
+        self._pending: dict[str, Future[RequestOutcome]] = {}
+        self._closing = False
+        self._t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name=f"sim-rank-{rank}", daemon=True)
+
+    @property
+    def endpoint(self) -> str:
+        return self.publisher.endpoint
+
+    @property
+    def replay_endpoint(self) -> str:
+        return self.publisher.replay_endpoint or ""
+
+    def start(self) -> None:
+        self.publisher.start()
+        self._thread.start()
+
+    def close(self) -> None:
+        with self._wake:
+            self._closing = True
+            self._wake.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        for fut in self._pending.values():
+            fut.cancel()
+        self.publisher.close()
+
+    def publish(self, events: list[Event]) -> int | None:
+        """Publish one step's batch (nothing when the step had no events, like vLLM)."""
+        if not events:
+            return None
+        return self.publisher.publish(events, dp_rank=self.rank)
+
+    def load(self) -> int:
+        return self.engine.load()
+
+    def submit(self, prompt: list[int], output: list[int]) -> Future[RequestOutcome]:
+        """Queue an HTTP request; the future resolves when it finishes. Raises EngineError."""
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        fut: Future[RequestOutcome] = Future()
+        with self._wake:
+            now = time.monotonic() - self._t0
+            self.engine.add_request(request_id, prompt, output, arrival_time=now)
+            self._pending[request_id] = fut
+            self._wake.notify_all()
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._pending and not self._closing:
+                    self._wake.wait()
+                if self._closing:
+                    return
+                result = self.engine.step(now=time.monotonic() - self._t0)
+                self.publish(result.events)
+                done = [(self._pending.pop(o.request_id, None), o) for o in result.finished]
+            for fut, outcome in done:
+                if fut is not None:
+                    fut.set_result(outcome)
+            self._pace(result)
+
+    def _pace(self, result: StepResult) -> None:
+        if self._time_scale > 0:
+            time.sleep((result.end - result.start) * self._time_scale)
+
+
+class SimInstance:
+    """A simulated vLLM server; ``start()`` binds free loopback ports, ``stop()`` frees them."""
+
+    def __init__(self, config: InstanceConfig | None = None) -> None:
+        self.config = config or InstanceConfig()
+        self.ranks: list[SimRank] = []
+        self.url = ""
+        self.kv_port = 0
+        self.replay_port = 0
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._sock: socket.socket | None = None
+        self._next_rank = 0
+
+    @property
+    def engines(self) -> list[Engine]:
+        return [r.engine for r in self.ranks]
+
+    def __enter__(self) -> SimInstance:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        try:
+            self._start_ranks()
+            self._start_http()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_ranks(self) -> None:
+        n = self.config.dp_size
+        for _attempt in range(20):
+            # One rank binds port 0 (no race); several need consecutive ports, as vLLM uses.
+            base, replay = (0, 0) if n == 1 else (free_port_range(n), free_port_range(n))
+            ranks = [
+                SimRank(self.config, r, f"tcp://{HOST}:{base + r}", f"tcp://{HOST}:{replay + r}")
+                for r in range(n)
+            ]
+            started: list[SimRank] = []
+            try:
+                for rank in ranks:
+                    rank.start()
+                    started.append(rank)
+            except Exception:  # a port taken between probing and binding: try other ports
+                for rank in started:
+                    rank.close()
+                with contextlib.suppress(Exception):
+                    ranks[len(started)].publisher.close()
+                continue
+            self.ranks = ranks
+            self.kv_port = int(ranks[0].endpoint.rsplit(":", 1)[1])
+            self.replay_port = int(ranks[0].replay_endpoint.rsplit(":", 1)[1])
+            return
+        raise RuntimeError("could not bind KV-event ports on loopback after 20 attempts")
+
+    def _start_http(self) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((HOST, 0))
+        self._sock = sock
+        port = sock.getsockname()[1]
+        self.url = f"http://{HOST}:{port}"
+        config = uvicorn.Config(
+            build_app(self), log_level="warning", access_log=False, lifespan="off"
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [sock]}, name="sim-http", daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the simulated vLLM HTTP server did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if self._sock is not None:
+            self._sock.close()
+        for rank in self.ranks:
+            rank.close()
+        self._server = self._thread = self._sock = None
+        self.ranks = []
+
+    # --- behaviour behind the HTTP routes -----------------------------------------------------
+
+    def pick_rank(self, requested: int | None) -> SimRank:
+        """The rank named by the caller, else the least loaded (vLLM's DP balancing)."""
+        if requested is not None:
+            return self.ranks[requested]
+        return min(self.ranks, key=lambda r: (r.load(), r.rank))
+
+    def kv_event_sources(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "data_parallel_rank": r.rank,
+                "endpoint": r.endpoint,
+                "replay_endpoint": r.replay_endpoint,
+                "topic": self.config.topic,
+            }
+            for r in self.ranks
+        ]
+
+    def reset_prefix_cache(self) -> bool:
+        ok = True
+        for rank in self.ranks:
+            with rank.lock:
+                ok = rank.engine.reset_prefix_cache() and ok
+        return ok
+
+
+# --- HTTP ---------------------------------------------------------------------------------------
+
+
+def tokenize_text(text: str) -> list[int]:
+    """The simulator's tokenizer: one token per UTF-8 byte."""
+    return list(text.encode("utf-8"))
+
+
+def detokenize(tokens: list[int]) -> str:
+    return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
+
+
+def planned_output(prompt: list[int], max_tokens: int) -> list[int]:
+    """Deterministic "generated" tokens: lowercase letters seeded by the prompt."""
+    seed = hashlib.blake2b(repr(prompt).encode(), digest_size=8).digest()
+    rng = random.Random(seed)
+    return [rng.randrange(ord("a"), ord("z") + 1) for _ in range(max_tokens)]
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kinds = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+    body = {"message": message, "type": kinds.get(status, "Error"), "param": param, "code": status}
+    return JSONResponse({"error": body}, status_code=status)
+
+
+def _prompt_tokens(body: dict[str, Any], vocab_size: int) -> list[int] | str:
+    """The prompt as token ids, or an error message."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        tokens = tokenize_text(prompt)
+    elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        tokens = prompt
+    else:
+        return "'prompt' must be a string or a list of token ids (integers)"
+    if not tokens:
+        return "the prompt cannot be empty"
+    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        return f"token id {bad} is out of vocabulary (size {vocab_size})"
+    return tokens
+
+
+def build_app(inst: SimInstance) -> FastAPI:
+    app = FastAPI(title="simulated vLLM")
+    cfg = inst.config
+
+    def max_model_len() -> int:
+        return inst.ranks[0].engine.max_model_len
+
+    @app.get("/health")
+    def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        card = {
+            "id": cfg.model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "vllm",
+            "root": cfg.model,
+            "parent": None,
+            "max_model_len": max_model_len(),
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/kv_event_sources")
+    def kv_event_sources() -> Any:
+        sources = inst.kv_event_sources()
+        return {"sources": sources} if cfg.sources_envelope else sources
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Any:
+        body = await _json_body(request)
+        if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
+            return _error(400, "'prompt' must be a string", "prompt")
+        tokens = tokenize_text(body["prompt"])
+        return {"count": len(tokens), "max_model_len": max_model_len(), "tokens": tokens,
+                "token_strs": None}
+
+    @app.post("/reset_prefix_cache")
+    def reset_prefix_cache() -> Response:
+        inst.reset_prefix_cache()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    def metrics() -> PlainTextResponse:
+        registry = CollectorRegistry()
+        registry.register(_MetricsCollector(inst))
+        return PlainTextResponse(generate_latest(registry).decode())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object")
+        if body.get("model") not in (None, cfg.model):
+            return _error(404, f"The model `{body['model']}` does not exist.", "model")
+        if body.get("stream"):
+            return _error(400, "streaming is not supported by the simulator", "stream")
+        tokens = _prompt_tokens(body, cfg.vocab_size)
+        if isinstance(tokens, str):
+            return _error(400, tokens, "prompt")
+        max_tokens = body.get("max_tokens", 16)
+        if type(max_tokens) is not int or max_tokens < 1:
+            return _error(400, "'max_tokens' must be a positive integer", "max_tokens")
+        rank_header = request.headers.get("x-data-parallel-rank")
+        rank: int | None = None
+        if rank_header is not None:
+            if not rank_header.isdigit() or int(rank_header) >= len(inst.ranks):
+                return _error(400, f"no data-parallel rank {rank_header!r}")
+            rank = int(rank_header)
+        target = inst.pick_rank(rank)
+        try:
+            fut = target.submit(tokens, planned_output(tokens, max_tokens))
+        except EngineError as exc:
+            return _error(400, str(exc), "prompt")
+        try:
+            outcome = await asyncio.wait_for(asyncio.wrap_future(fut), _REQUEST_TIMEOUT_S)
+        except (TimeoutError, asyncio.CancelledError):
+            return _error(503, "the simulated engine did not finish the request in time")
+        return _completion_body(cfg.model, outcome)
+
+    return app
+
+
+async def _json_body(request: Request) -> Any:
+    try:
+        return await request.json()
+    except ValueError:
+        return None
+
+
+def _completion_body(model: str, outcome: RequestOutcome) -> dict[str, Any]:
+    completion = len(outcome.output_tokens)
+    return {
+        "id": outcome.request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "text": detokenize(list(outcome.output_tokens)),
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "prompt_logprobs": None,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": outcome.prompt_tokens,
+            "total_tokens": outcome.prompt_tokens + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
+        },
+    }
+
+
+class _MetricsCollector:
+    """vLLM's metric names, one ``engine`` label per data-parallel rank."""
+
+    def __init__(self, inst: SimInstance) -> None:
+        self._inst = inst
+
+    def collect(self) -> Any:
+        cfg = self._inst.config
+        labels = ["model_name", "engine"]
+        running = GaugeMetricFamily("vllm:num_requests_running", "Running requests", labels=labels)
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Waiting requests", labels=labels)
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage (0..1)",
+                                  labels=labels)
+        hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prefix-cache hit tokens",
+                                   labels=labels)
+        queries = CounterMetricFamily("vllm:prefix_cache_queries", "Prefix-cache queried tokens",
+                                      labels=labels)
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info", "Cache configuration",
+            labels=["block_size", "num_gpu_blocks", "enable_prefix_caching", "engine"],
+        )
+        for rank in self._inst.ranks:
+            eng = rank.engine
+            key = [cfg.model, str(rank.rank)]
+            with rank.lock:
+                running.add_metric(key, eng.num_running)
+                waiting.add_metric(key, eng.num_waiting)
+                usage.add_metric(key, eng.kv_cache_usage)
+                hits.add_metric(key, eng.prefix_cache_hits)
+                queries.add_metric(key, eng.prefix_cache_queries)
+            info.add_metric([str(cfg.block_size), str(cfg.num_blocks), "True", str(rank.rank)], 1)
+        yield from (running, waiting, usage, hits, queries, info)
+
+
+# --- ports ----------------------------------------------------------------------------------------
+
+
+def free_port_range(n: int, attempts: int = 50) -> int:
+    """A base port such that ``base .. base+n-1`` are free on loopback right now."""
+    rng = random.Random()
+    for _ in range(attempts):
+        base = rng.randrange(20000, 60000 - n)
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind((HOST, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports found on loopback")
