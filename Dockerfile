@@ -1,0 +1,32 @@
+# kvroute: KV-cache-aware routing index for vLLM fleets.
+# Build: docker build -t kvroute .    Run: docker run -p 8080:8080 kvroute
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
+
+WORKDIR /srv/kvroute
+
+# Only what the distribution needs: the tests, benchmarks and chart stay out
+# of the image (see .dockerignore).
+COPY pyproject.toml README.md ./
+COPY index ./index
+COPY app ./app
+RUN pip install --no-cache-dir . \
+    && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin kvroute
+
+# Never run as root; a numeric uid lets Kubernetes verify runAsNonRoot.
+USER 10001
+
+EXPOSE 8080
+
+# The slim image has no curl: probe /healthz with the interpreter that is already there.
+HEALTHCHECK --interval=15s --timeout=3s --start-period=10s --retries=3 \
+    CMD ["python", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8080/healthz', timeout=2).status == 200 else 1)"]
+
+# Inside a container 127.0.0.1 is reachable only from the container itself, so
+# the service must bind every interface for the port mapping or the Kubernetes
+# Service to reach it. Outside containers kvroute defaults to loopback.
+CMD ["kvroute", "serve", "--host", "0.0.0.0", "--port", "8080"]

