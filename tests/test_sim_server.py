@@ -1,0 +1,191 @@
+"""The simulated vLLM instance through real HTTP and real ZeroMQ sockets."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import pytest
+import zmq
+
+from app.sim.cluster import SimCluster
+from app.sim.server import InstanceConfig, SimInstance
+from app.wire import BlockStored, decode_batch, decode_replay_frame
+
+
+def replay_all(endpoint: str, timeout_s: float = 5.0) -> list[tuple[int, object]]:
+    """Every buffered batch of one rank, through a DEALER as a subscriber would ask."""
+    ctx = zmq.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    try:
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        out = []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not dealer.poll(int(1000 * (deadline - time.monotonic())) + 1):
+                break
+            frame = decode_replay_frame(dealer.recv_multipart())
+            if frame.seq is None:
+                return out
+            out.append((frame.seq, decode_batch(frame.payload)))
+        raise AssertionError("replay did not end in time")
+    finally:
+        dealer.close(0)
+
+
+def contents(batches) -> dict[object, tuple[int, ...]]:
+    """hash -> token content of every block the batches stored."""
+    content: dict[object, tuple[int, ...]] = {}
+    for _, batch in batches:
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                prefix = () if ev.parent_block_hash is None else content[ev.parent_block_hash]
+                for k, h in enumerate(ev.block_hashes):
+                    prefix += tuple(ev.token_ids[k * ev.block_size : (k + 1) * ev.block_size])
+                    content[h] = prefix
+    return content
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.fixture
+def instance():
+    with SimInstance(InstanceConfig(block_size=16, num_blocks=128, seed=4)) as inst:
+        yield inst
+
+
+def test_models_tokenize_health_and_metrics_answer_like_vllm(instance):
+    with httpx.Client(base_url=instance.url, timeout=10) as http:
+        models = http.get("/v1/models").json()
+        assert models["object"] == "list"
+        assert models["data"][0]["id"] == "sim-model"
+        assert models["data"][0]["max_model_len"] == 127 * 16
+        assert http.get("/health").status_code == 200
+        tok = http.post("/tokenize", json={"prompt": "hé"}).json()
+        assert tok["tokens"] == list("hé".encode()) and tok["count"] == 3
+        http.post("/v1/completions", json={"prompt": "x" * 40, "max_tokens": 2})
+        http.post("/v1/completions", json={"prompt": "x" * 40, "max_tokens": 2})
+        text = http.get("/metrics").text
+    assert 'vllm:cache_config_info{block_size="16"' in text
+    assert 'vllm:prefix_cache_queries_total{engine="0",model_name="sim-model"} 80.0' in text
+    assert 'vllm:prefix_cache_hits_total{engine="0",model_name="sim-model"} 32.0' in text
+    assert 'vllm:num_requests_running{engine="0",model_name="sim-model"} 0.0' in text
+    assert "vllm:kv_cache_usage_perc" in text and "vllm:num_requests_waiting" in text
+
+
+def test_completions_report_cached_tokens_that_agree_with_the_events(instance):
+    prompt = list(range(1000, 1100))
+    with httpx.Client(base_url=instance.url, timeout=10) as http:
+        first = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3}).json()
+        second = http.post("/v1/completions",
+                           json={"model": "sim-model", "prompt": prompt + [5] * 20}).json()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert first["usage"]["completion_tokens"] == 3 and first["choices"][0]["text"].isalpha()
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+    (source,) = httpx.get(f"{instance.url}/kv_event_sources").json()["sources"]
+    assert source["data_parallel_rank"] == 0 and source["topic"] == "kv-events"
+    batches = replay_all(source["replay_endpoint"])
+    assert [seq for seq, _ in batches] == list(range(len(batches)))
+    assert all(b.data_parallel_rank == 0 and not b.malformed for _, b in batches)
+    cached = set(contents(batches).values())
+    engine = instance.engines[0]
+    assert engine.lookup(prompt) == 96
+    assert tuple(prompt[:96]) in cached and tuple(prompt[:112]) not in cached
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        ({"prompt": [1, 2, 32000]}, 400, "out of vocabulary"),
+        ({"prompt": [1, "2"]}, 400, "token ids"),
+        ({"prompt": []}, 400, "cannot be empty"),
+        ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "hi", "model": "other"}, 404, "does not exist"),
+        ({"prompt": [1] * 5000}, 400, "max_model_len"),
+        ([1, 2], 400, "JSON object"),
+    ],
+)
+def test_bad_completions_get_a_clear_error(instance, body, status, needle):
+    resp = httpx.post(f"{instance.url}/v1/completions", json=body, timeout=10)
+    assert resp.status_code == status
+    assert needle in resp.json()["error"]["message"]
+
+
+def test_live_subscriber_receives_each_step_with_consecutive_seqs(instance):
+    source = instance.kv_event_sources()[0]
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(source["endpoint"])
+    try:
+        time.sleep(0.2)  # let the subscription reach the PUB socket (ZMQ slow joiner)
+        httpx.post(f"{instance.url}/v1/completions",
+                   json={"prompt": list(range(64)), "max_tokens": 1}, timeout=10)
+        assert sub.poll(5000), "no live batch arrived"
+        topic, seq, payload = sub.recv_multipart()
+    finally:
+        sub.close(0)
+    assert topic == b"kv-events" and int.from_bytes(seq, "big") == 0
+    (event,) = decode_batch(payload).events
+    assert event.token_ids == list(range(64)) and event.block_size == 16
+
+
+def test_data_parallel_ranks_publish_on_consecutive_ports_and_serve_the_rank_asked():
+    cfg = InstanceConfig(block_size=16, num_blocks=64, dp_size=2, seed=9, encoding="array",
+                         replay_format="old", sources_envelope=False)
+    with SimInstance(cfg) as inst:
+        sources = httpx.get(f"{inst.url}/kv_event_sources").json()
+        assert [s["data_parallel_rank"] for s in sources] == [0, 1]
+        ports = [int(s["endpoint"].rsplit(":", 1)[1]) for s in sources]
+        assert ports[1] == ports[0] + 1
+        prompt = list(range(500, 548))
+        for _ in range(2):
+            resp = httpx.post(f"{inst.url}/v1/completions", json={"prompt": prompt},
+                              headers={"X-data-parallel-rank": "1"}, timeout=10)
+        assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+        assert inst.engines[0].lookup(prompt) == 0 and inst.engines[1].lookup(prompt) == 48
+        batches = replay_all(sources[1]["replay_endpoint"])
+        assert batches and all(b.data_parallel_rank == 1 for _, b in batches)
+        assert replay_all(sources[0]["replay_endpoint"]) == []
+        bad = httpx.post(f"{inst.url}/v1/completions", json={"prompt": prompt},
+                         headers={"X-data-parallel-rank": "2"}, timeout=10)
+        assert bad.status_code == 400
+
+
+def test_reset_clears_the_cache_and_announces_it_with_the_next_step(instance):
+    with httpx.Client(base_url=instance.url, timeout=10) as http:
+        http.post("/v1/completions", json={"prompt": list(range(40)), "max_tokens": 1})
+        assert http.post("/reset_prefix_cache").status_code == 200
+        assert instance.engines[0].lookup(list(range(40))) == 0
+        http.post("/v1/completions", json={"prompt": [7] * 20, "max_tokens": 1})
+    batches = replay_all(instance.kv_event_sources()[0]["replay_endpoint"])
+    kinds = [type(ev).__name__ for _, b in batches for ev in b.events]
+    assert kinds == ["BlockStored", "AllBlocksCleared", "BlockStored"]
+
+
+def test_cluster_starts_distinct_instances_and_frees_every_port_on_stop():
+    with SimCluster(n=3, block_size=16, num_blocks=64, seed=1) as cluster:
+        assert len(set(cluster.urls)) == 3
+        prompt = list(range(300, 364))
+        bodies = cluster.drive([(i, prompt) for i in range(3)] * 2, max_tokens=1, concurrency=3)
+        assert sorted(b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies) \
+            == [0, 0, 0, 48, 48, 48]
+        hashes = [e.block_hashes(prompt) for e in cluster.engines]
+        assert len({tuple(h) for h in hashes}) == 3  # same tokens, different hash values
+        ports = [int(u.rsplit(":", 1)[1]) for u in cluster.urls]
+        for _, rank in cluster.ranks:
+            ports += [int(rank.endpoint.rsplit(":", 1)[1]),
+                      int(rank.replay_endpoint.rsplit(":", 1)[1])]
+    assert cluster.instances == []
+    assert all(port_is_free(p) for p in ports)
