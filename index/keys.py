@@ -1,0 +1,97 @@
+"""Content keys: the identity of a cached block, independent of any engine's hash function.
+
+A block's key is ``xxh3_128(parent_key || token bytes || extra suffix)``, where the first
+block's parent is a *root key* derived from the block size and the LoRA name. So a key
+stands for the whole token content from the start of the sequence to the end of the block,
+in one (block size, LoRA) domain, and two instances that cached the same tokens produce
+the same keys whatever their vLLM hash seeds are.
+
+Invariants:
+- Keys are 16-byte ``bytes`` objects (their Python hash is cached in the object, which
+  makes them cheap dict keys).
+- Token ids are encoded as unsigned 32-bit little-endian ints; anything outside
+  ``[0, 2**32)`` or not an int is rejected with ``ValueError``, never truncated.
+- Why 128 bits: a key stands in for its whole prefix, so two different prefixes with one
+  key would make the index answer "held" for a block nobody holds. With n live keys the
+  chance that any two collide is about n**2 / 2**129: for 10**9 keys that is ~10**-21,
+  against ~3 * 10**-2 for a 64-bit key. xxh3 is not a cryptographic hash; the index trusts
+  its inputs (the vLLM fleet it subscribes to), so resistance to chosen collisions is not
+  a goal, while speed is (a chain of 16-token blocks hashes at ~6 M blocks/s).
+- The block size is part of the root, so keys of different block sizes never meet; the
+  token bytes of a block then have a fixed length, which makes the extra suffix
+  unambiguous (it is empty, or starts right after the tokens).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+from xxhash import xxh3_128_digest
+
+KEY_BYTES = 16
+TOKEN_TYPECODE = "I"
+assert array(TOKEN_TYPECODE).itemsize == 4, "token ids are stored as 32-bit unsigned ints"
+
+_ROOT_TAG = b"kvroute/root/v1\x00"
+_NO_LORA = b"\x00"
+_LORA = b"\x01"
+_EXTRA_TAG = b"\xff"
+
+_extra_encoder = msgspec.msgpack.Encoder()
+
+
+def root_key(block_size: int, lora_name: str | None) -> bytes:
+    """The parent key of every first block in the (block size, LoRA) domain."""
+    lora = _NO_LORA if lora_name is None else _LORA + lora_name.encode("utf-8", "surrogatepass")
+    return xxh3_128_digest(_ROOT_TAG + block_size.to_bytes(4, "little") + lora)
+
+
+def token_buffer(token_ids: Sequence[int]) -> memoryview:
+    """Token ids as a flat buffer of uint32 items, sliceable per block without copying."""
+    try:
+        return memoryview(array(TOKEN_TYPECODE, token_ids))
+    except OverflowError:
+        raise ValueError("token ids must be in [0, 2**32)") from None
+    except TypeError:
+        raise ValueError("token ids must be a sequence of ints") from None
+
+
+def extra_suffix(extra: Any, lora_name: str | None) -> bytes:
+    """The bytes one block's vLLM ``extra_keys`` add to its key ("" when there are none).
+
+    vLLM puts the LoRA name first in every block's extra keys of a LoRA request; the LoRA
+    is already part of the key's domain (the root), so that leading name is dropped, which
+    lets a plain token query with ``lora_name`` reproduce the key. Whatever remains
+    (multimodal hashes, cache salt, prompt-embedding hashes) a token query cannot know, so
+    blocks carrying it match only through ``match_hashes`` - never a false hit.
+    """
+    if extra is None:
+        return b""
+    if isinstance(extra, str | bytes):
+        extra = (extra,)
+    try:
+        items = list(extra)
+    except TypeError:
+        items = [extra]
+    if lora_name is not None and items and items[0] == lora_name:
+        items = items[1:]
+    if not items:
+        return b""
+    try:
+        encoded = _extra_encoder.encode(items)
+    except (TypeError, ValueError, msgspec.EncodeError):
+        encoded = repr(items).encode("utf-8", "surrogatepass")
+    return _EXTRA_TAG + encoded
+
+
+def chain_keys(parent: bytes, tokens: memoryview, block_size: int, blocks: int) -> list[bytes]:
+    """Keys of ``blocks`` consecutive blocks hanging off ``parent`` (no extra keys)."""
+    keys = []
+    append = keys.append
+    for start in range(0, blocks * block_size, block_size):
+        parent = xxh3_128_digest(parent + tokens[start : start + block_size])
+        append(parent)
+    return keys

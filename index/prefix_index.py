@@ -1,0 +1,716 @@
+"""The prefix index: which worker holds which content blocks, and how far a prompt matches.
+
+Layout (chosen for CPython: few objects, work batched per event):
+
+- ``_nodes: dict[key, int]`` maps every content key (see ``index.keys``) held by at least
+  one worker to one packed int:
+  bit 0 ``TIERED`` - some holder's fastest tier is not GPU (details in ``_tiered``);
+  bit 1 ``FIRST`` - the block is the first of its sequence (its parent is a root key);
+  bits 2..27 - a 26-bit fingerprint of the parent's key, to check hash paths;
+  bit ``SLOT_SHIFT + s`` - the worker in slot ``s`` holds the block in some medium.
+  A flat dict keyed by chained content keys needs no explicit tree: a key already stands
+  for its whole prefix, and a match walks the keys of the query from the first block.
+- ``_tiered: dict[key, [cpu_mask, storage_mask]]`` only for blocks some worker holds
+  with CPU or STORAGE as its fastest tier (same bit positions as the holder mask).
+- Per worker (``_Worker``): ``handles: dict[engine_hash, key]`` for every engine hash it
+  holds in any medium; ``counts: dict[engine_hash, packed]`` and
+  ``node_counts: dict[key, packed]`` hold per-tier reference counts (``index.mediums``)
+  only where they differ from "stored once on GPU", so both are empty in a GPU-only
+  fleet. ``node_counts`` sums the counts of all the worker's handles of one key (two
+  engine hashes for one content happen when the engine hashes something the events do
+  not carry).
+
+Invariants (checked by the property tests):
+- a node exists iff its holder mask is not empty; a worker's bit is set on a node iff one
+  of its handles maps to that key; ``TIERED`` is set iff the node has a ``_tiered`` entry,
+  and such an entry is never all zero;
+- a worker's aggregated count for a key is ``node_counts.get(key, GPU_ONCE)`` while its bit
+  is set, and is what decides its fastest tier;
+- after ``drop_worker`` of every worker all containers are empty; ``clear_worker`` leaves
+  only the worker's slot, block size and group kinds.
+- Nothing is mutated before an event has been validated: a ``ValueError`` (bad medium,
+  token/hash count mismatch, token id out of range) leaves the index as it was.
+"""
+
+from __future__ import annotations
+
+import heapq
+import sys
+from collections import Counter
+from collections.abc import Hashable, Iterable, Sequence
+from itertools import islice
+from typing import Any
+
+from xxhash import xxh3_128_digest
+
+from index.keys import extra_suffix, root_key, token_buffer
+from index.mediums import (
+    CPU,
+    FIELD_MASK,
+    GPU,
+    GPU_ONCE,
+    STORAGE,
+    TIER_NAMES,
+    UNITS,
+    count_in,
+    fastest,
+    tier_of,
+)
+from index.results import IndexStats, Match
+
+Worker = Hashable
+BlockHash = int | bytes
+
+TIERED = 1
+FIRST = 2
+FP_SHIFT = 2
+FP_BITS = 26
+FP_MASK = (1 << FP_BITS) - 1
+SLOT_SHIFT = FP_SHIFT + FP_BITS
+HOLDERS_MIN = 1 << SLOT_SHIFT  # a node value below this has no holder left
+UINT64_MASK = (1 << 64) - 1
+INDEXED_KINDS = frozenset({None, "full_attention", "mla_attention"})
+
+
+def _fingerprint_bits(parent: bytes) -> int:
+    """The parent fingerprint as stored in a node value (Python caches a bytes hash)."""
+    return (hash(parent) & FP_MASK) << FP_SHIFT
+
+
+def _normalized_hashes(block_hashes: Sequence[BlockHash]) -> Sequence[BlockHash]:
+    """Engine hashes as handles: signed 64-bit ints become their unsigned twins."""
+    first = block_hashes[0]
+    if isinstance(first, int):
+        try:
+            if min(block_hashes) >= 0:  # type: ignore[type-var]
+                return block_hashes
+        except TypeError:
+            raise ValueError("block hashes must be all ints or all bytes") from None
+        return [h & UINT64_MASK if h < 0 else h for h in block_hashes]  # type: ignore[operator]
+    if all(type(h) is bytes for h in block_hashes):
+        return block_hashes
+    raise ValueError("block hashes must be ints or bytes")
+
+
+def _normalized_hash(block_hash: BlockHash) -> BlockHash:
+    if isinstance(block_hash, int):
+        return block_hash & UINT64_MASK if block_hash < 0 else block_hash
+    if type(block_hash) is bytes:
+        return block_hash
+    raise ValueError(f"a block hash must be an int or bytes, not {type(block_hash).__name__}")
+
+
+class _Worker:
+    """Everything the index keeps about one worker; owned by ``PrefixIndex`` only."""
+
+    __slots__ = (
+        "worker",
+        "slot",
+        "bit",
+        "block_size",
+        "handles",
+        "counts",
+        "node_counts",
+        "held",
+        "groups",
+    )
+
+    def __init__(self, worker: Worker, slot: int) -> None:
+        self.worker = worker
+        self.slot = slot
+        self.bit = 1 << (SLOT_SHIFT + slot)
+        self.block_size = 0
+        self.handles: dict[BlockHash, bytes] = {}
+        self.counts: dict[BlockHash, int] = {}
+        self.node_counts: dict[bytes, int] = {}
+        self.held = [0, 0, 0]  # handles with a non-zero count, per tier
+        self.groups: dict[int, bool] = {}  # group_idx -> indexed (full attention)?
+
+
+class PrefixIndex:
+    """Content-keyed prefix index over many workers. Not thread-safe: one writer at a time.
+
+    Workers are opaque hashables (kvroute uses ``(instance_id, dp_rank)``). A worker is
+    known from its first event (or ``clear_worker``) until ``drop_worker``.
+    """
+
+    def __init__(self) -> None:
+        self._nodes: dict[bytes, int] = {}
+        self._tiered: dict[bytes, list[int]] = {}
+        self._workers: dict[Worker, _Worker] = {}
+        self._by_slot: list[_Worker | None] = []
+        self._free_slots: list[int] = []
+        self._orphaned_blocks = 0
+        self._unknown_removals = 0
+        self._ignored_blocks = 0
+        self._ignored_removals = 0
+        self._hash_conflicts = 0
+
+    # ------------------------------------------------------------------ ingestion
+
+    def apply_stored(
+        self,
+        worker: Worker,
+        block_hashes: Sequence[BlockHash],
+        parent_block_hash: BlockHash | None,
+        token_ids: Sequence[int],
+        block_size: int,
+        *,
+        lora_name: str | None = None,
+        extra_keys: Sequence[Any] | None = None,
+        medium: str | None = None,
+        group_idx: int = 0,
+        kv_cache_spec_kind: str | None = None,
+    ) -> None:
+        """Apply one BlockStored event: a chain of blocks hanging off ``parent_block_hash``.
+
+        Block k holds ``token_ids[k*block_size:(k+1)*block_size]``. A chain whose parent
+        hash this worker does not hold is counted as orphaned and not placed. A store with
+        no tokens (CPU offload: ``block_size`` 0) adds the medium to hashes the worker
+        already holds; hashes it does not hold are counted as orphaned.
+        Raises ``ValueError`` (before changing anything) for a malformed event.
+        """
+        if kv_cache_spec_kind not in INDEXED_KINDS:
+            self._worker(worker).groups[group_idx] = False
+            self._ignored_blocks += len(block_hashes)
+            return
+        tier = tier_of(medium)
+        blocks = len(block_hashes)
+        if blocks:
+            block_hashes = _normalized_hashes(block_hashes)
+        if not token_ids:
+            w = self._worker(worker)
+            w.groups[group_idx] = True
+            self._hold_announced(w, block_hashes, tier)
+            return
+        if type(block_size) is not int or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if len(token_ids) != blocks * block_size:
+            raise ValueError(
+                f"{len(token_ids)} token ids do not fill {blocks} blocks of {block_size}"
+            )
+        if extra_keys is not None and len(extra_keys) != blocks:
+            raise ValueError(f"{len(extra_keys)} extra_keys entries for {blocks} blocks")
+        tokens = token_buffer(token_ids)
+        suffixes = None
+        if extra_keys is not None and extra_keys.count(None) != blocks:
+            suffixes = [extra_suffix(extra, lora_name) for extra in extra_keys]
+            if not any(suffixes):
+                suffixes = None
+        parent_hash = None if parent_block_hash is None else _normalized_hash(parent_block_hash)
+        w = self._worker(worker)
+        w.groups[group_idx] = True
+        if parent_hash is None:
+            parent_key = root_key(block_size, lora_name)
+            flag = FIRST
+        else:
+            found = w.handles.get(parent_hash)
+            if found is None:
+                self._orphaned_blocks += blocks
+                return
+            parent_key = found
+            flag = 0
+        w.block_size = block_size
+        if suffixes is not None:
+            self._store_chain_with_extras(w, block_hashes, parent_key, flag, tokens,
+                                          block_size, suffixes, tier)
+            return
+
+        # Hot path: one pass over the chain, hashing and placing each block; anything but
+        # "a new handle on GPU for a block this worker does not hold yet" goes to _hold.
+        digest = xxh3_128_digest
+        handles = w.handles
+        get_handle = handles.get
+        nodes = self._nodes
+        get_node = nodes.get
+        bit = w.bit
+        placed = 0
+        start = 0
+        on_gpu = tier == GPU
+        for block_hash in block_hashes:
+            end = start + block_size
+            key = digest(parent_key + tokens[start:end])
+            start = end
+            if on_gpu and get_handle(block_hash) is None:
+                value = get_node(key)
+                if value is None:
+                    nodes[key] = bit | flag | ((hash(parent_key) & FP_MASK) << FP_SHIFT)
+                elif not value & bit:
+                    nodes[key] = value | bit
+                else:
+                    self._hold(w, block_hash, key, GPU, 0)
+                    parent_key = key
+                    flag = 0
+                    continue
+                handles[block_hash] = key
+                placed += 1
+            else:
+                self._hold(w, block_hash, key, tier, flag | _fingerprint_bits(parent_key))
+            parent_key = key
+            flag = 0
+        w.held[GPU] += placed
+
+    def _store_chain_with_extras(
+        self,
+        w: _Worker,
+        block_hashes: Sequence[BlockHash],
+        parent_key: bytes,
+        flag: int,
+        tokens: memoryview,
+        block_size: int,
+        suffixes: list[bytes],
+        tier: int,
+    ) -> None:
+        start = 0
+        for block_hash, suffix in zip(block_hashes, suffixes, strict=True):
+            end = start + block_size
+            key = xxh3_128_digest(parent_key + tokens[start:end] + suffix)
+            start = end
+            self._hold(w, block_hash, key, tier, flag | _fingerprint_bits(parent_key))
+            parent_key = key
+            flag = 0
+
+    def _hold_announced(self, w: _Worker, block_hashes: Iterable[BlockHash], tier: int) -> None:
+        """A token-less store (CPU offload): resolve each hash through the worker's handles."""
+        handles = w.handles
+        for block_hash in block_hashes:
+            key = handles.get(block_hash)
+            if key is None:
+                self._orphaned_blocks += 1
+            else:
+                self._hold(w, block_hash, key, tier, 0)
+
+    def _hold(self, w: _Worker, block_hash: BlockHash, key: bytes, tier: int,
+              node_bits: int) -> None:
+        """Add one reference (worker, engine hash, tier); ``node_bits`` seed a new node."""
+        unit = UNITS[tier]
+        handles = w.handles
+        bound = handles.get(block_hash)
+        if bound is not None and bound != key:
+            # The engine re-announced a hash for other content: the newer one wins.
+            self._hash_conflicts += 1
+            self._drop_handle(w, block_hash)
+            bound = None
+        if bound is None:
+            handles[block_hash] = key
+            if tier != GPU:
+                w.counts[block_hash] = unit
+            w.held[tier] += 1
+        else:
+            packed = w.counts.get(block_hash, GPU_ONCE)
+            current = count_in(packed, tier)
+            if current == FIELD_MASK:
+                raise ValueError("reference count overflow")
+            if not current:
+                w.held[tier] += 1
+            w.counts[block_hash] = packed + unit
+
+        nodes = self._nodes
+        value = nodes.get(key)
+        bit = w.bit
+        if value is None:
+            value = node_bits
+            before = 0
+        elif value & bit:
+            before = w.node_counts.get(key, GPU_ONCE)
+        else:
+            before = 0
+        after = before + unit
+        if after == GPU_ONCE:
+            w.node_counts.pop(key, None)
+        else:
+            w.node_counts[key] = after
+        nodes[key] = value | bit
+        old_tier = fastest(before)
+        new_tier = fastest(after)
+        if old_tier != new_tier:
+            self._retier(key, bit, old_tier, new_tier)
+
+    def apply_removed(
+        self,
+        worker: Worker,
+        block_hashes: Sequence[BlockHash],
+        *,
+        medium: str | None = None,
+        group_idx: int = 0,
+    ) -> None:
+        """Apply one BlockRemoved event: drop one reference per hash in ``medium``.
+
+        Removals of hashes (in that medium) the worker does not hold are counted, not
+        fatal; removals in a group whose stores announced a non-full-attention kind are
+        ignored (and counted).
+        """
+        tier = tier_of(medium)
+        if block_hashes:
+            block_hashes = _normalized_hashes(block_hashes)
+        w = self._worker(worker)
+        if w.groups.get(group_idx) is False:
+            self._ignored_removals += len(block_hashes)
+            return
+        if tier != GPU or w.counts or w.node_counts:
+            for block_hash in block_hashes:
+                self._release(w, block_hash, tier)
+            return
+        # Hot path: every holding of this worker is "once on GPU", so no tier bookkeeping.
+        pop_handle = w.handles.pop
+        nodes = self._nodes
+        keep = ~w.bit
+        removed = 0
+        for block_hash in block_hashes:
+            key = pop_handle(block_hash, None)
+            if key is None:
+                self._unknown_removals += 1
+                continue
+            value = nodes[key] & keep
+            if value >= HOLDERS_MIN:
+                nodes[key] = value
+            else:
+                del nodes[key]
+            removed += 1
+        w.held[GPU] -= removed
+
+    def _release(self, w: _Worker, block_hash: BlockHash, tier: int) -> None:
+        """Remove one reference (worker, engine hash, tier), counting unknown ones."""
+        key = w.handles.get(block_hash)
+        if key is None:
+            self._unknown_removals += 1
+            return
+        packed = w.counts.get(block_hash, GPU_ONCE)
+        current = count_in(packed, tier)
+        if not current:
+            self._unknown_removals += 1
+            return
+        unit = UNITS[tier]
+        packed -= unit
+        if current == 1:
+            w.held[tier] -= 1
+        if not packed:
+            del w.handles[block_hash]
+            w.counts.pop(block_hash, None)
+        elif packed == GPU_ONCE:
+            w.counts.pop(block_hash, None)
+        else:
+            w.counts[block_hash] = packed
+        self._unhold_node(w, key, unit)
+
+    def _unhold_node(self, w: _Worker, key: bytes, unit: int) -> None:
+        """Take ``unit`` off the worker's aggregated count for ``key``."""
+        before = w.node_counts.get(key, GPU_ONCE)
+        after = before - unit
+        if after == GPU_ONCE:
+            w.node_counts.pop(key, None)
+        elif after:
+            w.node_counts[key] = after
+        else:
+            w.node_counts.pop(key, None)
+        old_tier = fastest(before)
+        new_tier = fastest(after)
+        if old_tier != new_tier:
+            self._retier(key, w.bit, old_tier, new_tier)
+        if not after:
+            value = self._nodes[key] & ~w.bit
+            if value >= HOLDERS_MIN:
+                self._nodes[key] = value
+            else:
+                del self._nodes[key]
+
+    def _drop_handle(self, w: _Worker, block_hash: BlockHash) -> None:
+        """Forget a handle with all its references (used when its content changed)."""
+        key = w.handles.pop(block_hash)
+        packed = w.counts.pop(block_hash, GPU_ONCE)
+        for tier in (GPU, CPU, STORAGE):
+            if count_in(packed, tier):
+                w.held[tier] -= 1
+        self._unhold_node(w, key, packed)
+
+    def _retier(self, key: bytes, bit: int, old_tier: int | None,
+                new_tier: int | None) -> None:
+        """Move a worker's bit between the CPU/STORAGE masks of a node."""
+        entry = self._tiered.get(key)
+        if old_tier is not None and old_tier != GPU and entry is not None:
+            entry[old_tier - 1] &= ~bit
+        if new_tier is not None and new_tier != GPU:
+            if entry is None:
+                entry = self._tiered[key] = [0, 0]
+            entry[new_tier - 1] |= bit
+        if entry is None:
+            return
+        if entry[0] or entry[1]:
+            self._nodes[key] |= TIERED
+        else:
+            del self._tiered[key]
+            value = self._nodes.get(key)
+            if value is not None:
+                self._nodes[key] = value & ~TIERED
+
+    def clear_worker(self, worker: Worker) -> None:
+        """AllBlocksCleared: the worker holds nothing (its slot and block size stay)."""
+        w = self._worker(worker)
+        nodes = self._nodes
+        tiered = self._tiered
+        bit = w.bit
+        keep = ~bit
+        for key in w.handles.values():
+            value = nodes.get(key)
+            if value is None or not value & bit:
+                continue  # a second handle of the same content, already cleared
+            if value & TIERED:
+                entry = tiered[key]
+                entry[0] &= keep
+                entry[1] &= keep
+                if not (entry[0] or entry[1]):
+                    del tiered[key]
+                    value &= ~TIERED
+            value &= keep
+            if value >= HOLDERS_MIN:
+                nodes[key] = value
+            else:
+                del nodes[key]
+        w.handles = {}
+        w.counts = {}
+        w.node_counts = {}
+        w.held = [0, 0, 0]
+
+    def drop_worker(self, worker: Worker) -> None:
+        """Forget a worker entirely; nothing of it stays in memory. Unknown: no-op."""
+        w = self._workers.get(worker)
+        if w is None:
+            return
+        self.clear_worker(worker)
+        del self._workers[worker]
+        self._by_slot[w.slot] = None
+        heapq.heappush(self._free_slots, w.slot)
+        if self._by_slot[-1] is None:
+            while self._by_slot and self._by_slot[-1] is None:
+                self._by_slot.pop()
+            self._free_slots = [s for s in self._free_slots if s < len(self._by_slot)]
+            heapq.heapify(self._free_slots)
+
+    def _worker(self, worker: Worker) -> _Worker:
+        w = self._workers.get(worker)
+        if w is None:
+            if self._free_slots:
+                slot = heapq.heappop(self._free_slots)
+            else:
+                slot = len(self._by_slot)
+                self._by_slot.append(None)
+            w = self._by_slot[slot] = self._workers[worker] = _Worker(worker, slot)
+        return w
+
+    # ------------------------------------------------------------------ queries
+
+    def block_size(self, worker: Worker) -> int | None:
+        """The block size the worker last stored with, None before its first store."""
+        w = self._workers.get(worker)
+        if w is None or not w.block_size:
+            return None
+        return w.block_size
+
+    def match(
+        self,
+        token_ids: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        workers: Iterable[Worker] | None = None,
+    ) -> dict[Worker, Match]:
+        """Every (selected, known) worker's consecutive cached blocks from the first block.
+
+        Each worker is matched at its own block size; the trailing partial block never
+        matches. Blocks stored with extra keys (multimodal, cache salt) cannot be matched
+        by tokens alone. Raises ``ValueError`` for token ids outside ``[0, 2**32)``.
+        """
+        targets = self._select(workers)
+        tokens = token_buffer(token_ids)
+        by_size: dict[int, int] = {}
+        for w in targets:
+            by_size[w.block_size] = by_size.get(w.block_size, 0) | w.bit
+        result: dict[Worker, Match] = {}
+        for block_size, alive in by_size.items():
+            if not block_size:
+                self._assemble(result, [(alive, 0)], [], 0)
+                continue
+            ended, tiered_hits = self._walk_tokens(
+                root_key(block_size, lora_name), tokens, block_size, alive
+            )
+            self._assemble(result, ended, tiered_hits, block_size)
+        return result
+
+    def _walk_tokens(self, parent_key: bytes, tokens: memoryview, block_size: int,
+                     alive: int) -> tuple[list[tuple[int, int]], list[tuple[bytes, int]]]:
+        """Hash the query block by block, dropping workers at their first miss.
+
+        Returns ``ended``: (mask of workers, number of blocks they matched) and the
+        (key, holders) of matched blocks that have non-GPU holders.
+        """
+        digest = xxh3_128_digest
+        get_node = self._nodes.get
+        ended: list[tuple[int, int]] = []
+        tiered_hits: list[tuple[bytes, int]] = []
+        stop = len(tokens) - len(tokens) % block_size
+        for start in range(0, stop, block_size):
+            key = digest(parent_key + tokens[start : start + block_size])
+            value = get_node(key, 0)
+            held = value & alive
+            if held != alive:
+                ended.append((alive ^ held, start // block_size))
+                alive = held
+                if not alive:
+                    return ended, tiered_hits
+            if value & TIERED:
+                tiered_hits.append((key, alive))
+            parent_key = key
+        ended.append((alive, stop // block_size))
+        return ended, tiered_hits
+
+    def match_hashes(
+        self,
+        block_hashes: Sequence[BlockHash],
+        *,
+        workers: Iterable[Worker] | None = None,
+    ) -> dict[Worker, Match]:
+        """Like ``match`` for a prompt given as vLLM block hashes (first block first).
+
+        Each hash is resolved to content through any worker's handles; the resolved block
+        must be a first block for the first hash and a child of the previous block after
+        that (checked by the parent fingerprint, so a hash that means something else in
+        another worker's hash space is not taken). The path stops at the first hash that
+        does not resolve; then every selected worker is answered as for tokens.
+        """
+        targets = self._select(workers)
+        path = self._resolve_path(_normalized_hashes(block_hashes)) if block_hashes else []
+        alive = 0
+        for w in targets:
+            alive |= w.bit
+        if not alive:
+            return {}
+        get_node = self._nodes.get
+        ended: list[tuple[int, int]] = []
+        tiered_hits: list[tuple[bytes, int]] = []
+        for position, key in enumerate(path):
+            value = get_node(key, 0)
+            held = value & alive
+            if held != alive:
+                ended.append((alive ^ held, position))
+                alive = held
+                if not alive:
+                    break
+            if value & TIERED:
+                tiered_hits.append((key, alive))
+        else:
+            ended.append((alive, len(path)))
+        result: dict[Worker, Match] = {}
+        self._assemble(result, ended, tiered_hits, None)
+        return result
+
+    def _resolve_path(self, block_hashes: Sequence[BlockHash]) -> list[bytes]:
+        path: list[bytes] = []
+        nodes = self._nodes
+        everyone = list(self._workers.values())
+        recent: _Worker | None = None
+        expected = None  # the fingerprint bits the next block's node must carry
+        for block_hash in block_hashes:
+            found = None
+            candidates = everyone if recent is None else [recent, *everyone]
+            for w in candidates:
+                key = w.handles.get(block_hash)
+                if key is None:
+                    continue
+                value = nodes[key]
+                if expected is None:
+                    linked = bool(value & FIRST)
+                else:
+                    linked = not value & FIRST and value & (FP_MASK << FP_SHIFT) == expected
+                if linked:
+                    found = key
+                    recent = w
+                    break
+            if found is None:
+                break
+            path.append(found)
+            expected = _fingerprint_bits(found)
+        return path
+
+    def _assemble(self, result: dict[Worker, Match], ended: list[tuple[int, int]],
+                  tiered_hits: list[tuple[bytes, int]], block_size: int | None) -> None:
+        """Turn walk results into one ``Match`` per worker (``None``: each its own size)."""
+        by_slot = self._by_slot
+        tally: Counter[tuple[int, int]] = Counter()
+        tiered = self._tiered
+        for key, holders in tiered_hits:
+            cpu_mask, storage_mask = tiered[key]
+            tally[(cpu_mask & holders, storage_mask & holders)] += 1
+        slow: dict[int, list[int]] = {}
+        for (cpu_mask, storage_mask), count in tally.items():
+            for tier_index, mask in ((0, cpu_mask), (1, storage_mask)):
+                while mask:
+                    low = mask & -mask
+                    mask ^= low
+                    slow.setdefault(low, [0, 0])[tier_index] += count
+        for mask, blocks in ended:
+            while mask:
+                low = mask & -mask
+                mask ^= low
+                w = by_slot[low.bit_length() - 1 - SLOT_SHIFT]
+                assert w is not None
+                size = w.block_size if block_size is None else block_size
+                cpu, storage = slow.get(low, (0, 0))
+                result[w.worker] = Match(
+                    blocks=blocks,
+                    tokens=blocks * size,
+                    block_size=size,
+                    by_medium={"GPU": blocks - cpu - storage, "CPU": cpu, "STORAGE": storage},
+                )
+
+    def _select(self, workers: Iterable[Worker] | None) -> list[_Worker]:
+        if workers is None:
+            return list(self._workers.values())
+        known = self._workers
+        return [known[w] for w in dict.fromkeys(workers) if w in known]
+
+    # ------------------------------------------------------------------ statistics
+
+    def stats(self) -> IndexStats:
+        """Counts, holdings and an estimate of the index's memory.
+
+        ``estimated_bytes`` adds the exact table sizes of every dict (``sys.getsizeof``)
+        to the objects they reference, each sized from a sample of up to 64 entries: per
+        node one 16-byte key and its packed value; per handle one engine hash and one key
+        object (a handle made by the worker that created the node shares the node's key,
+        so this errs high by up to one key per node). Costs O(workers), not O(nodes).
+        """
+        size = sys.getsizeof(self._nodes) + sys.getsizeof(self._tiered)
+        size += len(self._nodes) * _mean_size(self._nodes.values())
+        size += len(self._tiered) * (sys.getsizeof([0, 0]) + 2 * _mean_size(
+            v for entry in islice(self._tiered.values(), 32) for v in entry))
+        key_size = sys.getsizeof(b"\0" * 16)
+        holdings: dict[Hashable, dict[str, int]] = {}
+        for w in self._workers.values():
+            holdings[w.worker] = dict(zip(TIER_NAMES, w.held, strict=True))
+            size += sys.getsizeof(w) + sys.getsizeof(w.held) + sys.getsizeof(w.groups)
+            for table in (w.handles, w.counts, w.node_counts):
+                size += sys.getsizeof(table)
+            size += len(w.handles) * (_mean_size(w.handles.keys()) + key_size)
+            size += len(w.counts) * _mean_size(w.counts.values())
+            size += len(w.node_counts) * _mean_size(w.node_counts.values())
+        size += sys.getsizeof(self._workers) + sys.getsizeof(self._by_slot)
+        return IndexStats(
+            nodes=len(self._nodes),
+            workers=len(self._workers),
+            holdings=holdings,
+            orphaned_blocks=self._orphaned_blocks,
+            unknown_removals=self._unknown_removals,
+            ignored_blocks=self._ignored_blocks,
+            ignored_removals=self._ignored_removals,
+            hash_conflicts=self._hash_conflicts,
+            estimated_bytes=size,
+        )
+
+
+def _mean_size(values: Iterable[object]) -> int:
+    sample = list(islice(values, 64))
+    if not sample:
+        return 0
+    return sum(sys.getsizeof(v) for v in sample) // len(sample)
+
+
+__all__ = ["PrefixIndex"]
