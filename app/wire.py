@@ -333,36 +333,43 @@ def lora_key(event: BlockStored) -> str | None:
     return None
 
 
+def apply_event(index: IndexWriter, worker: Any, event: Event) -> int:
+    """Apply one decoded event; returns the blocks it stored or removed. The index raises
+    ``ValueError`` for an event it cannot take, and then must have changed nothing."""
+    if isinstance(event, BlockStored):
+        index.apply_stored(
+            worker,
+            event.block_hashes,
+            event.parent_block_hash,
+            event.token_ids,
+            event.block_size,
+            lora_name=lora_key(event),
+            extra_keys=event.extra_keys,
+            medium=normalise_medium(event.medium),
+            group_idx=event.group_idx or 0,
+            kv_cache_spec_kind=event.kv_cache_spec_kind,
+        )
+        return len(event.block_hashes)
+    if isinstance(event, BlockRemoved):
+        index.apply_removed(
+            worker,
+            event.block_hashes,
+            medium=normalise_medium(event.medium),
+            group_idx=event.group_idx or 0,
+        )
+        return len(event.block_hashes)
+    index.clear_worker(worker)
+    return 0
+
+
 def apply_batch(index: IndexWriter, worker: Any, batch: EventBatch) -> int:
     """Apply a decoded batch to ``index`` for ``worker``; returns the number of blocks stored
-    or removed. Synchronous on purpose: no other writer can interleave within an event."""
+    or removed. An event the index rejects is counted in ``batch.malformed``; the others
+    still apply. Synchronous on purpose: nothing else can interleave within the batch."""
     blocks = 0
     for event in batch.events:
         try:
-            if isinstance(event, BlockStored):
-                index.apply_stored(
-                    worker,
-                    event.block_hashes,
-                    event.parent_block_hash,
-                    event.token_ids,
-                    event.block_size,
-                    lora_name=lora_key(event),
-                    extra_keys=event.extra_keys,
-                    medium=normalise_medium(event.medium),
-                    group_idx=event.group_idx or 0,
-                    kv_cache_spec_kind=event.kv_cache_spec_kind,
-                )
-                blocks += len(event.block_hashes)
-            elif isinstance(event, BlockRemoved):
-                index.apply_removed(
-                    worker,
-                    event.block_hashes,
-                    medium=normalise_medium(event.medium),
-                    group_idx=event.group_idx or 0,
-                )
-                blocks += len(event.block_hashes)
-            else:
-                index.clear_worker(worker)
+            blocks += apply_event(index, worker, event)
         except ValueError:
             batch.malformed += 1
     return blocks

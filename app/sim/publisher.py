@@ -16,9 +16,9 @@ only enqueue. ``publish`` assigns the seq in the caller's thread, so its return 
 seq the batch goes out with.
 
 Test hooks: ``drop_live`` (a batch is buffered but never sent live, like a high-water-mark
-drop), ``publish_raw`` (any payload bytes, e.g. garbage), ``restart`` (seq back to 0 and an
-empty buffer on the same sockets, like an engine restart the subscriber did not see as a
-disconnect), and ``close``.
+drop), ``drop_from_next_replay`` (the replay ROUTER's HWM drop), ``publish_raw`` (any
+payload bytes, e.g. garbage), ``restart`` (seq back to 0 and an empty buffer on the same
+sockets, like an engine restart the subscriber did not see as a disconnect), and ``close``.
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ class EventPublisher:
         self._seq_lock = threading.Lock()
         self._next_seq = 0
         self._drop: set[int] = set()
+        self._drop_replay: set[int] = set()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -134,6 +135,11 @@ class EventPublisher:
         """These seqs will be buffered for replay but never sent live (a silent HWM drop)."""
         with self._seq_lock:
             self._drop.update(seqs)
+
+    def drop_from_next_replay(self, seqs: Iterable[int]) -> None:
+        """The next replay answer leaves these seqs out (the ROUTER's own HWM drop)."""
+        with self._seq_lock:
+            self._drop_replay.update(seqs)
 
     def restart(self) -> None:
         """Like an engine restart: seq back to 0 and the buffer emptied; same sockets."""
@@ -225,8 +231,10 @@ class EventPublisher:
         identity, _, start_frame = frames
         start = int.from_bytes(start_frame, "big")
         self._replays_served += 1
+        with self._seq_lock:
+            skip, self._drop_replay = self._drop_replay, set()
         for seq, payload in list(self._buffer):
-            if seq < start:
+            if seq < start or seq in skip:
                 continue
             if self.replay_format == "new":
                 replay.send_multipart((identity, b"", self.topic, encode_seq(seq), payload))
