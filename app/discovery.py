@@ -1,0 +1,242 @@
+"""Find a vLLM instance's KV-event endpoints, models and block size from its HTTP URL alone.
+
+What vLLM answers (facts; see also the plan's vllm-facts notes):
+
+- ``GET /kv_event_sources``, vLLM 0.32.0: a JSON object keyed by data-parallel rank as a
+  STRING, each value the rank's resolved KVEventsConfig::
+
+      {"0": {"enable_kv_cache_events": true, "publisher": "zmq",
+             "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558",
+             "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000,
+             "topic": "kv-events"}}
+
+  The per-rank port offset is already applied, and a wildcard bind host ("*") is returned
+  verbatim: the caller substitutes the instance's host. Other vLLM revisions answer a list
+  of ``{"data_parallel_rank", "endpoint", "replay_endpoint", "topic"}``, bare or wrapped as
+  ``{"sources": [...]}``; both are accepted, as is a single config object without ranks.
+- Without a resolved per-rank answer, rank r publishes on base port + r (replay likewise);
+  a port of 0 is never offset.
+- ``GET /v1/models``: ``{"data": [{"id": ..., "max_model_len": ...}, ...]}``.
+- ``GET /metrics``: ``vllm:cache_config_info{...,block_size="32",...} 1.0``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from app.subscriber import WorkerEndpoint
+
+_WILDCARD_HOSTS = {"*", "0.0.0.0", "::", "[::]", ""}
+_BLOCK_SIZE = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
+
+
+class DiscoveryError(Exception):
+    """An instance that cannot be discovered; the message names the URL and the reason."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(f"{url}: {reason}")
+        self.url = url
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceInfo:
+    url: str
+    models: list[str]
+    block_size: int | None
+    workers: list[WorkerEndpoint]
+    max_model_len: int | None = None
+    notes: list[str] = field(default_factory=list)  # what was assumed, for the operator
+
+
+def instance_id_for(url: str) -> str:
+    """The default instance id: the URL's host:port."""
+    parts = urlsplit(url)
+    return parts.netloc or url
+
+
+def rewrite_host(endpoint: str, host: str) -> str:
+    """Replace a wildcard bind host (``tcp://*:5557``) with the host kvroute should dial."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    address = endpoint[len("tcp://"):]
+    bind_host, sep, port = address.rpartition(":")
+    if not sep:
+        return endpoint
+    if bind_host in _WILDCARD_HOSTS:
+        dial = f"[{host}]" if ":" in host else host
+        return f"tcp://{dial}:{port}"
+    return endpoint
+
+
+def offset_port(endpoint: str, rank: int) -> str:
+    """vLLM's rule: rank r uses base port + r; port 0 (ephemeral) and non-tcp stay."""
+    if rank == 0 or not endpoint.startswith("tcp://"):
+        return endpoint
+    base, _, port = endpoint.rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        return endpoint
+    return f"{base}:{int(port) + rank}"
+
+
+def workers_from_sources(
+    url: str, payload: Any, *, instance_id: str | None = None, dp_size: int = 1
+) -> list[WorkerEndpoint]:
+    """Turn a ``/kv_event_sources`` answer (any accepted shape) into worker endpoints."""
+    host = urlsplit(url).hostname or ""
+    instance = instance_id or instance_id_for(url)
+    entries = _entries(url, payload, dp_size)
+    workers = []
+    for rank, entry in entries:
+        if entry.get("enable_kv_cache_events") is False or entry.get("publisher") in ("null",):
+            continue
+        endpoint = entry.get("endpoint")
+        if not isinstance(endpoint, str) or not endpoint:
+            raise DiscoveryError(url, f"rank {rank} of /kv_event_sources has no endpoint")
+        replay = entry.get("replay_endpoint")
+        if replay is not None and not isinstance(replay, str):
+            raise DiscoveryError(url, f"rank {rank}: replay_endpoint must be a string")
+        topic = entry.get("topic") or ""
+        if not isinstance(topic, str):
+            raise DiscoveryError(url, f"rank {rank}: topic must be a string")
+        workers.append(WorkerEndpoint(
+            instance, rank, rewrite_host(endpoint, host),
+            rewrite_host(replay, host) if replay else None, topic))
+    if not workers:
+        raise DiscoveryError(url, "the instance publishes no KV events; start vLLM with "
+                                  "--enable-prefix-caching and a zmq --kv-events-config")
+    ranks = [w.dp_rank for w in workers]
+    if len(set(ranks)) != len(ranks):
+        raise DiscoveryError(url, f"/kv_event_sources names a rank twice: {sorted(ranks)}")
+    return sorted(workers, key=lambda w: w.dp_rank)
+
+
+def _entries(url: str, payload: Any, dp_size: int) -> list[tuple[int, dict[str, Any]]]:
+    if isinstance(payload, dict) and isinstance(payload.get("sources"), list):
+        payload = payload["sources"]
+    if isinstance(payload, list):
+        entries = []
+        for i, item in enumerate(payload):
+            if not isinstance(item, dict):
+                raise DiscoveryError(url, f"/kv_event_sources entry {i} is not an object")
+            rank = item.get("data_parallel_rank", i)
+            if type(rank) is not int or rank < 0:
+                raise DiscoveryError(url, f"/kv_event_sources entry {i}: bad rank {rank!r}")
+            entries.append((rank, item))
+        return entries
+    if isinstance(payload, dict) and "endpoint" in payload:
+        # One config for the whole instance: expand to the ranks by vLLM's port rule.
+        return [(rank, {**payload,
+                        "endpoint": offset_port(str(payload["endpoint"]), rank),
+                        "replay_endpoint": payload.get("replay_endpoint") and offset_port(
+                            str(payload["replay_endpoint"]), rank)})
+                for rank in range(dp_size)]
+    if isinstance(payload, dict):
+        entries = []
+        for key, value in payload.items():
+            if not (isinstance(key, str) and key.isdigit()) or not isinstance(value, dict):
+                raise DiscoveryError(
+                    url, f"/kv_event_sources: expected rank -> config, got key {key!r}")
+            entries.append((int(key), value))
+        return entries
+    raise DiscoveryError(url, f"/kv_event_sources answered {type(payload).__name__}, "
+                              "expected an object or a list")
+
+
+def explicit_workers(
+    url: str, endpoint: str, replay_endpoint: str | None = None, *, topic: str = "",
+    dp_size: int = 1, instance_id: str | None = None,
+) -> list[WorkerEndpoint]:
+    """Endpoints given by the operator: base ports, offset per rank like vLLM does."""
+    if dp_size < 1:
+        raise DiscoveryError(url, "dp_size must be at least 1")
+    host = urlsplit(url).hostname or ""
+    instance = instance_id or instance_id_for(url)
+    return [
+        WorkerEndpoint(instance, rank, rewrite_host(offset_port(endpoint, rank), host),
+                       rewrite_host(offset_port(replay_endpoint, rank), host)
+                       if replay_endpoint else None, topic)
+        for rank in range(dp_size)
+    ]
+
+
+async def discover(
+    url: str,
+    client: httpx.AsyncClient,
+    *,
+    instance_id: str | None = None,
+    endpoint: str | None = None,
+    replay_endpoint: str | None = None,
+    topic: str = "",
+    dp_size: int = 1,
+) -> InstanceInfo:
+    """Ask the instance. With ``endpoint`` given, ``/kv_event_sources`` is not consulted."""
+    url = url.rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise DiscoveryError(url, "the instance URL must start with http:// or https://")
+    notes: list[str] = []
+    if endpoint is not None:
+        workers = explicit_workers(url, endpoint, replay_endpoint, topic=topic,
+                                   dp_size=dp_size, instance_id=instance_id)
+    else:
+        sources = await _get_json(client, url, "/kv_event_sources")
+        workers = workers_from_sources(url, sources, instance_id=instance_id, dp_size=dp_size)
+    if any(w.replay_endpoint is None for w in workers):
+        notes.append("no replay endpoint: prefixes cached before kvroute connected stay "
+                     "unknown and dropped events cannot be recovered")
+    models_body = await _get_json(client, url, "/v1/models")
+    models, max_len = _models(url, models_body)
+    block_size = await _block_size(client, url, notes)
+    return InstanceInfo(url, models, block_size, workers, max_len, notes)
+
+
+def _models(url: str, body: Any) -> tuple[list[str], int | None]:
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        raise DiscoveryError(url, "/v1/models has no 'data' list")
+    models = [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+    if not models:
+        raise DiscoveryError(url, "/v1/models lists no model")
+    lengths = [m.get("max_model_len") for m in data if isinstance(m, dict)]
+    known = [n for n in lengths if type(n) is int and n > 0]
+    return models, (min(known) if known else None)
+
+
+async def _block_size(client: httpx.AsyncClient, url: str, notes: list[str]) -> int | None:
+    """From vllm:cache_config_info; None (with a note) when metrics say nothing."""
+    try:
+        response = await client.get(f"{url}/metrics")
+    except httpx.HTTPError as exc:
+        notes.append(f"/metrics unreachable ({exc.__class__.__name__}): block size unknown "
+                     "until the first BlockStored")
+        return None
+    if response.status_code != 200:
+        notes.append(f"/metrics answered {response.status_code}: block size unknown")
+        return None
+    found = _BLOCK_SIZE.search(response.text)
+    if found is None:
+        notes.append("/metrics has no vllm:cache_config_info block_size: block size unknown")
+        return None
+    return int(found.group(1))
+
+
+async def _get_json(client: httpx.AsyncClient, url: str, path: str) -> Any:
+    try:
+        response = await client.get(f"{url}{path}")
+    except httpx.HTTPError as exc:
+        raise DiscoveryError(url, f"GET {path} failed: {exc.__class__.__name__}: {exc}"
+                             .rstrip(": ")) from exc
+    if response.status_code == 404 and path == "/kv_event_sources":
+        raise DiscoveryError(url, "GET /kv_event_sources: 404; this vLLM is too old to report "
+                                  "its KV-event endpoints, give them explicitly")
+    if response.status_code != 200:
+        raise DiscoveryError(url, f"GET {path} answered HTTP {response.status_code}")
+    try:
+        return response.json()
+    except ValueError as exc:
+        raise DiscoveryError(url, f"GET {path} did not answer JSON") from exc
