@@ -92,9 +92,13 @@ def test_completions_report_cached_tokens_that_agree_with_the_events(instance):
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert first["usage"]["completion_tokens"] == 3 and first["choices"][0]["text"].isalpha()
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
-    (source,) = httpx.get(f"{instance.url}/kv_event_sources").json()["sources"]
-    assert source["data_parallel_rank"] == 0 and source["topic"] == "kv-events"
-    batches = replay_all(source["replay_endpoint"])
+    body = httpx.get(f"{instance.url}/kv_event_sources").json()
+    assert list(body) == ["0"]  # vLLM 0.32.0: resolved config per rank, keyed by "0", "1" ...
+    source = body["0"]
+    assert source["publisher"] == "zmq" and source["topic"] == "kv-events"
+    assert source["endpoint"].startswith("tcp://*:") and source["buffer_steps"] == 10_000
+    replay = source["replay_endpoint"].replace("*", "127.0.0.1")
+    batches = replay_all(replay)
     assert [seq for seq, _ in batches] == list(range(len(batches)))
     assert all(b.data_parallel_rank == 0 and not b.malformed for _, b in batches)
     cached = set(contents(batches).values())
@@ -143,7 +147,7 @@ def test_live_subscriber_receives_each_step_with_consecutive_seqs(instance):
 
 def test_data_parallel_ranks_publish_on_consecutive_ports_and_serve_the_rank_asked():
     cfg = InstanceConfig(block_size=16, num_blocks=64, dp_size=2, seed=9, encoding="array",
-                         replay_format="old", sources_envelope=False)
+                         replay_format="old", sources_shape="list")
     with SimInstance(cfg) as inst:
         sources = httpx.get(f"{inst.url}/kv_event_sources").json()
         assert [s["data_parallel_rank"] for s in sources] == [0, 1]
@@ -161,6 +165,13 @@ def test_data_parallel_ranks_publish_on_consecutive_ports_and_serve_the_rank_ask
         bad = httpx.post(f"{inst.url}/v1/completions", json={"prompt": prompt},
                          headers={"X-data-parallel-rank": "2"}, timeout=10)
         assert bad.status_code == 400
+
+
+def test_sources_shape_can_be_the_wrapped_list_of_other_vllm_revisions():
+    with SimInstance(InstanceConfig(num_blocks=16, sources_shape="sources")) as inst:
+        (source,) = httpx.get(f"{inst.url}/kv_event_sources").json()["sources"]
+        assert source["data_parallel_rank"] == 0
+        assert source["endpoint"] == inst.ranks[0].endpoint
 
 
 def test_reset_clears_the_cache_and_announces_it_with_the_next_step(instance):

@@ -68,7 +68,9 @@ class InstanceConfig:
     replay_format: str = "new"  # replay reply frames of 0.32.0 ("new") or older ("old")
     topic: str = "kv-events"
     time_scale: float = 0.0
-    sources_envelope: bool = True  # /kv_event_sources as {"sources": [...]} (else bare list)
+    # /kv_event_sources answer shape: "v0.32" (vLLM 0.32.0: {rank: resolved config}, wildcard
+    # bind host), "list" (a bare list of per-rank entries) or "sources" ({"sources": list}).
+    sources_shape: str = "v0.32"
 
 
 class SimRank:
@@ -169,6 +171,9 @@ class SimInstance:
 
     def __init__(self, config: InstanceConfig | None = None) -> None:
         self.config = config or InstanceConfig()
+        if self.config.sources_shape not in ("v0.32", "list", "sources"):
+            raise ValueError(f"sources_shape must be 'v0.32', 'list' or 'sources', "
+                             f"not {self.config.sources_shape!r}")
         self.ranks: list[SimRank] = []
         self.url = ""
         self.kv_port = 0
@@ -265,6 +270,7 @@ class SimInstance:
         return min(self.ranks, key=lambda r: (r.load(), r.rank))
 
     def kv_event_sources(self) -> list[dict[str, Any]]:
+        """Each rank's endpoints as a subscriber dials them (loopback)."""
         return [
             {
                 "data_parallel_rank": r.rank,
@@ -274,6 +280,30 @@ class SimInstance:
             }
             for r in self.ranks
         ]
+
+    def kv_event_sources_body(self) -> Any:
+        """``GET /kv_event_sources`` in the configured shape. vLLM 0.32.0 returns each rank's
+        resolved KVEventsConfig keyed by the rank as a string, with the bind host verbatim
+        ("*" when bound to every interface, which is how it is usually configured)."""
+        sources = self.kv_event_sources()
+        shape = self.config.sources_shape
+        if shape == "list":
+            return sources
+        if shape == "sources":
+            return {"sources": sources}
+        return {
+            str(s["data_parallel_rank"]): {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": _wildcard(s["endpoint"]),
+                "replay_endpoint": _wildcard(s["replay_endpoint"]),
+                "buffer_steps": 10_000,
+                "hwm": 100_000,
+                "max_queue_size": 100_000,
+                "topic": s["topic"],
+            }
+            for s in sources
+        }
 
     def reset_prefix_cache(self) -> bool:
         ok = True
@@ -300,6 +330,10 @@ def planned_output(prompt: list[int], max_tokens: int) -> list[int]:
     seed = hashlib.blake2b(repr(prompt).encode(), digest_size=8).digest()
     rng = random.Random(seed)
     return [rng.randrange(ord("a"), ord("z") + 1) for _ in range(max_tokens)]
+
+
+def _wildcard(endpoint: str) -> str:
+    return "tcp://*:" + endpoint.rsplit(":", 1)[1] if endpoint.startswith("tcp://") else endpoint
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -351,8 +385,7 @@ def build_app(inst: SimInstance) -> FastAPI:
 
     @app.get("/kv_event_sources")
     def kv_event_sources() -> Any:
-        sources = inst.kv_event_sources()
-        return {"sources": sources} if cfg.sources_envelope else sources
+        return inst.kv_event_sources_body()
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Any:
