@@ -180,6 +180,7 @@ class Subscriber:
         # seq -> payload fingerprint of batches applied from a replay: tells a live duplicate
         # of one of them from a restarted engine's batch with the same seq.
         self._replayed: dict[int, int] = {}
+        self._unyielded = 0  # events applied since the last yield to the event loop
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -435,6 +436,7 @@ class Subscriber:
     async def _apply(self, seq: int, payload: bytes, *, replayed: bool = False) -> None:
         """Apply one batch; the seq counts even when the payload is garbage."""
         status = self.status
+        self._unyielded += 1  # even an empty or garbage batch is work
         if replayed:
             self._remember_replayed(seq, payload)
         try:
@@ -453,8 +455,12 @@ class Subscriber:
         blocks = 0
         exact_again = False
         chunk = self.options.chunk_events
-        for i, event in enumerate(batch.events):
-            if i and i % chunk == 0:
+        for event in batch.events:
+            # Counted across batches, so that a replay of thousands of small batches yields
+            # too, whether or not zmq's own awaits happen to.
+            self._unyielded += 1
+            if self._unyielded >= chunk:
+                self._unyielded = 0
                 await asyncio.sleep(0)
                 self._check_connection()
             try:

@@ -538,46 +538,52 @@ def test_a_gap_no_replay_can_fill_leaves_the_worker_cleared_and_degraded():
     run(scenario)
 
 
-def test_big_batches_yield_to_the_event_loop_between_chunks_of_events():
-    class TickingLog(OpLog):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ticks_seen: list[int] = []
+class TickingLog(OpLog):
+    """Records, for each stored event, how often a concurrent task had run by then."""
 
-        def apply_stored(self, worker, *args, **kwargs) -> None:
-            self.ticks_seen.append(ticks)
-            super().apply_stored(worker, *args, **kwargs)
+    def __init__(self) -> None:
+        super().__init__()
+        self.ticks = 0
+        self.ticks_seen: list[int] = []
 
-    ticks = 0
+    def apply_stored(self, worker, *args, **kwargs) -> None:
+        self.ticks_seen.append(self.ticks)
+        super().apply_stored(worker, *args, **kwargs)
 
+    async def tick_until(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            self.ticks += 1
+            await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("shape", ["one big batch", "a long replay of small batches"])
+def test_applying_yields_to_the_event_loop_between_chunks_of_events(shape):
     async def scenario(ctx):
-        nonlocal ticks
         stop = asyncio.Event()
-
-        async def ticker() -> None:
-            nonlocal ticks
-            while not stop.is_set():
-                ticks += 1
-                await asyncio.sleep(0)
-
         with EventPublisher() as pub:
             ledger, source, index = Ledger(pub), EventSource(16), TickingLog()
             options = dataclasses.replace(FAST, chunk_events=50)
             sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=options)
-            big = [e for _ in range(100) for e in source.batch(10) if isinstance(e, BlockStored)]
-            assert len(big) > 300
-            ticking = asyncio.create_task(ticker())
+            stores = [e for _ in range(200) for e in source.batch(10)
+                      if isinstance(e, BlockStored)]
+            assert len(stores) > 600
+            if shape != "one big batch":
+                for event in stores:  # all buffered before the subscriber connects
+                    ledger.publish([event])
+                pub.flush()
+            ticking = asyncio.create_task(index.tick_until(stop))
             try:
                 async with Running(sub):
-                    await wait_until(lambda: sub.status.state == "live", "connection")
-                    index.ticks_seen.clear()
-                    ledger.publish(big)
-                    await wait_until(lambda: in_sync(sub, index, ledger), "big batch")
+                    if shape == "one big batch":
+                        await wait_until(lambda: sub.status.state == "live", "connection")
+                        index.ticks_seen.clear()
+                        ledger.publish(stores)
+                    await wait_until(lambda: in_sync(sub, index, ledger), shape)
             finally:
                 stop.set()
                 await ticking
             # Events of one chunk see one tick value; the loop ran between chunks.
-            assert len(set(index.ticks_seen)) >= len(big) // 50
+            assert len(set(index.ticks_seen)) >= len(stores) // 50
     run(scenario)
 
 
