@@ -112,6 +112,7 @@ class RunResult:
     sync_s: list[float] = field(default_factory=list)
     per_worker: list[int] = field(default_factory=list)
     sync_timeouts: int = 0
+    kvroute_url: str = ""
 
 
 class KvrouteFeed:
@@ -226,7 +227,8 @@ def engine_fleet(n: int, num_blocks: int, seed: int) -> list[Worker]:
 
 
 def run_kvroute(sessions: Sequence[Session], n: int, num_blocks: int, seed: int, lag_s: float,
-                load_tokens: int | None, progress: tqdm) -> tuple[RunResult, dict[str, float]]:
+                load_tokens: int | None,
+                progress: tqdm | None) -> tuple[RunResult, dict[str, float]]:
     """The fleet as real simulated vLLM servers, kvroute as a real service registering them by
     URL; returns the run and the HTTP floor (GET /healthz round trip) measured alongside."""
     from app.config import Settings  # the service is only needed for this policy
@@ -253,6 +255,7 @@ def run_kvroute(sessions: Sequence[Session], n: int, num_blocks: int, seed: int,
             floor = _http_floor(client, server.url)
             result = simulate(sessions, workers, policy, lag_s=lag_s, feed=feed,
                               progress=progress)
+            result.kvroute_url = server.url
             floor_after = _http_floor(client, server.url)
     return result, {k: min(floor[k], floor_after[k]) for k in floor}
 
@@ -371,7 +374,10 @@ def plot(results: dict[str, dict[str, dict[str, Any]]], out: Path) -> list[str]:
             ax.bar(xs, ys, width, label=policy)
         ax.set_xticks([i + width * (len(policies) - 1) / 2 for i in range(len(names))], names)
         ax.set_ylabel(label)
-        ax.legend(ncol=4, fontsize=8)
+        top = max((results[w].get(p, {}).get(metric, 0.0) for w in names for p in policies),
+                  default=1.0)
+        ax.set_ylim(0, 1.35 * top or 1.0)  # room for the legend above the bars
+        ax.legend(ncol=4, fontsize=8, loc="upper left")
         ax.set_title(f"{label} per routing policy")
         fig.tight_layout()
         fig.savefig(out / fname, dpi=110)

@@ -1,0 +1,106 @@
+"""The hit-rate benchmark's discrete-event simulation and its policies, on tiny fleets."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import hitrate  # noqa: E402
+from policies import ApproximateTreePolicy, ConsistentHashPolicy, Worker  # noqa: E402
+
+from app.sim.engine import Engine  # noqa: E402
+from app.sim.workloads import multi_turn_chat, shared_system_prompts  # noqa: E402
+
+
+def fleet(n: int = 4, num_blocks: int = 48) -> list[Worker]:
+    return hitrate.engine_fleet(n, num_blocks, seed=3)
+
+
+def shared(seed: int = 0):
+    return shared_system_prompts(groups=6, prompts_per_group=4, system_tokens=96,
+                                 question_tokens=24, output_tokens=2, rate_per_s=50, seed=seed)
+
+
+def run(policy_name: str, sessions, workers=None):
+    workers = workers or fleet()
+    policy = hitrate.make_policy(policy_name, workers, seed=0, load_tokens=64)
+    return hitrate.summarize(hitrate.simulate(sessions, workers, policy, lag_s=0.005))
+
+
+def test_every_request_is_served_once_and_counted():
+    sessions = shared()
+    workers = fleet()
+    policy = hitrate.make_policy("random", workers, seed=0, load_tokens=64)
+    res = hitrate.simulate(sessions, workers, policy, lag_s=0.0)
+    assert len(res.outcomes) == len(sessions) == sum(res.per_worker) == len(res.route_s)
+    summary = hitrate.summarize(res)
+    assert summary["prompt_tokens"] == sum(len(s.turns[0].prompt) for s in sessions)
+    cached = sum(o.cached_tokens for o in res.outcomes)
+    assert summary["hit_rate"] == cached / summary["prompt_tokens"]
+    assert all(o.first_token_time > o.arrival_time for o in res.outcomes)
+
+
+def test_chat_turns_arrive_only_after_the_previous_turn_finished():
+    sessions = multi_turn_chat(sessions=3, turns=3, system_tokens=32, user_tokens=(8, 16),
+                               output_tokens=(4, 8), think_s=0.5, seed=1)
+    workers = fleet(num_blocks=128)
+    policy = hitrate.make_policy("round-robin", workers, seed=0, load_tokens=64)
+    res = hitrate.simulate(sessions, workers, policy, lag_s=0.0)
+    by_id = {o.request_id: o for o in res.outcomes}
+    for s in range(3):
+        for k in (1, 2):
+            prev, cur = by_id[f"s{s}t{k - 1}"], by_id[f"s{s}t{k}"]
+            assert cur.arrival_time == pytest.approx(prev.finish_time + 0.5)
+
+
+def test_prefix_aware_policies_beat_spraying_on_shared_prompts():
+    sessions = shared()
+    rr = run("round-robin", sessions)["hit_rate"]
+    assert run("oracle", sessions)["hit_rate"] > 2 * rr
+    assert run("approx-tree", sessions)["hit_rate"] > 2 * rr
+    assert run("consistent-hash", sessions)["hit_rate"] > 2 * rr
+
+
+def test_consistent_hash_keys_on_the_first_block_only():
+    workers = fleet(8)
+    policy = ConsistentHashPolicy(workers, block_size=16)
+    base = list(range(16))
+    picks = {policy.choose(base + [i] * 5) for i in range(20)}
+    assert len(picks) == 1
+    assert len({policy.choose([i] * 16) for i in range(50)}) > 1
+
+
+def test_approx_tree_follows_its_own_choices_and_forgets_leaves_first():
+    workers = [Worker(i, i, 0, Engine(num_blocks=8, block_size=4, seed=i)) for i in range(3)]
+    tree = ApproximateTreePolicy(workers, block_size=4, capacity_blocks=3)
+    a = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert tree.choose(a) == 0  # nothing known: least loaded
+    workers[0].assigned = 1  # as the simulation counts it
+    assert tree.choose([1, 2, 3, 4, 9, 9, 9, 9, 5]) == 0  # 4 of 9 tokens match: over 0.3
+    assert tree.choose([5] * 8) == 1  # no match: least loaded
+    assert tree.choose([1, 2, 3, 4, 9, 9, 9, 9, 8, 8, 8, 8, 1]) == 0
+    held = tree._trees[0]
+    root, leaf = tree._keys(a)
+    assert len(held) == 3 and root in held and leaf not in held  # the oldest leaf went
+
+
+def test_kvroute_through_its_http_api_tracks_the_oracle():
+    """End to end: real simulated servers, real ZMQ events, the real kvroute service."""
+    sessions = shared(seed=4)
+    res, floor = hitrate.run_kvroute(sessions, 4, 48, seed=3, lag_s=0.005, load_tokens=None,
+                                     progress=None)
+    kv = hitrate.summarize(res)
+    assert kv["requests"] == len(sessions) and kv["sync_timeouts"] == 0
+    assert floor["p50"] > 0
+    oracle = run("oracle", sessions, hitrate.engine_fleet(4, 48, seed=3))
+    rr = run("round-robin", sessions, hitrate.engine_fleet(4, 48, seed=3))
+    assert kv["hit_rate"] > 2 * rr["hit_rate"]
+    assert kv["hit_rate"] >= oracle["hit_rate"] - 0.05
+    with httpx.Client() as client:  # nothing it started is left listening
+        with pytest.raises(httpx.TransportError):
+            client.get(res.kvroute_url + "/healthz", timeout=1)
