@@ -273,6 +273,10 @@ class Subscriber:
                         await self._fill_from(self.status.last_seq + 1)
             except _Disconnected:
                 continue
+            except Exception as exc:  # never let a bug end the subscription silently
+                log.exception("%s: unexpected error", self.worker)
+                self.status.last_error = f"internal error: {exc!r}"
+                await asyncio.sleep(_POLL_MS / 1000)
 
     def _check_connection(self) -> None:
         """Called after every await inside a step: a disconnect meanwhile voids the step."""
@@ -468,6 +472,13 @@ class Subscriber:
             except ValueError as exc:
                 batch.malformed += 1
                 status.last_error = f"seq {seq}: event rejected by the index: {exc}"
+            except Exception as exc:
+                # A bug, not bad input: the worker's entries may be half-updated. Hold
+                # nothing rather than something wrong, and carry on with the stream.
+                log.exception("%s: applying seq %d failed", self.worker, seq)
+                self._give_up(f"internal error applying seq {seq}: {exc!r}")
+                status.last_seq = seq
+                return
             if isinstance(event, AllBlocksCleared):
                 exact_again = True
         n_events = len(batch.events)

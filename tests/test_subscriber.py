@@ -610,3 +610,34 @@ def test_hooks_receive_counters():
             assert counts["gaps"] == 1 and counts["replays"] == sub.status.replays
             assert counts["events"] == sub.status.events and counts["blocks"] == sub.status.blocks
     run(scenario)
+
+
+def test_an_index_failure_clears_the_worker_and_the_subscription_goes_on():
+    class FailingOnce(OpLog):
+        def __init__(self) -> None:
+            super().__init__()
+            self.failed = False
+
+        def apply_stored(self, worker, block_hashes, *args, **kwargs) -> None:
+            if 666 in block_hashes and not self.failed:
+                self.failed = True
+                raise RuntimeError("index bug")
+            super().apply_stored(worker, block_hashes, *args, **kwargs)
+
+    async def scenario(ctx):
+        with EventPublisher() as pub:
+            ledger, source, index = Ledger(pub), EventSource(18), FailingOnce()
+            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=FAST)
+            async with Running(sub):
+                await wait_until(lambda: sub.status.state == "live", "connection")
+                ledger.publish(source.batch())
+                bad = ledger.publish([BlockStored(block_hashes=[666], token_ids=[1, 2],
+                                                  block_size=2)])
+                after = [ledger.publish(source.batch()) for _ in range(3)]
+                await wait_until(lambda: sub.status.last_seq == after[-1], "after the failure")
+                assert index.failed and sub.status.state == "degraded"
+                assert "internal error applying seq" in (sub.status.last_error or "")
+                # What came before the failure is gone; what came after is all there.
+                assert index.log(sub.worker) == ledger.truth(sub.worker, after)
+                assert sub.status.gaps == 0 and bad + 1 == after[0]
+    run(scenario)
