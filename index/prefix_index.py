@@ -78,22 +78,21 @@ def _fingerprint_bits(parent: bytes) -> int:
 
 
 def _normalized_hashes(block_hashes: Sequence[BlockHash]) -> Sequence[BlockHash]:
-    """Engine hashes as handles: signed 64-bit ints become their unsigned twins."""
-    first = block_hashes[0]
-    if isinstance(first, int):
+    """Engine hashes as handles: signed 64-bit ints become their unsigned twins.
+
+    The common case (all ints, none negative) is checked with one C-level ``min``.
+    """
+    if type(block_hashes[0]) is int:
         try:
             if min(block_hashes) >= 0:  # type: ignore[type-var]
                 return block_hashes
         except TypeError:
-            raise ValueError("block hashes must be all ints or all bytes") from None
-        return [h & UINT64_MASK if h < 0 else h for h in block_hashes]  # type: ignore[operator]
-    if all(type(h) is bytes for h in block_hashes):
-        return block_hashes
-    raise ValueError("block hashes must be ints or bytes")
+            pass  # ints mixed with bytes: fine as handles, normalized one by one
+    return [_normalized_hash(h) for h in block_hashes]
 
 
 def _normalized_hash(block_hash: BlockHash) -> BlockHash:
-    if isinstance(block_hash, int):
+    if type(block_hash) is int:
         return block_hash & UINT64_MASK if block_hash < 0 else block_hash
     if type(block_hash) is bytes:
         return block_hash
@@ -200,6 +199,7 @@ class PrefixIndex:
         parent_hash = None if parent_block_hash is None else _normalized_hash(parent_block_hash)
         w = self._worker(worker)
         w.groups[group_idx] = True
+        w.block_size = block_size
         if parent_hash is None:
             parent_key = root_key(block_size, lora_name)
             flag = FIRST
@@ -210,7 +210,6 @@ class PrefixIndex:
                 return
             parent_key = found
             flag = 0
-        w.block_size = block_size
         if suffixes is not None:
             self._store_chain_with_extras(w, block_hashes, parent_key, flag, tokens,
                                           block_size, suffixes, tier)
