@@ -1,0 +1,217 @@
+"""The set of vLLM instances kvroute follows, and the subscribers that feed the index.
+
+Invariants:
+- The registry owns every `Subscriber` task; an instance's subscribers run from
+  the moment it is added until it is removed or the registry closes.
+- The index holds entries only for workers of registered instances: `remove`
+  stops the subscribers first and then drops the workers, so no late event can
+  re-create them.
+- Everything runs on one event loop; the index is synchronous, so a query sees
+  each event applied entirely or not at all.
+- An instance added from configuration whose discovery fails stays registered
+  with no workers and keeps retrying in the background; one added through the
+  API must be discoverable at once, or the caller gets the error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import httpx
+import zmq.asyncio
+
+from app.config import InstanceConfig, default_instance_id
+from app.discovery import DiscoveryError, WorkerEndpoint, discover
+from app.subscriber import Subscriber
+from index import PrefixIndex
+
+__all__ = ["DuplicateInstance", "Instance", "Registry", "UnknownInstance", "Worker"]
+
+log = logging.getLogger("kvroute.registry")
+
+# Bounds for the background discovery of configured instances.
+DISCOVERY_RETRY_FIRST = 1.0
+DISCOVERY_RETRY_MAX = 30.0
+
+
+class DuplicateInstance(Exception):
+    pass
+
+
+class UnknownInstance(KeyError):
+    pass
+
+
+@dataclass(slots=True)
+class Worker:
+    """One routing unit: an instance's data-parallel rank and its subscriber."""
+
+    instance: Instance
+    endpoint: WorkerEndpoint
+    subscriber: Subscriber
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.instance.id, self.endpoint.dp_rank)
+
+    @property
+    def state(self) -> str:
+        return str(self.subscriber.status.state)
+
+
+@dataclass(slots=True, eq=False)
+class Instance:
+    id: str
+    config: InstanceConfig
+    url: str | None
+    models: tuple[str, ...] = ()
+    block_size: int | None = None
+    workers: list[Worker] = field(default_factory=list)
+    discovery_error: str | None = None
+    added_at: float = field(default_factory=time.time)
+
+    def serves(self, model: str | None) -> bool:
+        return model is None or model in self.models
+
+
+class Registry:
+    def __init__(self, index: PrefixIndex, client: httpx.AsyncClient,
+                 context: zmq.asyncio.Context | None = None) -> None:
+        self.index = index
+        self._client = client
+        self._context = context or zmq.asyncio.Context.instance()
+        self._instances: dict[str, Instance] = {}
+        self._discovery_tasks: dict[str, asyncio.Task[None]] = {}
+        self._closed = False
+
+    # -- queries ---------------------------------------------------------
+    def __contains__(self, instance_id: str) -> bool:
+        return instance_id in self._instances
+
+    def __iter__(self) -> Iterator[Instance]:
+        return iter(list(self._instances.values()))
+
+    def __len__(self) -> int:
+        return len(self._instances)
+
+    def get(self, instance_id: str) -> Instance:
+        try:
+            return self._instances[instance_id]
+        except KeyError:
+            raise UnknownInstance(instance_id) from None
+
+    def workers(self) -> Iterator[Worker]:
+        for instance in list(self._instances.values()):
+            yield from instance.workers
+
+    # -- changes ---------------------------------------------------------
+    async def add(self, config: InstanceConfig, *, wait_for_discovery: bool = True) -> Instance:
+        """Register an instance and start following its events.
+
+        With `wait_for_discovery` false (configured instances at start-up), an
+        unreachable instance is registered anyway and discovered in the background.
+        Raises DuplicateInstance, or DiscoveryError when waiting.
+        """
+        instance_id = default_instance_id(config)
+        if instance_id in self._instances:
+            raise DuplicateInstance(instance_id)
+        instance = Instance(id=instance_id, config=config, url=config.url,
+                            models=(config.model,) if config.model else (),
+                            block_size=config.block_size)
+        if config.events:
+            endpoints = [
+                WorkerEndpoint(instance_id=instance_id, dp_rank=rank, endpoint=endpoint,
+                               replay_endpoint=config.replay[rank] if config.replay else None,
+                               topic=config.topic)
+                for rank, endpoint in enumerate(config.events)
+            ]
+            self._instances[instance_id] = instance
+            self._start_workers(instance, endpoints)
+            return instance
+        if wait_for_discovery:
+            endpoints = await self._discover(instance)
+            if instance_id in self._instances:  # a concurrent add of the same id won
+                raise DuplicateInstance(instance_id)
+            self._instances[instance_id] = instance
+            self._start_workers(instance, endpoints)
+            return instance
+        self._instances[instance_id] = instance
+        self._discovery_tasks[instance_id] = asyncio.create_task(
+            self._discover_until_found(instance), name=f"discover {instance_id}")
+        return instance
+
+    async def remove(self, instance_id: str) -> Instance:
+        """Stop an instance's subscribers and drop everything the index had of it."""
+        instance = self.get(instance_id)
+        del self._instances[instance_id]
+        task = self._discovery_tasks.pop(instance_id, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._stop_workers(instance.workers)
+        for worker in instance.workers:
+            self.index.drop_worker(worker.key)
+        return instance
+
+    async def close(self) -> None:
+        """Stop everything; the registry is unusable afterwards."""
+        self._closed = True
+        for instance_id in list(self._instances):
+            await self.remove(instance_id)
+
+    # -- internals -------------------------------------------------------
+    async def _discover(self, instance: Instance) -> list[WorkerEndpoint]:
+        assert instance.url is not None
+        info = await discover(instance.url, self._client)
+        if not instance.config.model:
+            instance.models = tuple(info.models)
+        if instance.config.block_size is None:
+            instance.block_size = info.block_size
+        instance.discovery_error = None
+        topic = instance.config.topic
+        return [
+            WorkerEndpoint(instance_id=instance.id, dp_rank=w.dp_rank, endpoint=w.endpoint,
+                           replay_endpoint=w.replay_endpoint, topic=topic or w.topic)
+            for w in info.workers
+        ]
+
+    async def _discover_until_found(self, instance: Instance) -> None:
+        delay = DISCOVERY_RETRY_FIRST
+        while not self._closed:
+            try:
+                endpoints = await self._discover(instance)
+            except DiscoveryError as exc:
+                instance.discovery_error = str(exc)
+                log.warning("instance %s: %s; retrying in %.0f s", instance.id, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, DISCOVERY_RETRY_MAX)
+                continue
+            if self._instances.get(instance.id) is instance:
+                self._start_workers(instance, endpoints)
+            self._discovery_tasks.pop(instance.id, None)
+            return
+
+    def _start_workers(self, instance: Instance, endpoints: list[WorkerEndpoint]) -> None:
+        for endpoint in endpoints:
+            subscriber = Subscriber(endpoint, self.index, ctx=self._context)
+            worker = Worker(instance=instance, endpoint=endpoint, subscriber=subscriber)
+            worker.task = asyncio.create_task(
+                subscriber.run(), name=f"subscriber {instance.id} rank {endpoint.dp_rank}")
+            instance.workers.append(worker)
+
+    async def _stop_workers(self, workers: list[Worker]) -> None:
+        for worker in workers:
+            await worker.subscriber.stop()
+        for worker in workers:
+            if worker.task is not None and not worker.task.done():
+                worker.task.cancel()
+            if worker.task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await worker.task

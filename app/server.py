@@ -1,0 +1,75 @@
+"""Running the service: in the foreground for `kvroute serve`, or on a background
+thread for the demo, the tests and the benchmarks.
+
+A background server owns its thread and event loop; `stop()` runs the app's
+lifespan shutdown (subscribers stopped, sockets closed) before it returns.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+from app.api import create_app
+from app.config import Settings
+
+__all__ = ["BackgroundServer", "free_port", "serve_forever"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS says is free now (another process may still take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def _config(settings: Settings) -> uvicorn.Config:
+    return uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
+                          log_level=settings.log_level, lifespan="on", access_log=False)
+
+
+def serve_forever(settings: Settings) -> int:
+    """Serve until SIGINT/SIGTERM; the exit status for the CLI."""
+    server = uvicorn.Server(_config(settings))
+    server.run()
+    return 0 if server.started else 1
+
+
+class BackgroundServer:
+    """kvroute on a daemon thread, for callers that need the real HTTP API in-process."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._server = uvicorn.Server(_config(settings))
+        # A thread may not install signal handlers; the owner stops us instead.
+        self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self._thread = threading.Thread(target=self._server.run, name="kvroute-http",
+                                        daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.settings.host}:{self.settings.port}"
+
+    def start(self, timeout: float = 20.0) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"kvroute did not start on {self.url}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 20.0) -> None:
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,137 @@
+"""Turning text and chat prompts into the token ids vLLM will see.
+
+Routing on text is only right if kvroute tokenizes exactly as the engine does,
+so there are two sources and no guessing:
+
+- `LocalTokenizer`: a Hugging Face `tokenizer.json` (the `tokenizers` library,
+  optional extra `kvroute[tokenizer]`). Chat prompts need the model's chat
+  template, which only `transformers` can render; without it, chat is refused.
+- `InstanceTokenizer`: the vLLM instance's own `POST /tokenize`, which applies
+  the served model's tokenizer and chat template, at the price of a round trip.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+
+__all__ = ["InstanceTokenizer", "LocalTokenizer", "TokenizerError", "Tokenizer", "make_tokenizer"]
+
+
+class TokenizerError(Exception):
+    """Tokenizing failed; `status` is the HTTP status the API should answer with."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Tokenizer(Protocol):
+    async def encode_prompt(self, text: str, *, url: str | None, model: str | None) -> list[int]:
+        ...
+
+    async def encode_chat(
+        self, messages: list[dict[str, Any]], *, url: str | None, model: str | None
+    ) -> list[int]:
+        ...
+
+
+class LocalTokenizer:
+    """A tokenizer.json loaded once; encoding adds the special tokens vLLM adds."""
+
+    def __init__(self, path: str | Path) -> None:
+        try:
+            from tokenizers import Tokenizer as HFTokenizer
+        except ImportError:
+            raise TokenizerError(
+                "a local tokenizer needs the `tokenizers` package: pip install 'kvroute[tokenizer]'"
+            ) from None
+        path = Path(path)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        try:
+            self._tokenizer = HFTokenizer.from_file(str(file))
+        except Exception as exc:  # the library raises bare Exceptions for unreadable files
+            raise TokenizerError(f"cannot load tokenizer {file}: {exc}") from None
+        self._folder = path if path.is_dir() else path.parent
+        self._chat: Any = None
+
+    async def encode_prompt(self, text: str, *, url: str | None, model: str | None) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=True).ids
+
+    async def encode_chat(
+        self, messages: list[dict[str, Any]], *, url: str | None, model: str | None
+    ) -> list[int]:
+        if self._chat is None:
+            try:
+                from transformers import AutoTokenizer
+            except ImportError:
+                raise TokenizerError(
+                    "chat messages need the model's chat template: install `transformers` "
+                    "or set tokenizer = \"instance\" to use the instance's /tokenize"
+                ) from None
+            try:
+                self._chat = AutoTokenizer.from_pretrained(str(self._folder),
+                                                           local_files_only=True)
+            except Exception as exc:
+                raise TokenizerError(f"cannot load chat template from {self._folder}: {exc}",
+                                     status=400) from None
+        try:
+            ids = self._chat.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=True)
+        except Exception as exc:  # jinja errors for malformed messages
+            raise TokenizerError(f"messages: cannot apply the chat template: {exc}") from None
+        return list(ids)
+
+
+class InstanceTokenizer:
+    """Asks an instance's `/tokenize`; errors there become 502s naming the instance."""
+
+    def __init__(self, client: httpx.AsyncClient, timeout: float = 10.0) -> None:
+        self._client = client
+        self._timeout = timeout
+
+    async def _tokenize(self, url: str | None, body: dict[str, Any]) -> list[int]:
+        if url is None:
+            raise TokenizerError("no live instance to tokenize with", status=503)
+        try:
+            response = await self._client.post(f"{url}/tokenize", json=body,
+                                               timeout=self._timeout)
+        except httpx.HTTPError as exc:
+            raise TokenizerError(f"{url}/tokenize unreachable: {exc!r}", status=502) from None
+        if response.status_code >= 400:
+            raise TokenizerError(
+                f"{url}/tokenize answered {response.status_code}: {response.text[:300]}",
+                status=502 if response.status_code >= 500 else 400,
+            )
+        try:
+            tokens = response.json()["tokens"]
+        except (ValueError, KeyError, TypeError):
+            raise TokenizerError(f"{url}/tokenize gave no `tokens` list", status=502) from None
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            raise TokenizerError(f"{url}/tokenize gave a malformed `tokens` list", status=502)
+        return tokens
+
+    async def encode_prompt(self, text: str, *, url: str | None, model: str | None) -> list[int]:
+        body: dict[str, Any] = {"prompt": text}
+        if model:
+            body["model"] = model
+        return await self._tokenize(url, body)
+
+    async def encode_chat(
+        self, messages: list[dict[str, Any]], *, url: str | None, model: str | None
+    ) -> list[int]:
+        body: dict[str, Any] = {"messages": messages, "add_generation_prompt": True}
+        if model:
+            body["model"] = model
+        return await self._tokenize(url, body)
+
+
+def make_tokenizer(setting: str | None, client: httpx.AsyncClient) -> Tokenizer | None:
+    """The tokenizer a `tokenizer` setting names, or None when text is not accepted."""
+    if setting is None:
+        return None
+    if setting == "instance":
+        return InstanceTokenizer(client)
+    return LocalTokenizer(setting)

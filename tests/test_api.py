@@ -1,0 +1,320 @@
+"""The service end to end: real HTTP to kvroute, real ZMQ from simulated vLLM instances."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.config import InstanceConfig, Settings
+from app.server import BackgroundServer, free_port
+from app.sim.cluster import SimCluster
+
+BLOCK = 16
+WAIT = 15.0
+
+
+def wait_for(check: Callable[[], object], what: str, timeout: float = WAIT) -> object:
+    """Poll `check` until it returns something truthy; fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[SimCluster]:
+    with SimCluster(n=2, block_size=BLOCK, num_blocks=64, model="sim-model") as sim:
+        yield sim
+
+
+def start_service(**overrides: object) -> BackgroundServer:
+    settings = Settings(host="127.0.0.1", port=free_port(), log_level="warning", **overrides)
+    return BackgroundServer(settings).start()
+
+
+@pytest.fixture
+def service() -> Iterator[BackgroundServer]:
+    server = start_service(max_prompt_tokens=4096, max_body_bytes=256 * 1024)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def client(service: BackgroundServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=service.url, timeout=10.0) as http:
+        yield http
+
+
+def register(client: httpx.Client, url: str, **extra: object) -> dict:
+    answer = client.post("/v1/instances", json={"url": url, **extra})
+    assert answer.status_code == 201, answer.text
+    instance = answer.json()
+    wait_for(lambda: client.get(f"/v1/instances/{instance['id']}").json()["state"] == "live",
+             f"{instance['id']} to go live")
+    return instance
+
+
+def complete(url: str, tokens: list[int]) -> dict:
+    answer = httpx.post(f"{url}/v1/completions",
+                        json={"model": "sim-model", "prompt": tokens, "max_tokens": 1},
+                        timeout=10.0)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def unique_tokens(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 30_000 + 1 for i in range(n)]
+
+
+def route(client: httpx.Client, **body: object) -> httpx.Response:
+    return client.post("/v1/route", json=body)
+
+
+def route_until(client: httpx.Client, matched_tokens: int, what: str, **body: object) -> dict:
+    """Route `body` until the best answer matches `matched_tokens` (events are asynchronous)."""
+
+    def check() -> dict | None:
+        answer = route(client, **body).json()
+        return answer if answer.get("matched_tokens") == matched_tokens else None
+
+    return wait_for(check, what)
+
+
+def test_register_route_and_delete(cluster: SimCluster, client: httpx.Client):
+    a = register(client, cluster.urls[0])
+    b = register(client, cluster.urls[1])
+    assert {i["id"] for i in client.get("/v1/instances").json()["instances"]} == {a["id"],
+                                                                                 b["id"]}
+    assert a["models"] == ["sim-model"] and a["block_size"] == BLOCK
+
+    prompt = unique_tokens(1, 3 * BLOCK + 5)
+    complete(cluster.urls[1], prompt)
+    answer = route_until(client, 3 * BLOCK, "kvroute to learn the prompt from B's events",
+                         token_ids=prompt)
+    assert answer["instance"] == b["id"] and answer["url"] == cluster.urls[1]
+    assert answer["matched_blocks"] == 3 and answer["prompt_tokens"] == len(prompt)
+    scores = {s["instance"]: s for s in answer["scores"]}
+    assert scores[b["id"]]["by_medium"]["GPU"] == 3 and scores[b["id"]]["block_size"] == BLOCK
+    assert scores[a["id"]]["matched_tokens"] == 0
+
+    detail = client.get(f"/v1/instances/{b['id']}").json()
+    assert detail["workers"][0]["holdings"]["GPU"] >= 3
+    assert detail["workers"][0]["state"] == "live"
+
+    # The same blocks asked for by vLLM block hashes (B's own hash values).
+    hashes = cluster.engines[1].block_hashes(prompt)
+    by_hash = route(client, block_hashes=[h if isinstance(h, int) else h.hex() for h in hashes])
+    assert by_hash.status_code == 200, by_hash.text
+    assert by_hash.json()["instance"] == b["id"] and by_hash.json()["matched_blocks"] == 3
+
+    assert client.delete(f"/v1/instances/{b['id']}").json() == {"deleted": b["id"]}
+    after = route(client, token_ids=prompt).json()
+    assert after["instance"] == a["id"] and after["matched_tokens"] == 0
+    assert [s["instance"] for s in after["scores"]] == [a["id"]]
+    assert client.get(f"/v1/instances/{b['id']}").status_code == 404
+
+
+def test_ties_rotate_and_candidates_limit(cluster: SimCluster, client: httpx.Client):
+    a, b = (register(client, url) for url in cluster.urls)
+    cold = unique_tokens(99, 2 * BLOCK)
+    chosen = {route(client, token_ids=cold).json()["instance"] for _ in range(6)}
+    assert chosen == {a["id"], b["id"]}
+
+    only_a = route(client, token_ids=cold, candidates=[a["id"]]).json()
+    assert only_a["instance"] == a["id"] and len(only_a["scores"]) == 1
+    unknown = route(client, token_ids=cold, candidates=[a["id"], "nope", "zz"])
+    assert unknown.status_code == 422
+    assert unknown.json()["field"] == "candidates" and unknown.json()["unknown"] == ["nope", "zz"]
+
+
+def test_model_filter(cluster: SimCluster, client: httpx.Client):
+    a = register(client, cluster.urls[0])
+    register(client, cluster.urls[1], id="other", model="other-model")
+    tokens = unique_tokens(5, BLOCK)
+    assert route(client, token_ids=tokens, model="sim-model").json()["instance"] == a["id"]
+    assert route(client, token_ids=tokens, model="other-model").json()["instance"] == "other"
+    missing = route(client, token_ids=tokens, model="absent")
+    assert missing.status_code == 503 and "absent" in missing.json()["error"]
+
+
+def test_no_workers_is_503(client: httpx.Client):
+    answer = route(client, token_ids=[1, 2, 3])
+    assert answer.status_code == 503
+    assert answer.json()["error"].startswith("no eligible worker")
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "field"),
+    [
+        (b"{not json", 400, None),
+        (b'{"token_ids": [1, 2.5]}', 422, "token_ids[1]"),
+        (b'{"token_ids": [1, true]}', 422, "token_ids[1]"),
+        (b'{"token_ids": [-1]}', 422, "token_ids[0]"),
+        (b'{"token_ids": [4294967296]}', 422, "token_ids[0]"),
+        (b'{"token_ids": "1 2 3"}', 422, "token_ids"),
+        (b'{"tokens": [1]}', 422, "tokens"),
+        (b"{}", 422, "token_ids"),
+        (b'{"token_ids": [1], "prompt": "x"}', 422, "prompt"),
+        (b'{"block_hashes": ["xyz"]}', 422, "block_hashes[0]"),
+        (b'{"block_hashes": [1.5]}', 422, "block_hashes[0]"),
+        (b'{"prompt": "hello"}', 422, "prompt"),
+        (b'{"messages": [{"content": "hi"}]}', 422, "messages[0]"),
+        (b'{"token_ids": [1], "candidates": "a"}', 422, "candidates"),
+        (b'{"token_ids": [1], "lora_name": 3}', 422, "lora_name"),
+        (b'[1, 2]', 422, None),
+    ],
+)
+def test_bad_route_requests_name_the_field(cluster, client, body, status, field):
+    register(client, cluster.urls[0])
+    answer = client.post("/v1/route", content=body,
+                         headers={"content-type": "application/json"})
+    assert answer.status_code == status, answer.text
+    assert answer.json()["field"] == field
+    assert answer.json()["error"]
+
+
+def test_size_limits(cluster: SimCluster, client: httpx.Client):
+    register(client, cluster.urls[0])
+    too_many = route(client, token_ids=list(range(4097)))
+    assert too_many.status_code == 413 and too_many.json()["field"] == "token_ids"
+    huge = client.post("/v1/route", content=b"[" + b"1," * 200_000 + b"1]")
+    assert huge.status_code == 413
+
+
+def test_instance_api_errors(cluster: SimCluster, client: httpx.Client):
+    assert client.post("/v1/instances", json={"url": "ftp://x"}).json()["field"] == "url"
+    assert client.post("/v1/instances", json={}).status_code == 422
+    assert client.post("/v1/instances", content=b"nope").status_code == 400
+    dead = client.post("/v1/instances", json={"url": f"http://127.0.0.1:{free_port()}"})
+    assert dead.status_code == 502 and dead.json()["field"] == "url"
+    register(client, cluster.urls[0])
+    duplicate = client.post("/v1/instances", json={"url": cluster.urls[0]})
+    assert duplicate.status_code == 409
+    assert client.get("/v1/instances/missing").status_code == 404
+    assert client.delete("/v1/instances/missing").status_code == 404
+
+
+def test_text_prompts_through_the_instance_tokenizer(cluster: SimCluster):
+    server = start_service(tokenizer="instance")
+    try:
+        with httpx.Client(base_url=server.url, timeout=10.0) as client:
+            a = register(client, cluster.urls[0])
+            text = "the quick brown fox " * 40
+            tokens = httpx.post(f"{cluster.urls[0]}/tokenize", json={"prompt": text}).json()
+            complete(cluster.urls[0], tokens["tokens"])
+            full = (len(tokens["tokens"]) - 1) // BLOCK * BLOCK
+            answer = route_until(client, full, "text prompt to match", prompt=text)
+            assert answer["instance"] == a["id"]
+            assert answer["prompt_tokens"] == len(tokens["tokens"])
+    finally:
+        server.stop()
+
+
+def test_text_prompts_through_a_local_tokenizer(tmp_path, cluster: SimCluster):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{f"w{i}": i + 1 for i in range(100)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    server = start_service(tokenizer=str(tmp_path))
+    try:
+        with httpx.Client(base_url=server.url, timeout=10.0) as client:
+            a = register(client, cluster.urls[0])
+            words = [f"w{(i * 37) % 100}" for i in range(3 * BLOCK + 1)]
+            ids = [vocab[w] for w in words]
+            complete(cluster.urls[0], ids)
+            answer = route_until(client, 3 * BLOCK, "local tokens", prompt=" ".join(words))
+            assert answer["instance"] == a["id"] and answer["prompt_tokens"] == 3 * BLOCK + 1
+            chat = route(client, messages=[{"role": "user", "content": "w1"}])
+            assert chat.status_code in (400, 422) and chat.json()["field"] == "messages"
+    finally:
+        server.stop()
+
+
+def test_metrics_expose_counters(cluster: SimCluster, client: httpx.Client):
+    a = register(client, cluster.urls[0])
+    complete(cluster.urls[0], unique_tokens(7, 2 * BLOCK + 1))
+    route_until(client, 2 * BLOCK, "events to arrive", token_ids=unique_tokens(7, 2 * BLOCK + 1))
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(client.get("/metrics").text)
+        for sample in family.samples
+    }
+    worker = (("dp_rank", "0"), ("instance", a["id"]))
+    for name in ("kvroute_events_total", "kvroute_blocks_total", "kvroute_sequence_gaps_total",
+                 "kvroute_replays_total", "kvroute_malformed_frames_total",
+                 "kvroute_degraded_total", "kvroute_engine_restarts_total"):
+        assert (name, worker) in samples, name
+    assert samples[("kvroute_events_total", worker)] >= 1
+    assert samples[("kvroute_blocks_total", worker)] >= 2
+    assert samples[("kvroute_worker_state", (*worker, ("state", "live")))] == 1.0
+    assert samples[("kvroute_worker_holdings", (("dp_rank", "0"), ("instance", a["id"]),
+                                                 ("medium", "GPU")))] >= 2
+    assert samples[("kvroute_route_latency_seconds_count", (("input", "token_ids"),))] >= 1
+    assert samples[("kvroute_route_match_ratio_count", ())] >= 1
+    assert samples[("kvroute_instances", ())] == 1
+
+
+def test_readiness_waits_for_configured_workers(cluster: SimCluster):
+    server = start_service(instances=(InstanceConfig(url=cluster.urls[0]),),
+                           ready_grace_seconds=600)
+    try:
+        ready = wait_for(lambda: (r := httpx.get(f"{server.url}/readyz")).status_code == 200
+                         and r.json(), "readiness")
+        assert ready["reason"] == "all configured workers are live"
+        assert httpx.get(f"{server.url}/healthz").json() == {"status": "ok"}
+    finally:
+        server.stop()
+
+
+def test_readiness_grace_for_unreachable_instance():
+    dead = f"http://127.0.0.1:{free_port()}"
+    server = start_service(instances=(InstanceConfig(url=dead),), ready_grace_seconds=1.0)
+    try:
+        first = httpx.get(f"{server.url}/readyz")
+        assert first.status_code == 503 and "discovering" in first.json()["reason"]
+        later = wait_for(lambda: (r := httpx.get(f"{server.url}/readyz")).status_code == 200
+                         and r.json(), "grace period")
+        assert "grace period over" in later["reason"]
+        listed = httpx.get(f"{server.url}/v1/instances").json()["instances"]
+        assert listed[0]["state"] == "discovering" and "discovery_error" in listed[0]
+    finally:
+        server.stop()
+
+
+def test_prompt_ending_on_a_block_boundary_matches_what_vllm_reuses(cluster, client):
+    """vLLM recomputes a prompt's last token, so a prompt of exactly k full blocks reuses
+    k - 1 of them; kvroute's matched_tokens must say the same as vLLM's cached_tokens."""
+    register(client, cluster.urls[0])
+    prompt = unique_tokens(11, 3 * BLOCK)
+    complete(cluster.urls[0], prompt)
+    answer = route_until(client, 2 * BLOCK, "the boundary prompt", token_ids=prompt)
+    again = complete(cluster.urls[0], prompt)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == answer["matched_tokens"]
+
+
+def test_data_parallel_ranks_are_separate_workers():
+    with SimCluster(n=1, block_size=BLOCK, num_blocks=64, dp_size=2) as sim:
+        server = start_service()
+        try:
+            with httpx.Client(base_url=server.url, timeout=10.0) as client:
+                instance = register(client, sim.urls[0])
+                assert instance["dp_size"] == 2
+                prompt = unique_tokens(21, 2 * BLOCK + 3)
+                sim.complete(0, prompt, dp_rank=1)
+                answer = route_until(client, 2 * BLOCK, "rank 1 to hold the prompt",
+                                     token_ids=prompt)
+                assert (answer["instance"], answer["dp_rank"]) == (instance["id"], 1)
+                ranks = {s["dp_rank"]: s["matched_tokens"] for s in answer["scores"]}
+                assert ranks == {1: 2 * BLOCK, 0: 0}
+        finally:
+            server.stop()
