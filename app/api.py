@@ -115,11 +115,8 @@ class Service:
         self._ready = False
 
     async def start(self) -> None:
-        for config in self.settings.instances:
-            try:
-                instance = await self.registry.add(config, wait_for_discovery=False)
-            except DuplicateInstance as exc:
-                raise ConfigError(f"instance id {exc} is configured twice") from None
+        for config in self.settings.instances:  # ids are unique: load_settings checked
+            instance = await self.registry.add(config, wait_for_discovery=False)
             self._configured.append(instance)
 
     async def close(self) -> None:

@@ -230,6 +230,11 @@ def load_settings(
                       "environment")
     if flags:
         settings = _apply(settings, dict(flags), "command line")
+    ids = [default_instance_id(instance) for instance in settings.instances]
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if repeated:
+        raise ConfigError(f"instance id(s) {', '.join(repeated)} configured more than once; "
+                          "give each instance a distinct `id`")
     return settings
 
 

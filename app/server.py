@@ -7,6 +7,7 @@ lifespan shutdown (subscribers stopped, sockets closed) before it returns.
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import time
@@ -34,7 +35,13 @@ def _config(settings: Settings) -> uvicorn.Config:
 def serve_forever(settings: Settings) -> int:
     """Serve until SIGINT/SIGTERM; the exit status for the CLI."""
     server = uvicorn.Server(_config(settings))
-    server.run()
+    # uvicorn shuts down gracefully on SIGTERM and then raises the signal again with the
+    # previous handler restored; this one makes that a no-op, so a clean stop exits 0.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0 if server.started else 1
 
 

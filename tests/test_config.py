@@ -87,3 +87,9 @@ def test_default_instance_id_from_url():
     assert default_instance_id(InstanceConfig(url="http://h:8001")) == "h:8001"
     assert default_instance_id(InstanceConfig(url="https://h")) == "h:443"
     assert default_instance_id(InstanceConfig(events=("tcp://h:5557",))) == "h:5557"
+
+
+def test_an_instance_configured_twice_is_refused(tmp_path):
+    path = write(tmp_path, '[[instances]]\nurl = "http://a:8000"\n')
+    with pytest.raises(ConfigError, match="a:8000 configured more than once"):
+        load_settings(path, environ={"KVROUTE_INSTANCES": "http://a:8000/"})

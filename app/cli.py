@@ -1,0 +1,92 @@
+"""`kvroute`: serve the routing API, run the simulated demo, or tail an event stream."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from app.config import ConfigError, load_settings
+
+__all__ = ["main"]
+
+
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser(
+        "serve", help="run the routing service",
+        description="Follow vLLM instances' KV events and answer routing queries over HTTP. "
+                    "Settings: defaults < --config file < KVROUTE_* environment < flags.")
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port to bind (default 8000)")
+    serve.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    serve.add_argument("--instance", metavar="URL", action="append", default=[],
+                       help="a vLLM instance's HTTP URL; repeat for several")
+    serve.add_argument("--tokenizer", help='"instance" or a tokenizer.json path, for text prompts')
+    serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from app.server import serve_forever
+
+    flags = {"host": args.host, "port": args.port, "tokenizer": args.tokenizer,
+             "log_level": args.log_level,
+             "instances": [{"url": url} for url in args.instance] or None}
+    settings = load_settings(args.config, flags=flags)
+    return serve_forever(settings)
+
+
+def _add_demo(subparsers: argparse._SubParsersAction) -> None:
+    demo = subparsers.add_parser(
+        "demo", help="run kvroute against a built-in simulated vLLM cluster",
+        description="Starts simulated vLLM instances on loopback, registers them with a "
+                    "kvroute service, drives a small workload and prints a live summary.")
+    demo.add_argument("--port", type=int, default=8000, help="kvroute's port (default 8000)")
+    demo.add_argument("--instances", type=int, default=4, help="simulated instances (default 4)")
+    demo.add_argument("--duration", type=float, default=None,
+                      help="stop after this many seconds (default: run until Ctrl-C)")
+    demo.add_argument("--seed", type=int, default=0, help="workload seed")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from app.demo import run_demo
+
+    return run_demo(port=args.port, instances=args.instances, duration=args.duration,
+                    seed=args.seed)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from app import tail
+
+    parser = argparse.ArgumentParser(prog="kvroute",
+                                     description="KV-cache-aware routing for vLLM fleets")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(subparsers)
+    _add_demo(subparsers)
+    tail.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # One line per outgoing request (discovery, /tokenize) drowns everything else.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "demo":
+            return _demo(args)
+        from app import tail
+
+        return tail.run(args)
+    except ConfigError as exc:
+        print(f"kvroute: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
