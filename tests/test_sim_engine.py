@@ -299,6 +299,18 @@ def test_bad_requests_are_refused_with_a_reason(prompt, output, message):
         engine.add_request("x", prompt, output)
 
 
+def test_aborted_requests_free_their_blocks_and_keep_what_they_cached():
+    engine = Engine(num_blocks=16, block_size=4, seed=1, max_num_seqs=1)
+    engine.add_request("long", list(range(10)), [1] * 20)
+    engine.add_request("queued", [5, 5], [1])
+    engine.step()
+    assert engine.num_free_blocks < 15
+    assert engine.abort_request("long") and engine.abort_request("queued")
+    assert not engine.abort_request("long") and not engine.has_work()
+    assert engine.num_free_blocks == 15
+    assert engine.lookup(list(range(10))) == 8
+
+
 def test_duplicate_request_ids_are_refused():
     engine = Engine(num_blocks=8, block_size=16, seed=1)
     engine.add_request("x", [1], [1])

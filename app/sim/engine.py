@@ -274,6 +274,20 @@ class Engine:
         self._ids.add(request_id)
         self._waiting.append(req)
 
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a queued or running request (a client that went away); its blocks are freed
+        like a finished request's, so what it cached stays cached. False if unknown."""
+        if request_id not in self._ids:
+            return False
+        self._ids.discard(request_id)
+        for req in self._running:
+            if req.request_id == request_id:
+                self._running.remove(req)
+                self._free_request_blocks(req)
+                return True
+        self._waiting = deque(r for r in self._waiting if r.request_id != request_id)
+        return True
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False) while any block is in use, as in vLLM."""
         if len(self._free) != self.num_blocks - 1:
