@@ -104,14 +104,6 @@ class _ArrayAllBlocksCleared(AllBlocksCleared, array_like=True, tag="AllBlocksCl
     pass
 
 
-_ARRAY_CLASS: dict[type, type] = {
-    BlockStored: _ArrayBlockStored,
-    BlockRemoved: _ArrayBlockRemoved,
-    AllBlocksCleared: _ArrayAllBlocksCleared,
-    _ArrayBlockStored: _ArrayBlockStored,
-    _ArrayBlockRemoved: _ArrayBlockRemoved,
-    _ArrayAllBlocksCleared: _ArrayAllBlocksCleared,
-}
 # Fields vLLM always wrote in the array form (no defaults there); later fields are written
 # only up to the last one that is set, as an older vLLM would have.
 _ARRAY_REQUIRED = {BlockStored: 6, BlockRemoved: 2, AllBlocksCleared: 0}
