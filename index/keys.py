@@ -70,28 +70,12 @@ def extra_suffix(extra: Any, lora_name: str | None) -> bytes:
     """
     if extra is None:
         return b""
-    if isinstance(extra, str | bytes):
-        extra = (extra,)
-    try:
-        items = list(extra)
-    except TypeError:
-        items = [extra]
+    items = list(extra) if isinstance(extra, list | tuple) else [extra]
     if lora_name is not None and items and items[0] == lora_name:
         items = items[1:]
     if not items:
         return b""
     try:
-        encoded = _extra_encoder.encode(items)
+        return _EXTRA_TAG + _extra_encoder.encode(items)
     except (TypeError, ValueError, msgspec.EncodeError):
-        encoded = repr(items).encode("utf-8", "surrogatepass")
-    return _EXTRA_TAG + encoded
-
-
-def chain_keys(parent: bytes, tokens: memoryview, block_size: int, blocks: int) -> list[bytes]:
-    """Keys of ``blocks`` consecutive blocks hanging off ``parent`` (no extra keys)."""
-    keys = []
-    append = keys.append
-    for start in range(0, blocks * block_size, block_size):
-        parent = xxh3_128_digest(parent + tokens[start : start + block_size])
-        append(parent)
-    return keys
+        raise ValueError(f"extra_keys entry {extra!r} is not made of plain values") from None
