@@ -366,6 +366,7 @@ def plot(results: dict[str, dict[str, dict[str, Any]]], out: Path) -> list[str]:
     names = list(results)
     policies = [p for p in POLICIES if any(p in results[w] for w in names)]
     width = 0.8 / len(policies)
+    colors = plt.get_cmap("tab20").colors  # 11 policies: tab10 would repeat a colour
     files = []
     for metric, label, fname in (("hit_rate", "prefix-cache hit rate", "hitrate.png"),
                                  ("ttft_p50_ms", "TTFT p50 (ms, modelled)", "ttft_p50.png"),
@@ -374,7 +375,7 @@ def plot(results: dict[str, dict[str, dict[str, Any]]], out: Path) -> list[str]:
         for j, policy in enumerate(policies):
             xs = [i + j * width for i in range(len(names))]
             ys = [results[w].get(policy, {}).get(metric, 0.0) for w in names]
-            ax.bar(xs, ys, width, label=policy)
+            ax.bar(xs, ys, width, label=policy, color=colors[j % len(colors)])
         ax.set_xticks([i + width * (len(policies) - 1) / 2 for i in range(len(names))], names)
         ax.set_ylabel(label)
         top = max((results[w].get(p, {}).get(metric, 0.0) for w in names for p in policies),
