@@ -51,6 +51,8 @@ def test_index_fed_by_events_matches_every_engine(block_size, num_blocks, encodi
         for probe in probes:
             matches = index.match(probe)
             for j, engine in enumerate(engines):
+                if engine.unpublished_events:
+                    continue  # a reset not yet announced: the index cannot know it yet
                 got = matches[workers[j]].tokens if workers[j] in matches else 0
                 assert got == engine.lookup(probe), (j, probe)
 
@@ -70,3 +72,5 @@ def test_index_fed_by_events_matches_every_engine(block_size, num_blocks, encodi
                 break
             step(i)
         step(i)  # one idle step publishes a pending AllBlocksCleared
+    assert not any(engine.unpublished_events for engine in engines)
+    step(0)  # every engine checked against the index with nothing left unannounced

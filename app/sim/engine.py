@@ -236,6 +236,12 @@ class Engine:
         """Fraction of usable blocks in use (vLLM's ``kv_cache_usage_perc``, 0..1)."""
         return 1.0 - len(self._free) / (self.num_blocks - 1)
 
+    @property
+    def unpublished_events(self) -> int:
+        """Events waiting for the next step's batch (a reset's ``AllBlocksCleared``); while
+        there are any, the cache differs from what the published events describe."""
+        return len(self._events)
+
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)
 
