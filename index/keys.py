@@ -9,7 +9,7 @@ the same keys whatever their vLLM hash seeds are.
 Invariants:
 - Keys are 16-byte ``bytes`` objects (their Python hash is cached in the object, which
   makes them cheap dict keys).
-- Token ids are encoded as unsigned 32-bit little-endian ints; anything outside
+- Token ids are encoded as unsigned 32-bit ints (native byte order); anything outside
   ``[0, 2**32)`` or not an int is rejected with ``ValueError``, never truncated.
 - Why 128 bits: a key stands in for its whole prefix, so two different prefixes with one
   key would make the index answer "held" for a block nobody holds. With n live keys the
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 import msgspec
@@ -33,7 +34,8 @@ from xxhash import xxh3_128_digest
 
 KEY_BYTES = 16
 TOKEN_TYPECODE = "I"
-assert array(TOKEN_TYPECODE).itemsize == 4, "token ids are stored as 32-bit unsigned ints"
+TOKEN_BYTES = 4
+assert array(TOKEN_TYPECODE).itemsize == TOKEN_BYTES, "token ids are 32-bit unsigned ints"
 
 _ROOT_TAG = b"kvroute/root/v1\x00"
 _NO_LORA = b"\x00"
@@ -43,16 +45,18 @@ _EXTRA_TAG = b"\xff"
 _extra_encoder = msgspec.msgpack.Encoder()
 
 
+@lru_cache(maxsize=1024)
 def root_key(block_size: int, lora_name: str | None) -> bytes:
-    """The parent key of every first block in the (block size, LoRA) domain."""
+    """The parent key of every first block in the (block size, LoRA) domain (memoized)."""
     lora = _NO_LORA if lora_name is None else _LORA + lora_name.encode("utf-8", "surrogatepass")
     return xxh3_128_digest(_ROOT_TAG + block_size.to_bytes(4, "little") + lora)
 
 
-def token_buffer(token_ids: Sequence[int]) -> memoryview:
-    """Token ids as a flat buffer of uint32 items, sliceable per block without copying."""
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as uint32 bytes (native order: keys never leave the process); block k of
+    size bs is ``[k*4*bs:(k+1)*4*bs]``."""
     try:
-        return memoryview(array(TOKEN_TYPECODE, token_ids))
+        return array(TOKEN_TYPECODE, token_ids).tobytes()
     except OverflowError:
         raise ValueError("token ids must be in [0, 2**32)") from None
     except TypeError:

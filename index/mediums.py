@@ -20,19 +20,20 @@ FIELD_MASK = (1 << FIELD_BITS) - 1
 UNITS: tuple[int, int, int] = (1, 1 << FIELD_BITS, 1 << (2 * FIELD_BITS))
 GPU_ONCE = UNITS[GPU]
 
-_TIER_OF: dict[str | None, int] = {None: GPU}
+# Exact spellings -> tier; hot paths look up here first and fall back to tier_of().
+TIER_OF: dict[str | None, int] = {None: GPU}
 for _number, _name in enumerate(TIER_NAMES):
-    _TIER_OF[_name] = _number
-    _TIER_OF[_name.lower()] = _number
+    TIER_OF[_name] = _number
+    TIER_OF[_name.lower()] = _number
 
 
 def tier_of(medium: str | None) -> int:
     """The tier number of a vLLM ``medium`` (None means GPU; any letter case is accepted)."""
-    tier = _TIER_OF.get(medium)  # type: ignore[arg-type]
+    tier = TIER_OF.get(medium)  # type: ignore[arg-type]
     if tier is not None:
         return tier
     if isinstance(medium, str):
-        tier = _TIER_OF.get(medium.upper())
+        tier = TIER_OF.get(medium.upper())
         if tier is not None:
             return tier
     raise ValueError(f"unknown medium {medium!r}: expected one of GPU, CPU, STORAGE or None")

@@ -43,7 +43,7 @@ from typing import Any
 
 from xxhash import xxh3_128_digest
 
-from index.keys import extra_suffix, root_key, token_buffer
+from index.keys import TOKEN_BYTES, extra_suffix, root_key, token_bytes
 from index.mediums import (
     CPU,
     FIELD_MASK,
@@ -51,6 +51,7 @@ from index.mediums import (
     GPU_ONCE,
     STORAGE,
     TIER_NAMES,
+    TIER_OF,
     UNITS,
     count_in,
     fastest,
@@ -77,17 +78,16 @@ def _fingerprint_bits(parent: bytes) -> int:
     return (hash(parent) & FP_MASK) << FP_SHIFT
 
 
-def _normalized_hashes(block_hashes: Sequence[BlockHash]) -> Sequence[BlockHash]:
-    """Engine hashes as handles: signed 64-bit ints become their unsigned twins.
+def _has_negative(block_hashes: Sequence[BlockHash]) -> bool:
+    """Whether a list of int hashes needs ``_normalized_hashes`` (one C-level ``min``)."""
+    try:
+        return min(block_hashes) < 0  # type: ignore[type-var,operator]
+    except TypeError:
+        return True  # ints mixed with other things: normalized (and checked) one by one
 
-    The common case (all ints, none negative) is checked with one C-level ``min``.
-    """
-    if type(block_hashes[0]) is int:
-        try:
-            if min(block_hashes) >= 0:  # type: ignore[type-var]
-                return block_hashes
-        except TypeError:
-            pass  # ints mixed with bytes: fine as handles, normalized one by one
+
+def _normalized_hashes(block_hashes: Sequence[BlockHash]) -> list[BlockHash]:
+    """Engine hashes as handles: signed 64-bit ints become their unsigned twins."""
     return [_normalized_hash(h) for h in block_hashes]
 
 
@@ -173,9 +173,12 @@ class PrefixIndex:
             self._worker(worker).groups[group_idx] = False
             self._ignored_blocks += len(block_hashes)
             return
-        tier = tier_of(medium)
+        try:
+            tier = TIER_OF[medium]
+        except (KeyError, TypeError):
+            tier = tier_of(medium)  # other letter cases, or a ValueError
         blocks = len(block_hashes)
-        if blocks:
+        if blocks and (type(block_hashes[0]) is not int or _has_negative(block_hashes)):
             block_hashes = _normalized_hashes(block_hashes)
         if not token_ids:
             w = self._worker(worker)
@@ -190,14 +193,16 @@ class PrefixIndex:
             )
         if extra_keys is not None and len(extra_keys) != blocks:
             raise ValueError(f"{len(extra_keys)} extra_keys entries for {blocks} blocks")
-        tokens = token_buffer(token_ids)
+        tokens = token_bytes(token_ids)
         suffixes = None
         if extra_keys is not None and extra_keys.count(None) != blocks:
             suffixes = [extra_suffix(extra, lora_name) for extra in extra_keys]
             if not any(suffixes):
                 suffixes = None
         parent_hash = None if parent_block_hash is None else _normalized_hash(parent_block_hash)
-        w = self._worker(worker)
+        w = self._workers.get(worker)
+        if w is None:
+            w = self._worker(worker)
         w.groups[group_idx] = True
         w.block_size = block_size
         if parent_hash is None:
@@ -210,13 +215,13 @@ class PrefixIndex:
                 return
             parent_key = found
             flag = 0
-        if suffixes is not None:
-            self._store_chain_with_extras(w, block_hashes, parent_key, flag, tokens,
-                                          block_size, suffixes, tier)
+        step = block_size * TOKEN_BYTES
+        if suffixes is not None or tier != GPU:
+            self._store_chain(w, block_hashes, parent_key, flag, tokens, step, suffixes, tier)
             return
 
         # Hot path: one pass over the chain, hashing and placing each block; anything but
-        # "a new handle on GPU for a block this worker does not hold yet" goes to _hold.
+        # "a new handle for a block this worker does not hold yet" goes to _hold.
         digest = xxh3_128_digest
         handles = w.handles
         get_handle = handles.get
@@ -224,47 +229,41 @@ class PrefixIndex:
         get_node = nodes.get
         bit = w.bit
         placed = 0
-        start = 0
-        on_gpu = tier == GPU
-        for block_hash in block_hashes:
-            end = start + block_size
-            key = digest(parent_key + tokens[start:end])
-            start = end
-            if on_gpu and get_handle(block_hash) is None:
+        for block_hash, start in zip(block_hashes, range(0, blocks * step, step), strict=True):
+            key = digest(parent_key + tokens[start : start + step])
+            if get_handle(block_hash) is None:
                 value = get_node(key)
                 if value is None:
                     nodes[key] = bit | flag | ((hash(parent_key) & FP_MASK) << FP_SHIFT)
+                    handles[block_hash] = key
+                    placed += 1
                 elif not value & bit:
                     nodes[key] = value | bit
+                    handles[block_hash] = key
+                    placed += 1
                 else:
                     self._hold(w, block_hash, key, GPU, 0)
-                    parent_key = key
-                    flag = 0
-                    continue
-                handles[block_hash] = key
-                placed += 1
             else:
-                self._hold(w, block_hash, key, tier, flag | _fingerprint_bits(parent_key))
+                self._hold(w, block_hash, key, GPU, flag | _fingerprint_bits(parent_key))
             parent_key = key
             flag = 0
         w.held[GPU] += placed
 
-    def _store_chain_with_extras(
+    def _store_chain(
         self,
         w: _Worker,
         block_hashes: Sequence[BlockHash],
         parent_key: bytes,
         flag: int,
-        tokens: memoryview,
-        block_size: int,
-        suffixes: list[bytes],
+        tokens: bytes,
+        step: int,
+        suffixes: list[bytes] | None,
         tier: int,
     ) -> None:
-        start = 0
-        for block_hash, suffix in zip(block_hashes, suffixes, strict=True):
-            end = start + block_size
-            key = xxh3_128_digest(parent_key + tokens[start:end] + suffix)
-            start = end
+        """The general path of ``apply_stored``: every block through ``_hold``."""
+        for k, block_hash in enumerate(block_hashes):
+            data = parent_key + tokens[k * step : (k + 1) * step]
+            key = xxh3_128_digest(data + suffixes[k] if suffixes else data)
             self._hold(w, block_hash, key, tier, flag | _fingerprint_bits(parent_key))
             parent_key = key
             flag = 0
@@ -339,10 +338,15 @@ class PrefixIndex:
         fatal; removals in a group whose stores announced a non-full-attention kind are
         ignored (and counted).
         """
-        tier = tier_of(medium)
-        if block_hashes:
+        try:
+            tier = TIER_OF[medium]
+        except (KeyError, TypeError):
+            tier = tier_of(medium)
+        if block_hashes and (type(block_hashes[0]) is not int or _has_negative(block_hashes)):
             block_hashes = _normalized_hashes(block_hashes)
-        w = self._worker(worker)
+        w = self._workers.get(worker)
+        if w is None:
+            w = self._worker(worker)
         if w.groups.get(group_idx) is False:
             self._ignored_removals += len(block_hashes)
             return
@@ -519,7 +523,7 @@ class PrefixIndex:
         by tokens alone. Raises ``ValueError`` for token ids outside ``[0, 2**32)``.
         """
         targets = self._select(workers)
-        tokens = token_buffer(token_ids)
+        tokens = token_bytes(token_ids)
         by_size: dict[int, int] = {}
         for w in targets:
             by_size[w.block_size] = by_size.get(w.block_size, 0) | w.bit
@@ -534,7 +538,7 @@ class PrefixIndex:
             self._assemble(result, ended, tiered_hits, block_size)
         return result
 
-    def _walk_tokens(self, parent_key: bytes, tokens: memoryview, block_size: int,
+    def _walk_tokens(self, parent_key: bytes, tokens: bytes, block_size: int,
                      alive: int) -> tuple[list[tuple[int, int]], list[tuple[bytes, int]]]:
         """Hash the query block by block, dropping workers at their first miss.
 
@@ -545,20 +549,21 @@ class PrefixIndex:
         get_node = self._nodes.get
         ended: list[tuple[int, int]] = []
         tiered_hits: list[tuple[bytes, int]] = []
-        stop = len(tokens) - len(tokens) % block_size
-        for start in range(0, stop, block_size):
-            key = digest(parent_key + tokens[start : start + block_size])
+        step = block_size * TOKEN_BYTES
+        stop = len(tokens) - len(tokens) % step
+        for start in range(0, stop, step):
+            key = digest(parent_key + tokens[start : start + step])
             value = get_node(key, 0)
             held = value & alive
             if held != alive:
-                ended.append((alive ^ held, start // block_size))
+                ended.append((alive ^ held, start // step))
                 alive = held
                 if not alive:
                     return ended, tiered_hits
             if value & TIERED:
                 tiered_hits.append((key, alive))
             parent_key = key
-        ended.append((alive, stop // block_size))
+        ended.append((alive, stop // step))
         return ended, tiered_hits
 
     def match_hashes(

@@ -1,0 +1,464 @@
+"""Prefix-index benchmark: ingestion throughput, query latency and memory per holding.
+
+Every figure stands beside a floor measured in the same run, so that results compare across
+noisy machines:
+
+- ingestion: batches in vLLM 0.32.0's map encoding (``[ts, events, dp_rank]``, events as maps
+  with every field vLLM writes), 16-token blocks, chains of 1 to 64 blocks hanging off cached
+  shared system prompts, and in steady state one BlockRemoved (one hash each, as vLLM sends
+  them) per stored block. Measured: decode + apply through ``app.wire.decode_batch`` +
+  ``app.wire.apply_batch`` (the service's path; a typed msgspec decoder of this file when
+  app.wire is absent), apply alone, and the floor: a typed msgspec decode of the same bytes
+  with nothing applied. Blocks counted = blocks stored + blocks removed.
+- queries: 1k, 8k and 32k-token prompts against an index with about 1M holdings spread over
+  4, 32 and 128 workers; the prompt is fully cached by one worker and partly by the others,
+  so the walk never stops early. Floors: a bare chain of dict lookups (one per block) in a
+  1M-entry dict, and the chained hashing of the prompt alone.
+- memory: tracemalloc's traced bytes for building an index of 1M holdings (32 workers), once
+  with no content shared between workers (worst case: one node per holding) and once with
+  every block held by four workers; beside it the index's own estimate (``stats()``).
+  tracemalloc counts requested bytes, not the allocator's rounding.
+
+Usage: python benchmarks/index_bench.py [--quick] [--json-only]
+Prints one JSON object, then a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+import tracemalloc
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from xxhash import xxh3_128_digest
+
+from index import PrefixIndex
+
+BLOCK = 16
+TARGET_INGEST_BLOCKS_PER_S = 1_000_000
+TARGET_INGEST_RATIO = 0.40
+TARGET_QUERY_P99_US = 300.0
+TARGET_BYTES_PER_HOLDING = 250
+
+
+# --------------------------------------------------------------------------- random data
+
+
+def random_tokens(rng: random.Random, count: int) -> list[int]:
+    """Token ids below 2**16, fast (no per-token Python call)."""
+    return array("H", rng.randbytes(2 * count)).tolist()
+
+
+def random_hashes(rng: random.Random, count: int) -> list[int]:
+    """Unsigned 64-bit engine hashes (about half of them >= 2**63, as vLLM's are)."""
+    return array("Q", rng.randbytes(8 * count)).tolist()
+
+
+# --------------------------------------------------------------------------- ingestion mix
+
+
+def stored_event(hashes: list[int], parent: int | None, tokens: list[int]) -> dict[str, Any]:
+    """A BlockStored map exactly as vLLM 0.32.0 writes it (see shared/fixtures)."""
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": BLOCK,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "extra_keys": [None] * len(hashes),
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+    }
+
+
+def removed_event(block_hash: int) -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": [block_hash], "medium": "GPU",
+            "group_idx": 0}
+
+
+@dataclass
+class IngestWorkload:
+    """Encoded batches per phase: warm-up (filling the caches) then steady state."""
+
+    warmup: list[tuple[int, bytes]] = field(default_factory=list)  # (worker number, payload)
+    steady: list[tuple[int, bytes]] = field(default_factory=list)
+    steady_blocks: int = 0  # stored + removed blocks in the steady batches
+
+
+def build_ingest_workload(workers: int, capacity: int, steady_blocks: int,
+                          seed: int = 1) -> IngestWorkload:
+    """Engines that each cache ``capacity`` tail blocks (FIFO eviction) besides 32 shared
+    system prompts of 2..32 blocks; every request stores a 1..64-block tail (and its system
+    prompt the first time a worker sees it). One batch = one engine step = 1..4 requests.
+    """
+    rng = random.Random(seed)
+    system_prompts = [random_tokens(rng, BLOCK * rng.randint(2, 32)) for _ in range(32)]
+    prompt_hashes = [[random_hashes(rng, len(p) // BLOCK) for p in system_prompts]
+                     for _ in range(workers)]
+    cached_prompts: list[set[int]] = [set() for _ in range(workers)]
+    fifo: list[list[int]] = [[] for _ in range(workers)]
+    fifo_head = [0] * workers
+    workload = IngestWorkload()
+    encoder = msgspec.msgpack.Encoder()
+    ts = 1_700_000_000.0
+    while workload.steady_blocks < steady_blocks:
+        worker = rng.randrange(workers)
+        events: list[dict[str, Any]] = []
+        blocks_in_batch = 0
+        steady = len(fifo[worker]) - fifo_head[worker] >= capacity
+        for _ in range(rng.randint(1, 4)):
+            which = min(int(rng.paretovariate(1.2)) - 1, 31)
+            tail_blocks = rng.randint(1, 64)
+            tail_tokens = random_tokens(rng, BLOCK * tail_blocks)
+            tail_hashes = random_hashes(rng, tail_blocks)
+            queue, head = fifo[worker], fifo_head[worker]
+            evict = max(0, len(queue) - head + tail_blocks - capacity)
+            for block_hash in queue[head : head + evict]:
+                events.append(removed_event(block_hash))
+            fifo_head[worker] = head + evict
+            blocks_in_batch += evict
+            hashes = prompt_hashes[worker][which]
+            if which in cached_prompts[worker]:
+                events.append(stored_event(tail_hashes, hashes[-1], tail_tokens))
+            else:
+                cached_prompts[worker].add(which)
+                events.append(stored_event(hashes + tail_hashes, None,
+                                           system_prompts[which] + tail_tokens))
+                blocks_in_batch += len(hashes)
+            queue.extend(tail_hashes)
+            blocks_in_batch += tail_blocks
+        if fifo_head[worker] > 4 * capacity:  # keep the FIFO lists short
+            fifo[worker] = fifo[worker][fifo_head[worker]:]
+            fifo_head[worker] = 0
+        ts += 0.01
+        payload = encoder.encode([ts, events, 0])
+        if steady:
+            workload.steady.append((worker, payload))
+            workload.steady_blocks += blocks_in_batch
+        else:
+            workload.warmup.append((worker, payload))
+    return workload
+
+
+# A decoder of this file: the floor (decode only), and decode + apply when app.wire is absent.
+class BenchStored(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
+    block_hashes: list[int]
+    parent_block_hash: int | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int = 0
+    kv_cache_spec_kind: str | None = None
+
+
+class BenchRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved", gc=False):
+    block_hashes: list[int]
+    medium: str | None = None
+    group_idx: int = 0
+
+
+class BenchCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", gc=False):
+    pass
+
+
+class BenchBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[BenchStored | BenchRemoved | BenchCleared]
+    data_parallel_rank: int | None = None
+
+
+_bench_decoder = msgspec.msgpack.Decoder(BenchBatch)
+
+
+def bench_apply(index: PrefixIndex, worker: Any, batch: BenchBatch) -> None:
+    for event in batch.events:
+        if type(event) is BenchStored:
+            index.apply_stored(worker, event.block_hashes, event.parent_block_hash,
+                               event.token_ids, event.block_size, lora_name=event.lora_name,
+                               extra_keys=event.extra_keys, medium=event.medium,
+                               group_idx=event.group_idx,
+                               kv_cache_spec_kind=event.kv_cache_spec_kind)
+        elif type(event) is BenchRemoved:
+            index.apply_removed(worker, event.block_hashes, medium=event.medium,
+                                group_idx=event.group_idx)
+        else:
+            index.clear_worker(worker)
+
+
+def service_codec() -> tuple[str, Callable[[bytes], Any], Callable[[PrefixIndex, Any, Any], Any]]:
+    """The service's decode + apply (app.wire) if present, else this file's."""
+    try:
+        from app.wire import apply_batch, decode_batch
+    except ImportError:
+        return "bench msgspec decoder", _bench_decoder.decode, bench_apply
+    return "app.wire", decode_batch, apply_batch
+
+
+def best_of(repeats: int, run: Callable[[], float]) -> float:
+    return min(run() for _ in range(repeats))
+
+
+def bench_ingestion(quick: bool) -> dict[str, Any]:
+    workers = 8
+    capacity = 2_000 if quick else 8_000
+    workload = build_ingest_workload(workers, capacity, 150_000 if quick else 600_000)
+    codec_name, decode, apply = service_codec()
+    names = [(f"instance-{n}", 0) for n in range(workers)]
+    steady = [(names[w], payload) for w, payload in workload.steady]
+    repeats = 2 if quick else 3
+
+    def warm_index() -> PrefixIndex:
+        index = PrefixIndex()
+        for w, payload in workload.warmup:
+            apply(index, names[w], decode(payload))
+        return index
+
+    def decode_only() -> float:
+        start = time.perf_counter()
+        for _, payload in steady:
+            _bench_decoder.decode(payload)
+        return time.perf_counter() - start
+
+    def decode_and_apply() -> float:
+        index = warm_index()
+        start = time.perf_counter()
+        for worker, payload in steady:
+            apply(index, worker, decode(payload))
+        elapsed = time.perf_counter() - start
+        assert index.stats().unknown_removals == 0 and index.stats().orphaned_blocks == 0
+        return elapsed
+
+    def apply_only() -> float:
+        index = warm_index()
+        decoded = [(worker, decode(payload)) for worker, payload in steady]
+        start = time.perf_counter()
+        for worker, batch in decoded:
+            apply(index, worker, batch)
+        return time.perf_counter() - start
+
+    floor = best_of(repeats, decode_only)
+    full = best_of(repeats, decode_and_apply)
+    applied = best_of(repeats, apply_only)
+    blocks = workload.steady_blocks
+    return {
+        "codec": codec_name,
+        "workers": workers,
+        "capacity_blocks_per_worker": capacity,
+        "steady_batches": len(steady),
+        "steady_blocks": blocks,
+        "payload_bytes": sum(len(p) for _, p in steady),
+        "decode_only_blocks_per_s": blocks / floor,
+        "decode_apply_blocks_per_s": blocks / full,
+        "apply_only_blocks_per_s": blocks / applied,
+        "decode_apply_vs_decode_only": floor / full,
+    }
+
+
+# --------------------------------------------------------------------------- query setup
+
+
+def fill_index(index: PrefixIndex, workers: int, holdings: int, shared_by: int,
+               rng: random.Random, doc: list[int]) -> None:
+    """About ``holdings`` holdings: worker w holds a prefix of ``doc`` (the last worker all
+    of it), the rest in 64-block chains, each chain held by ``shared_by`` workers."""
+    doc_blocks = len(doc) // BLOCK
+    total = 0
+    for w in range(workers):
+        held = max(1, doc_blocks * (w + 1) // workers)
+        index.apply_stored((f"i{w}", 0), random_hashes(rng, held), None,
+                           doc[: held * BLOCK], BLOCK)
+        total += held
+    chain_blocks = 64
+    chains = max(0, holdings - total) // (chain_blocks * shared_by)
+    for c in range(chains):
+        tokens = random_tokens(rng, chain_blocks * BLOCK)
+        first = (c * shared_by) % workers
+        for k in range(shared_by):
+            worker = (f"i{(first + k) % workers}", 0)
+            index.apply_stored(worker, random_hashes(rng, chain_blocks), None, tokens, BLOCK)
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def timed_us(run: Callable[[], Any], repeats: int) -> list[float]:
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        samples.append((time.perf_counter() - start) * 1e6)
+    return samples
+
+
+def bench_queries(quick: bool) -> list[dict[str, Any]]:
+    holdings = 1_000_000
+    prompt_sizes = (1024, 8192, 32768)
+    repeats = 100 if quick else 400
+    rng = random.Random(7)
+    doc = random_tokens(rng, max(prompt_sizes))
+    rows = []
+    # The floor's dict: 1M 16-byte keys, as many entries as the index's node table.
+    floor_keys = [xxh3_128_digest(i.to_bytes(8, "little")) for i in range(holdings)]
+    floor_table = dict.fromkeys(floor_keys, 1)
+    for workers in (4, 32, 128):
+        index = PrefixIndex()
+        fill_index(index, workers, holdings, shared_by=1, rng=rng, doc=doc)
+        stats = index.stats()
+        held = sum(h["GPU"] for h in stats.holdings.values())
+        for size in prompt_sizes:
+            prompt = doc[:size]
+            blocks = size // BLOCK
+            chain = floor_keys[:blocks]
+
+            def lookups(chain: list[bytes] = chain) -> None:
+                get = floor_table.get
+                for key in chain:
+                    if get(key) is None:
+                        break
+
+            def hashing(prompt: list[int] = prompt) -> None:
+                tokens = memoryview(array("I", prompt))
+                parent = b"\0" * 16
+                for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
+                    parent = xxh3_128_digest(parent + tokens[start : start + BLOCK])
+
+            answer = index.match(prompt)
+            assert max(m.blocks for m in answer.values()) == blocks
+            gc.collect()
+            query = timed_us(lambda prompt=prompt: index.match(prompt), repeats)
+            floor = timed_us(lookups, repeats)
+            hash_only = timed_us(hashing, repeats)
+            rows.append({
+                "workers": workers,
+                "holdings": held,
+                "nodes": stats.nodes,
+                "prompt_tokens": size,
+                "blocks": blocks,
+                "match_p50_us": statistics.median(query),
+                "match_p99_us": percentile(query, 0.99),
+                "floor_dict_chain_p50_us": statistics.median(floor),
+                "floor_dict_chain_p99_us": percentile(floor, 0.99),
+                "hash_chain_p50_us": statistics.median(hash_only),
+            })
+        del index
+        gc.collect()
+    return rows
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def bench_memory(quick: bool) -> list[dict[str, Any]]:
+    holdings = 1_000_000
+    workers = 32
+    rows = []
+    for shared_by in (1, 4):
+        rng = random.Random(11)
+        doc = random_tokens(rng, 2048 * BLOCK)
+        gc.collect()
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        index = PrefixIndex()
+        fill_index(index, workers, holdings, shared_by, rng, doc)
+        gc.collect()
+        traced = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        stats = index.stats()
+        held = sum(sum(h.values()) for h in stats.holdings.values())
+        rows.append({
+            "workers": workers,
+            "holders_per_block": shared_by,
+            "holdings": held,
+            "nodes": stats.nodes,
+            "traced_bytes": traced,
+            "bytes_per_holding": traced / held,
+            "estimated_bytes_per_holding": stats.estimated_bytes / held,
+            # Floor: the engine hashes alone, the one thing any index must keep per holding.
+            "floor_hash_int_bytes": sys.getsizeof(2**63),
+        })
+        del index
+        gc.collect()
+    return rows
+
+
+# --------------------------------------------------------------------------- report
+
+
+def table(result: dict[str, Any]) -> str:
+    ingest = result["ingestion"]
+    lines = [
+        f"ingestion ({ingest['codec']}, {ingest['steady_blocks']:,} blocks in "
+        f"{ingest['steady_batches']:,} batches, {ingest['workers']} workers)",
+        f"  decode + apply   {ingest['decode_apply_blocks_per_s'] / 1e6:7.2f} M blocks/s   "
+        f"target >= {TARGET_INGEST_BLOCKS_PER_S / 1e6:.2f} M/s",
+        f"  apply only       {ingest['apply_only_blocks_per_s'] / 1e6:7.2f} M blocks/s",
+        f"  floor: decode    {ingest['decode_only_blocks_per_s'] / 1e6:7.2f} M blocks/s   "
+        f"decode+apply / decode = {ingest['decode_apply_vs_decode_only']:.0%} "
+        f"(target >= {TARGET_INGEST_RATIO:.0%})",
+        "",
+        "queries (match, all workers; floor = bare dict-lookup chain, hash = chained xxh3 only)",
+        f"  {'workers':>7} {'holdings':>9} {'tokens':>6} {'blocks':>6} "
+        f"{'p50 us':>8} {'p99 us':>8} {'floor p50':>9} {'floor p99':>9} {'hash p50':>8}",
+    ]
+    for row in result["queries"]:
+        lines.append(
+            f"  {row['workers']:>7} {row['holdings']:>9,} {row['prompt_tokens']:>6} "
+            f"{row['blocks']:>6} {row['match_p50_us']:>8.1f} {row['match_p99_us']:>8.1f} "
+            f"{row['floor_dict_chain_p50_us']:>9.1f} {row['floor_dict_chain_p99_us']:>9.1f} "
+            f"{row['hash_chain_p50_us']:>8.1f}"
+        )
+    lines.append(f"  target: 8k tokens, 32 workers, 1M holdings: p99 <= {TARGET_QUERY_P99_US:.0f} us")
+    lines += ["", "memory (tracemalloc; estimate = PrefixIndex.stats().estimated_bytes)",
+              f"  {'workers':>7} {'holders/block':>13} {'holdings':>9} {'nodes':>9} "
+              f"{'B/holding':>9} {'estimate':>8} {'floor':>5}"]
+    for row in result["memory"]:
+        lines.append(
+            f"  {row['workers']:>7} {row['holders_per_block']:>13} {row['holdings']:>9,} "
+            f"{row['nodes']:>9,} {row['bytes_per_holding']:>9.0f} "
+            f"{row['estimated_bytes_per_holding']:>8.0f} {row['floor_hash_int_bytes']:>5}"
+        )
+    lines.append(f"  target: <= {TARGET_BYTES_PER_HOLDING} bytes per holding at 1M holdings")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="reduced run (< 60 s)")
+    parser.add_argument("--json-only", action="store_true", help="print only the JSON object")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    result: dict[str, Any] = {
+        "benchmark": "index",
+        "quick": args.quick,
+        "python": sys.version.split()[0],
+        "ingestion": bench_ingestion(args.quick),
+        "queries": bench_queries(args.quick),
+        "memory": bench_memory(args.quick),
+    }
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(result))
+    if not args.json_only:
+        print()
+        print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
