@@ -1,0 +1,311 @@
+"""The routing service: what one kvroute process owns and how it decides.
+
+`Service` holds the index, the registry of followed instances, the tokenizer and
+the metrics; `decide` turns a route request into a chosen worker and every
+eligible worker's score. The HTTP layer (`app.api`) and the proxy (`app.proxy`)
+are thin shells around it.
+
+Route requests are decoded with msgspec against strict types, so a float or a
+bool among token ids is refused with the path of the bad element (`token_ids[3]`)
+instead of being coerced. Failures are `ApiError`s that carry their HTTP status.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import httpx
+import msgspec
+from fastapi.responses import JSONResponse
+
+from app.config import Settings
+from app.metrics import ServiceMetrics
+from app.registry import Instance, Registry, Worker
+from app.routing import Score, TieBreaker, best_of, scores_for
+from app.tokenizer import Tokenizer, TokenizerError, make_tokenizer
+from index import PrefixIndex
+
+__all__ = ["ApiError", "Decision", "RouteRequest", "Service", "decode_route_request"]
+
+log = logging.getLogger("kvroute.service")
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
+# vLLM hashes: signed (older versions) or unsigned 64-bit ints, or hex strings. msgspec
+# bounds cannot span both ranges, so `_parse_hash` checks them.
+EngineHash = int | str
+_HEX = re.compile(r"(?:0x)?([0-9a-fA-F]+)")
+_INPUTS = ("token_ids", "block_hashes", "prompt", "messages")
+_READY_STATES = frozenset({"live", "degraded"})
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class RouteRequest(msgspec.Struct, forbid_unknown_fields=True):
+    token_ids: list[TokenId] | None = None
+    block_hashes: list[EngineHash] | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    model: str | None = None
+    lora_name: str | None = None
+    candidates: list[str] | None = None
+
+
+def decode_route_request(body: bytes) -> RouteRequest:
+    try:
+        return msgspec.json.decode(body, type=RouteRequest)
+    except msgspec.ValidationError as exc:
+        raise ApiError(422, str(exc), _field_of(str(exc))) from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"body is not valid JSON: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The chosen worker, every eligible worker's score, and the prompt's tokens (None
+    for a block-hash query)."""
+
+    kind: str
+    worker: Worker
+    best: Score
+    scores: list[Score]
+    tokens: list[int] | None
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, field: str | None = None,
+                 **extra: Any) -> None:
+        super().__init__(message)
+        self.status, self.message, self.field, self.extra = status, message, field, extra
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": self.message, "field": self.field, **self.extra},
+                            status_code=self.status)
+
+
+def _field_of(validation_message: str) -> str | None:
+    """`... - at `$.token_ids[3]`` -> `token_ids[3]`; unknown fields name themselves."""
+    found = re.search(r"at `\$\.?(.*)`", validation_message)
+    if found:
+        return found.group(1) or None
+    found = re.search(r"unknown field `([^`]*)`", validation_message)
+    return found.group(1) if found else None
+
+
+def _parse_hash(value: int | str, position: int) -> int | bytes:
+    if isinstance(value, int):
+        if not -(2**63) <= value < 2**64:
+            raise ApiError(422, "an integer block hash must fit in 64 bits (signed or "
+                           "unsigned)", f"block_hashes[{position}]")
+        return value
+    match = _HEX.fullmatch(value.strip())
+    digits = match.group(1) if match else ""
+    if match and len(digits) <= 16:
+        return int(digits, 16)
+    if match and len(digits) in (32, 64):
+        return bytes.fromhex(digits)
+    raise ApiError(422, "a block hash string must be hex: up to 16 digits for an integer "
+                   "hash, 32 or 64 for a bytes hash", f"block_hashes[{position}]")
+
+
+class Service:
+    """Everything one kvroute process owns; created in the app's lifespan."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.index = PrefixIndex()
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
+        self.registry = Registry(self.index, self.client)
+        self.metrics = ServiceMetrics(self.registry)
+        self.tokenizer: Tokenizer | None = make_tokenizer(settings.tokenizer, self.client)
+        self.ties = TieBreaker()
+        self.started_at = time.monotonic()
+        self._configured: list[Instance] = []
+        self._ready = False
+
+    async def start(self) -> None:
+        for config in self.settings.instances:  # ids are unique: load_settings checked
+            instance = await self.registry.add(config, wait_for_discovery=False)
+            self._configured.append(instance)
+
+    async def close(self) -> None:
+        await self.registry.close()
+        await self.client.aclose()
+
+    def readiness(self) -> tuple[bool, str]:
+        if self._ready:
+            return True, "ready"
+        waiting = [f"{worker.instance.id} rank {worker.endpoint.dp_rank}: {worker.state}"
+                   for instance in self._configured for worker in instance.workers
+                   if worker.state not in _READY_STATES]
+        waiting += [f"{instance.id}: discovering ({instance.discovery_error or 'pending'})"
+                    for instance in self._configured if not instance.workers]
+        if not waiting:
+            self._ready = True
+            return True, "all configured workers are live"
+        if time.monotonic() - self.started_at >= self.settings.ready_grace_seconds:
+            self._ready = True
+            return True, "startup grace period over; not live: " + "; ".join(waiting)
+        return False, "waiting for: " + "; ".join(waiting)
+
+    # -- routing ---------------------------------------------------------
+    def _eligible(self, request: RouteRequest) -> list[Worker]:
+        if request.candidates is not None:
+            unknown = sorted({c for c in request.candidates if c not in self.registry})
+            if unknown:
+                raise ApiError(422, f"unknown candidate instance(s): {', '.join(unknown)}",
+                               "candidates", unknown=unknown)
+            wanted = set(request.candidates)
+        else:
+            wanted = None
+        return [
+            worker
+            for instance in self.registry
+            if (wanted is None or instance.id in wanted) and instance.serves(request.model)
+            for worker in instance.workers
+            if worker.state != "down"
+        ]
+
+    def _check_sizes(self, request: RouteRequest) -> None:
+        limits = self.settings
+        if request.token_ids is not None and len(request.token_ids) > limits.max_prompt_tokens:
+            raise ApiError(413, f"{len(request.token_ids)} token ids exceed the limit of "
+                           f"{limits.max_prompt_tokens}", "token_ids")
+        if (request.block_hashes is not None
+                and len(request.block_hashes) > limits.max_block_hashes):
+            raise ApiError(413, f"{len(request.block_hashes)} block hashes exceed the limit of "
+                           f"{limits.max_block_hashes}", "block_hashes")
+        text = request.prompt if request.prompt is not None else ""
+        if request.messages is not None:
+            text = "".join(str(m.content or "") for m in request.messages)
+        if len(text) > limits.max_prompt_chars:
+            field = "prompt" if request.prompt is not None else "messages"
+            raise ApiError(413, f"{len(text)} characters exceed the limit of "
+                           f"{limits.max_prompt_chars}", field)
+
+    async def _tokens(self, request: RouteRequest, eligible: list[Worker]) -> list[int]:
+        if request.token_ids is not None:
+            return request.token_ids
+        field = "prompt" if request.prompt is not None else "messages"
+        if self.tokenizer is None:
+            raise ApiError(422, f"`{field}` needs a tokenizer; none is configured "
+                           "(set `tokenizer`), or send token_ids", field)
+        live = [w for w in eligible if w.state in _READY_STATES and w.instance.url]
+        url = (live or [w for w in eligible if w.instance.url] or [None])[0]
+        url = url.instance.url if url is not None else None
+        try:
+            if request.prompt is not None:
+                tokens = await self.tokenizer.encode_prompt(request.prompt, url=url,
+                                                            model=request.model)
+            else:
+                messages = [msgspec.to_builtins(m) for m in request.messages or ()]
+                tokens = await self.tokenizer.encode_chat(messages, url=url,
+                                                          model=request.model)
+        except TokenizerError as exc:
+            raise ApiError(exc.status, str(exc), field) from None
+        if len(tokens) > self.settings.max_prompt_tokens:
+            raise ApiError(413, f"{field} is {len(tokens)} tokens, over the limit of "
+                           f"{self.settings.max_prompt_tokens}", field)
+        return tokens
+
+    async def decide(self, request: RouteRequest,
+                     exclude: frozenset[tuple[str, int]] = frozenset()) -> Decision:
+        """Score every eligible worker (minus `exclude`) and choose one; raises ApiError."""
+        given = [name for name in _INPUTS if getattr(request, name) is not None]
+        if len(given) != 1:
+            raise ApiError(422, "give exactly one of token_ids, block_hashes, prompt, messages"
+                           + (f" (got {', '.join(given)})" if given else ""),
+                           given[1] if len(given) > 1 else "token_ids")
+        self._check_sizes(request)
+        eligible = [w for w in self._eligible(request) if w.key not in exclude]
+        if not eligible:
+            reason = "no registered instance" if not len(self.registry) else (
+                "no live worker" + (f" serves model {request.model!r}" if request.model else "")
+                + (" among the candidates" if request.candidates is not None else "")
+                + (" that has not failed already" if exclude else ""))
+            raise ApiError(503, f"no eligible worker: {reason}")
+        tokens: list[int] | None = None
+        if request.block_hashes is not None:
+            hashes = [_parse_hash(h, i) for i, h in enumerate(request.block_hashes)]
+            matches = self.index.match_hashes(hashes, workers=[w.key for w in eligible])
+        else:
+            tokens = await self._tokens(request, eligible)
+            # Tokenizing awaited: an instance may have been removed meanwhile.
+            eligible = [w for w in eligible if w.instance.id in self.registry]
+            if not eligible:
+                raise ApiError(503, "no eligible worker: the instances went away")
+            # vLLM always computes a prompt's last token (it needs its logits), so its
+            # prefix-cache hit is capped at the full blocks of all tokens but the last: a
+            # prompt that ends on a block boundary reuses one block less than it holds.
+            matches = self.index.match(tokens[:-1], lora_name=request.lora_name,
+                                       workers=[w.key for w in eligible])
+        scores = scores_for(((w.key, w.instance.block_size, w.state) for w in eligible), matches)
+        best = best_of(scores, self.ties)
+        worker = next(w for w in eligible if w.key == (best.instance, best.dp_rank))
+        if tokens:
+            self.metrics.match_ratio.observe(best.matched_tokens / len(tokens))
+        return Decision(kind=given[0], worker=worker, best=best, scores=scores, tokens=tokens)
+
+    async def route(self, body: bytes) -> tuple[str, dict[str, Any]]:
+        """(input kind, answer) for a POST /v1/route body; raises ApiError."""
+        request = decode_route_request(body)
+        decision = await self.decide(request)
+        best = decision.best
+        return decision.kind, {
+            "instance": best.instance,
+            "url": decision.worker.instance.url,
+            "dp_rank": best.dp_rank,
+            "matched_blocks": best.matched_blocks,
+            "matched_tokens": best.matched_tokens,
+            "prompt_tokens": len(decision.tokens) if decision.tokens is not None else None,
+            "prompt_blocks": len(request.block_hashes) if request.block_hashes else None,
+            "scores": [score.as_json() for score in _ranked(decision.scores)],
+        }
+
+    # -- instances -------------------------------------------------------
+    def instance_json(self, instance: Instance, *, detail: bool = False) -> dict[str, Any]:
+        states = [worker.state for worker in instance.workers]
+        if not states:
+            state = "discovering"
+        elif all(s in _READY_STATES for s in states):
+            state = "degraded" if "degraded" in states else "live"
+        else:
+            state = "down" if all(s == "down" for s in states) else next(
+                s for s in states if s not in _READY_STATES)
+        out: dict[str, Any] = {
+            "id": instance.id,
+            "url": instance.url,
+            "models": list(instance.models),
+            "block_size": instance.block_size,
+            "state": state,
+            "dp_size": len(instance.workers),
+        }
+        if instance.discovery_error:
+            out["discovery_error"] = instance.discovery_error
+        if detail:
+            holdings = self.index.stats().holdings
+            out["workers"] = [
+                {
+                    "dp_rank": worker.endpoint.dp_rank,
+                    "events_endpoint": worker.endpoint.endpoint,
+                    "replay_endpoint": worker.endpoint.replay_endpoint,
+                    "state": worker.state,
+                    "holdings": dict(holdings.get(worker.key, {})),
+                    "stats": worker.subscriber.status.as_dict(),
+                }
+                for worker in instance.workers
+            ]
+        return out
+
+
+def _ranked(scores: list[Score]) -> list[Score]:
+    return sorted(scores, key=lambda s: (-s.matched_tokens, s.instance, s.dp_rank))
+
+
+
