@@ -106,6 +106,7 @@ class _Worker:
         "worker",
         "slot",
         "bit",
+        "keep",
         "block_size",
         "handles",
         "counts",
@@ -118,6 +119,7 @@ class _Worker:
         self.worker = worker
         self.slot = slot
         self.bit = 1 << (SLOT_SHIFT + slot)
+        self.keep = ~self.bit  # node value & keep: the value without this worker
         self.block_size = 0
         self.handles: dict[BlockHash, bytes] = {}
         self.counts: dict[BlockHash, int] = {}
@@ -178,8 +180,12 @@ class PrefixIndex:
         except (KeyError, TypeError):
             tier = tier_of(medium)  # other letter cases, or a ValueError
         blocks = len(block_hashes)
-        if blocks and (type(block_hashes[0]) is not int or _has_negative(block_hashes)):
-            block_hashes = _normalized_hashes(block_hashes)
+        if blocks:
+            first = block_hashes[0]
+            if type(first) is not int or (
+                first < 0 if blocks == 1 else _has_negative(block_hashes)
+            ):
+                block_hashes = _normalized_hashes(block_hashes)
         if not token_ids:
             w = self._worker(worker)
             w.groups[group_idx] = True
@@ -220,34 +226,40 @@ class PrefixIndex:
             self._store_chain(w, block_hashes, parent_key, flag, tokens, step, suffixes, tier)
             return
 
-        # Hot path: one pass over the chain, hashing and placing each block; anything but
-        # "a new handle for a block this worker does not hold yet" goes to _hold.
+        # Hot path: one pass over the chain, hashing and placing each block. setdefault
+        # binds a new handle in one dict operation; anything but a new handle (a duplicate
+        # store, a changed hash) goes through _hold, which keeps its own counts.
         digest = xxh3_128_digest
-        handles = w.handles
-        get_handle = handles.get
+        bind = w.handles.setdefault
         nodes = self._nodes
         get_node = nodes.get
         bit = w.bit
-        placed = 0
-        for block_hash, start in zip(block_hashes, range(0, blocks * step, step), strict=True):
+        held_before = 0
+        # Lengths agree (checked above); strict=True would cost a raised StopIteration.
+        for block_hash, start in zip(block_hashes, range(0, blocks * step, step)):  # noqa: B905
             key = digest(parent_key + tokens[start : start + step])
-            if get_handle(block_hash) is None:
+            if bind(block_hash, key) is key:
                 value = get_node(key)
                 if value is None:
                     nodes[key] = bit | flag | ((hash(parent_key) & FP_MASK) << FP_SHIFT)
-                    handles[block_hash] = key
-                    placed += 1
                 elif not value & bit:
                     nodes[key] = value | bit
-                    handles[block_hash] = key
-                    placed += 1
                 else:
-                    self._hold(w, block_hash, key, GPU, 0)
+                    self._add_second_handle(w, key)
             else:
+                held_before += 1
                 self._hold(w, block_hash, key, GPU, flag | _fingerprint_bits(parent_key))
             parent_key = key
             flag = 0
-        w.held[GPU] += placed
+        w.held[GPU] += blocks - held_before
+
+    def _add_second_handle(self, w: _Worker, key: bytes) -> None:
+        """A new GPU handle of ``w`` for a block it already holds through another one."""
+        before = w.node_counts.get(key, GPU_ONCE)
+        w.node_counts[key] = before + GPU_ONCE
+        old_tier = fastest(before)
+        if old_tier != GPU:
+            self._retier(key, w.bit, old_tier, GPU)
 
     def _store_chain(
         self,
@@ -342,35 +354,40 @@ class PrefixIndex:
             tier = TIER_OF[medium]
         except (KeyError, TypeError):
             tier = tier_of(medium)
-        if block_hashes and (type(block_hashes[0]) is not int or _has_negative(block_hashes)):
-            block_hashes = _normalized_hashes(block_hashes)
         w = self._workers.get(worker)
         if w is None:
             w = self._worker(worker)
+        if not block_hashes:
+            return
+        first = block_hashes[0]
+        if type(first) is not int or (
+            first < 0 if len(block_hashes) == 1 else _has_negative(block_hashes)
+        ):
+            block_hashes = _normalized_hashes(block_hashes)
         if w.groups.get(group_idx) is False:
             self._ignored_removals += len(block_hashes)
             return
-        if tier != GPU or w.counts or w.node_counts:
+        if tier or w.counts or w.node_counts:
             for block_hash in block_hashes:
                 self._release(w, block_hash, tier)
             return
         # Hot path: every holding of this worker is "once on GPU", so no tier bookkeeping.
         pop_handle = w.handles.pop
         nodes = self._nodes
-        keep = ~w.bit
         removed = 0
         for block_hash in block_hashes:
             key = pop_handle(block_hash, None)
             if key is None:
                 self._unknown_removals += 1
                 continue
-            value = nodes[key] & keep
+            value = nodes[key] & w.keep
             if value >= HOLDERS_MIN:
                 nodes[key] = value
             else:
                 del nodes[key]
             removed += 1
-        w.held[GPU] -= removed
+        if removed:
+            w.held[GPU] -= removed
 
     def _release(self, w: _Worker, block_hash: BlockHash, tier: int) -> None:
         """Remove one reference (worker, engine hash, tier), counting unknown ones."""
