@@ -142,6 +142,11 @@ def create_app(settings: Settings) -> FastAPI:
             raise ApiError(404, f"unknown instance {instance_id!r}", "instance_id") from None
         return _json({"deleted": instance.id})
 
+    if settings.proxy:
+        from app.proxy import add_proxy_routes
+
+        add_proxy_routes(app)
+
     @app.get("/healthz")
     async def healthz() -> Response:
         return _json({"status": "ok"})

@@ -24,13 +24,16 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                        help="a vLLM instance's HTTP URL; repeat for several")
     serve.add_argument("--tokenizer", help='"instance" or a tokenizer.json path, for text prompts')
     serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--proxy", action="store_true", default=None,
+                       help="also serve OpenAI-compatible /v1/completions, "
+                            "/v1/chat/completions and /v1/models, forwarded to the chosen worker")
 
 
 def _serve(args: argparse.Namespace) -> int:
     from app.server import serve_forever
 
     flags = {"host": args.host, "port": args.port, "tokenizer": args.tokenizer,
-             "log_level": args.log_level,
+             "log_level": args.log_level, "proxy": args.proxy,
              "instances": [{"url": url} for url in args.instance] or None}
     settings = load_settings(args.config, flags=flags)
     return serve_forever(settings)

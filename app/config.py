@@ -77,12 +77,15 @@ class Settings:
     # anything else: a local Hugging Face tokenizer (tokenizer.json file or folder).
     tokenizer: str | None = None
     log_level: str = "info"
+    # Also serve OpenAI-compatible endpoints that forward each request to the chosen worker.
+    proxy: bool = False
 
 
 _INT_SETTINGS = {"port", "max_prompt_tokens", "max_block_hashes", "max_prompt_chars",
                  "max_body_bytes"}
 _FLOAT_SETTINGS = {"ready_grace_seconds"}
 _STR_SETTINGS = {"host", "tokenizer", "log_level"}
+_BOOL_SETTINGS = {"proxy"}
 _LOG_LEVELS = {"critical", "error", "warning", "info", "debug"}
 
 
@@ -149,6 +152,13 @@ def _check_zmq_endpoint(endpoint: str, where: str) -> None:
 
 
 def _coerce(name: str, value: Any, where: str) -> Any:
+    if name in _BOOL_SETTINGS:
+        if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on",
+                                                                 "0", "false", "no", "off"):
+            return value.strip().lower() in ("1", "true", "yes", "on")
+        if type(value) is not bool:
+            raise ConfigError(f"{where}: {name} must be true or false, got {value!r}")
+        return value
     if name in _INT_SETTINGS:
         if isinstance(value, str) and value.strip().isdigit():
             value = int(value)
@@ -182,7 +192,7 @@ def _apply(settings: Settings, values: Mapping[str, Any], where: str) -> Setting
                 raise ConfigError(f"{where}: instances must be an array of tables")
             changes[name] = settings.instances + tuple(
                 parse_instance(raw, f"{where}: instances[{i}]") for i, raw in enumerate(value))
-        elif name in _INT_SETTINGS | _FLOAT_SETTINGS | _STR_SETTINGS:
+        elif name in _INT_SETTINGS | _FLOAT_SETTINGS | _STR_SETTINGS | _BOOL_SETTINGS:
             changes[name] = _coerce(name, value, where)
         else:
             raise ConfigError(f"{where}: unknown setting {name!r}")
@@ -203,7 +213,7 @@ def _from_file(path: Path) -> dict[str, Any]:
 
 def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
-    for name in _INT_SETTINGS | _FLOAT_SETTINGS | _STR_SETTINGS:
+    for name in _INT_SETTINGS | _FLOAT_SETTINGS | _STR_SETTINGS | _BOOL_SETTINGS:
         raw = environ.get(ENV_PREFIX + name.upper())
         if raw is not None and raw != "":
             values[name] = raw

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -125,6 +126,8 @@ class Service:
         self.metrics = ServiceMetrics(self.registry)
         self.tokenizer: Tokenizer | None = make_tokenizer(settings.tokenizer, self.client)
         self.ties = TieBreaker()
+        # Requests the proxy has sent to each worker and not yet seen finish.
+        self.inflight: Counter[tuple[str, int]] = Counter()
         self.started_at = time.monotonic()
         self._configured: list[Instance] = []
         self._ready = False
