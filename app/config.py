@@ -25,6 +25,7 @@ File format (TOML)::
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -79,11 +80,25 @@ class Settings:
     log_level: str = "info"
     # Also serve OpenAI-compatible endpoints that forward each request to the chosen worker.
     proxy: bool = False
+    # Routing cost weights, in prefill-token equivalents (see app/routing.py).
+    cost_miss_token: float = 1.0
+    cost_cpu_hit_token: float = 0.25
+    cost_storage_hit_token: float = 0.5
+    cost_queued_request: float = 256.0
+    overload_waiting: int = 64
+    overload_kv_usage: float = 0.98
+    # Seconds between scrapes of each instance's /metrics for load; 0 turns scraping off.
+    load_interval: float = 1.0
+    # Seconds a routing answer counts as "the chosen worker will hold this prompt" before
+    # its events confirm it; 0 turns placement guesses off.
+    placement_ttl: float = 2.0
 
 
 _INT_SETTINGS = {"port", "max_prompt_tokens", "max_block_hashes", "max_prompt_chars",
-                 "max_body_bytes"}
-_FLOAT_SETTINGS = {"ready_grace_seconds"}
+                 "max_body_bytes", "overload_waiting"}
+_FLOAT_SETTINGS = {"ready_grace_seconds", "cost_miss_token", "cost_cpu_hit_token",
+                   "cost_storage_hit_token", "cost_queued_request", "overload_kv_usage",
+                   "load_interval", "placement_ttl"}
 _STR_SETTINGS = {"host", "tokenizer", "log_level"}
 _BOOL_SETTINGS = {"proxy"}
 _LOG_LEVELS = {"critical", "error", "warning", "info", "debug"}
@@ -172,8 +187,8 @@ def _coerce(name: str, value: Any, where: str) -> Any:
             number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{where}: {name} must be a number, got {value!r}") from None
-        if type(value) is bool or number < 0:
-            raise ConfigError(f"{where}: {name} must be a number >= 0, got {value!r}")
+        if type(value) is bool or not math.isfinite(number) or number < 0:
+            raise ConfigError(f"{where}: {name} must be a finite number >= 0, got {value!r}")
         return number
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{where}: {name} must be a non-empty string, got {value!r}")

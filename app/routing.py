@@ -1,22 +1,62 @@
-"""Choosing a worker from the index's answer.
+"""Choosing a worker: cache reuse weighed against queued work.
 
-The best worker is the one with the most matched tokens (block sizes differ
-between instances, so blocks are not comparable). Among equals the choice
-rotates, so a cold prefix that nobody holds does not always land on the same
-worker: vLLM then builds it where the load balancer already is busiest.
+Each eligible worker gets a cost in *prefill-token equivalents*:
+
+    prefill = miss_token * uncached tokens
+            + cpu_hit_token * tokens whose fastest cached tier is CPU
+            + storage_hit_token * tokens whose fastest cached tier is STORAGE
+              (tokens cached on GPU cost nothing)
+    queue   = queued_request * queued requests
+    cost    = prefill + queue
+
+`queued requests` is the larger of the worker's own count (running + waiting,
+scraped from its /metrics) and the requests kvroute's proxy has in flight to it;
+with neither known it is 0. A worker is *overloaded* when its waiting queue or
+its KV-cache usage reaches the configured limit; overloaded workers are skipped
+unless every worker is. The lowest cost wins; equal costs rotate among the tied
+workers, so a cold prefix nobody holds does not always land on the same worker.
+
+With the default weights and an idle fleet, the lowest cost is simply the most
+matched tokens, since block sizes differ between instances and blocks are not
+comparable.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from index import Match
 
-__all__ = ["Score", "TieBreaker", "best_of", "scores_for"]
+__all__ = ["CostWeights", "Score", "TieBreaker", "WorkerView", "best_of", "score_workers"]
 
 MEDIA = ("GPU", "CPU", "STORAGE")
+
+
+@dataclass(frozen=True, slots=True)
+class CostWeights:
+    miss_token: float = 1.0
+    cpu_hit_token: float = 0.25
+    storage_hit_token: float = 0.5
+    # Found on the simulated fleet (benchmarks/hitrate.py): 256 spreads hot prefixes
+    # without giving up their hits; 1024 already loses the chat workload's gain.
+    queued_request: float = 256.0
+    overload_waiting: int = 64
+    overload_kv_usage: float = 0.98
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """What the policy knows of one eligible worker besides the index's match."""
+
+    key: tuple[str, int]
+    block_size: int | None
+    state: str
+    running: float | None = None  # None: no fresh reading of the instance's metrics
+    waiting: float | None = None
+    kv_usage: float | None = None
+    inflight: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +68,16 @@ class Score:
     block_size: int | None
     by_medium: dict[str, int]
     state: str
+    prefill_cost: float
+    queue_cost: float
+    queued: float
+    overloaded: bool
+    load: dict[str, float | int | None]
+    pending_blocks: int = 0
+
+    @property
+    def cost(self) -> float:
+        return self.prefill_cost + self.queue_cost
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -37,29 +87,60 @@ class Score:
             "matched_tokens": self.matched_tokens,
             "block_size": self.block_size,
             "by_medium": self.by_medium,
+            "pending_blocks": self.pending_blocks,
             "state": self.state,
+            "cost": round(self.cost, 3),
+            "cost_terms": {"prefill": round(self.prefill_cost, 3),
+                           "queue": round(self.queue_cost, 3)},
+            "queued_requests": self.queued,
+            "overloaded": self.overloaded,
+            "load": self.load,
         }
 
 
-def scores_for(
-    workers: Iterable[tuple[tuple[str, int], int | None, str]],
+def score_workers(
+    workers: list[WorkerView],
     matches: Mapping[tuple[str, int], Match],
+    weights: CostWeights,
+    *,
+    prompt_tokens: int | None = None,
+    prompt_blocks: int | None = None,
 ) -> list[Score]:
-    """One score per eligible worker, zero where the index knows nothing of it.
+    """One score per eligible worker; zero matched blocks where the index knows nothing.
 
-    `workers` yields (worker key, block size the instance announced, state).
+    The prefill cost counts against `prompt_tokens`, or for a block-hash query
+    against `prompt_blocks` times each worker's block size.
     """
     scores = []
-    for key, announced_block_size, state in workers:
-        match = matches.get(key)
-        if match is None:
-            scores.append(Score(key[0], key[1], 0, 0, announced_block_size,
-                                dict.fromkeys(MEDIA, 0), state))
-            continue
+    for view in workers:
+        match = matches.get(view.key)
         by_medium = dict.fromkeys(MEDIA, 0)
-        by_medium.update(match.by_medium)
-        scores.append(Score(key[0], key[1], match.blocks, match.tokens,
-                            match.block_size or announced_block_size, by_medium, state))
+        blocks = tokens = pending = 0
+        block_size = view.block_size
+        if match is not None:
+            by_medium.update(match.by_medium)
+            blocks, tokens = match.blocks, match.tokens
+            block_size = match.block_size or block_size
+            pending = getattr(match, "pending", 0)
+        size = block_size or 0
+        total = prompt_tokens if prompt_tokens is not None else (prompt_blocks or 0) * size
+        prefill = (weights.miss_token * max(total - tokens, 0)
+                   + weights.cpu_hit_token * by_medium["CPU"] * size
+                   + weights.storage_hit_token * by_medium["STORAGE"] * size)
+        reported = (None if view.running is None
+                    else view.running + (view.waiting or 0.0))
+        queued = max(float(view.inflight), reported or 0.0)
+        overloaded = ((view.waiting or 0.0) >= weights.overload_waiting
+                      or (view.kv_usage or 0.0) >= weights.overload_kv_usage)
+        scores.append(Score(
+            instance=view.key[0], dp_rank=view.key[1], matched_blocks=blocks,
+            matched_tokens=tokens, block_size=block_size, by_medium=by_medium,
+            state=view.state, prefill_cost=prefill,
+            queue_cost=weights.queued_request * queued, queued=queued, overloaded=overloaded,
+            load={"running": view.running, "waiting": view.waiting,
+                  "kv_usage": view.kv_usage, "inflight": view.inflight},
+            pending_blocks=pending,
+        ))
     return scores
 
 
@@ -74,7 +155,9 @@ class TieBreaker:
 
 
 def best_of(scores: list[Score], ties: TieBreaker) -> Score:
-    """The score with the most matched tokens; ties rotate. `scores` is not empty."""
-    top = max(score.matched_tokens for score in scores)
-    tied = [score for score in scores if score.matched_tokens == top]
+    """The cheapest score among those not overloaded (among all if every one is);
+    ties rotate. `scores` is not empty."""
+    pool = [score for score in scores if not score.overloaded] or scores
+    lowest = min(score.cost for score in pool)
+    tied = [score for score in pool if score.cost == lowest]
     return tied[0] if len(tied) == 1 else ties.pick(tied)

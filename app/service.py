@@ -24,9 +24,10 @@ import msgspec
 from fastapi.responses import JSONResponse
 
 from app.config import Settings
+from app.load import LoadMonitor
 from app.metrics import ServiceMetrics
 from app.registry import Instance, Registry, Worker
-from app.routing import Score, TieBreaker, best_of, scores_for
+from app.routing import CostWeights, Score, TieBreaker, WorkerView, best_of, score_workers
 from app.tokenizer import Tokenizer, TokenizerError, make_tokenizer
 from index import PrefixIndex
 
@@ -126,6 +127,13 @@ class Service:
         self.metrics = ServiceMetrics(self.registry)
         self.tokenizer: Tokenizer | None = make_tokenizer(settings.tokenizer, self.client)
         self.ties = TieBreaker()
+        self.weights = CostWeights(
+            miss_token=settings.cost_miss_token, cpu_hit_token=settings.cost_cpu_hit_token,
+            storage_hit_token=settings.cost_storage_hit_token,
+            queued_request=settings.cost_queued_request,
+            overload_waiting=settings.overload_waiting,
+            overload_kv_usage=settings.overload_kv_usage)
+        self.load = LoadMonitor(self.registry, self.client, interval=settings.load_interval)
         # Requests the proxy has sent to each worker and not yet seen finish.
         self.inflight: Counter[tuple[str, int]] = Counter()
         self.started_at = time.monotonic()
@@ -133,11 +141,14 @@ class Service:
         self._ready = False
 
     async def start(self) -> None:
+        if self.settings.load_interval > 0:
+            self.load.start()
         for config in self.settings.instances:  # ids are unique: load_settings checked
             instance = await self.registry.add(config, wait_for_discovery=False)
             self._configured.append(instance)
 
     async def close(self) -> None:
+        await self.load.stop()
         await self.registry.close()
         await self.client.aclose()
 
@@ -248,12 +259,22 @@ class Service:
             # prompt that ends on a block boundary reuses one block less than it holds.
             matches = self.index.match(tokens[:-1], lora_name=request.lora_name,
                                        workers=[w.key for w in eligible])
-        scores = scores_for(((w.key, w.instance.block_size, w.state) for w in eligible), matches)
+        scores = score_workers(
+            [self._view(w) for w in eligible], matches, self.weights,
+            prompt_tokens=len(tokens) if tokens is not None else None,
+            prompt_blocks=len(request.block_hashes or ()))
         best = best_of(scores, self.ties)
         worker = next(w for w in eligible if w.key == (best.instance, best.dp_rank))
         if tokens:
             self.metrics.match_ratio.observe(best.matched_tokens / len(tokens))
         return Decision(kind=given[0], worker=worker, best=best, scores=scores, tokens=tokens)
+
+    def _view(self, worker: Worker) -> WorkerView:
+        load = self.load.get(worker.key)
+        return WorkerView(
+            key=worker.key, block_size=worker.instance.block_size, state=worker.state,
+            running=load.running if load else None, waiting=load.waiting if load else None,
+            kv_usage=load.kv_usage if load else None, inflight=self.inflight.get(worker.key, 0))
 
     async def route(self, body: bytes) -> tuple[str, dict[str, Any]]:
         """(input kind, answer) for a POST /v1/route body; raises ApiError."""
@@ -308,7 +329,7 @@ class Service:
 
 
 def _ranked(scores: list[Score]) -> list[Score]:
-    return sorted(scores, key=lambda s: (-s.matched_tokens, s.instance, s.dp_rank))
+    return sorted(scores, key=lambda s: (s.overloaded, s.cost, s.instance, s.dp_rank))
 
 
 

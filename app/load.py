@@ -1,0 +1,119 @@
+"""How busy each worker is, from the instances' own Prometheus metrics.
+
+vLLM exports, per engine (the `engine` label is the data-parallel rank):
+`vllm:num_requests_running`, `vllm:num_requests_waiting` and
+`vllm:kv_cache_usage_perc` (a fraction, 0..1, despite the name). A `LoadMonitor`
+scrapes every registered instance's `/metrics` on an interval and keeps the last
+reading per worker.
+
+Invariants:
+- A reading older than `stale_after` intervals is not trusted: `get` returns None
+  for it, and the policy then uses only what kvroute itself knows (its in-flight
+  count). An instance whose /metrics fails keeps no reading at all.
+- Scrapes of one round run concurrently, each bounded by a timeout, so one slow
+  instance cannot delay the readings of the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.registry import Instance, Registry
+
+__all__ = ["Load", "LoadMonitor", "parse_load"]
+
+log = logging.getLogger("kvroute.load")
+
+_FAMILIES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    read_at: float = 0.0  # time.monotonic() of the scrape
+
+
+def parse_load(text: str, read_at: float) -> dict[int, Load]:
+    """Readings per data-parallel rank from a /metrics page (rank 0 when unlabelled)."""
+    values: dict[int, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        field = _FAMILIES.get(family.name)
+        if field is None:
+            continue
+        for sample in family.samples:
+            engine = sample.labels.get("engine", "0")
+            rank = int(engine) if engine.isdigit() else 0
+            per_rank = values.setdefault(rank, {})
+            per_rank[field] = per_rank.get(field, 0.0) + sample.value
+    return {rank: Load(read_at=read_at, **fields) for rank, fields in values.items()}
+
+
+class LoadMonitor:
+    def __init__(self, registry: Registry, client: httpx.AsyncClient, *,
+                 interval: float = 1.0, stale_after: float = 3.0) -> None:
+        self._registry = registry
+        self._client = client
+        self.interval = interval
+        self._max_age = interval * stale_after
+        self._loads: dict[tuple[str, int], Load] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def get(self, worker_key: tuple[str, int]) -> Load | None:
+        load = self._loads.get(worker_key)
+        if load is None or time.monotonic() - load.read_at > self._max_age:
+            return None
+        return load
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="load monitor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def scrape_once(self) -> None:
+        instances = [i for i in self._registry if i.url and i.workers]
+        await asyncio.gather(*(self._scrape(instance) for instance in instances))
+        known = {worker.key for worker in self._registry.workers()}
+        for key in [key for key in self._loads if key not in known]:
+            del self._loads[key]
+
+    async def _run(self) -> None:
+        while True:
+            started = time.monotonic()
+            await self.scrape_once()
+            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+    async def _scrape(self, instance: Instance) -> None:
+        try:
+            response = await self._client.get(f"{instance.url}/metrics",
+                                              timeout=max(0.2, self.interval))
+            response.raise_for_status()
+            readings = parse_load(response.text, time.monotonic())
+        except (httpx.HTTPError, ValueError) as exc:
+            log.debug("instance %s: load not read: %r", instance.id, exc)
+            for worker in instance.workers:
+                self._loads.pop(worker.key, None)
+            return
+        for worker in instance.workers:
+            reading = readings.get(worker.endpoint.dp_rank)
+            if reading is None:
+                self._loads.pop(worker.key, None)
+            else:
+                self._loads[worker.key] = reading
