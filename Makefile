@@ -24,10 +24,15 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/index_bench.py --quick
+	$(BIN)/python benchmarks/hitrate.py --quick
+
+bench-full: $(STAMP)
+	$(BIN)/python benchmarks/index_bench.py
+	$(BIN)/python benchmarks/hitrate.py --full
 
 # kvroute against two real vLLM engines (CPU build, installed into .e2e/ on first use).
 e2e: $(STAMP)
 	$(BIN)/python -m e2e.run
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info bench-out
