@@ -1,0 +1,98 @@
+"""The cost policy on its own: prefill by tier, queued work, overload, ties."""
+
+from __future__ import annotations
+
+from app.load import parse_load
+from app.routing import CostWeights, TieBreaker, WorkerView, best_of, score_workers
+from index import Match
+
+W = CostWeights()
+
+
+def view(name: str, **load: float) -> WorkerView:
+    return WorkerView(key=(name, 0), block_size=16, state="live", **load)
+
+
+def match(blocks: int, gpu: int | None = None, cpu: int = 0) -> Match:
+    gpu = blocks - cpu if gpu is None else gpu
+    return Match(blocks=blocks, tokens=blocks * 16, block_size=16,
+                 by_medium={"GPU": gpu, "CPU": cpu, "STORAGE": 0})
+
+
+def pick(views, matches, prompt_tokens=1024, weights=W):
+    scores = score_workers(views, matches, weights, prompt_tokens=prompt_tokens)
+    return best_of(scores, TieBreaker()), scores
+
+
+def test_idle_fleet_prefers_the_longest_match():
+    best, scores = pick([view("a"), view("b")], {("a", 0): match(10), ("b", 0): match(20)})
+    assert best.instance == "b"
+    costs = {s.instance: s.as_json()["cost_terms"] for s in scores}
+    assert costs == {"a": {"prefill": 1024 - 160, "queue": 0.0},
+                     "b": {"prefill": 1024 - 320, "queue": 0.0}}
+
+
+def test_a_cpu_hit_costs_more_than_a_gpu_hit_and_less_than_a_miss():
+    gpu, cpu, miss = view("gpu"), view("cpu"), view("miss")
+    best, scores = pick([gpu, cpu, miss], {("gpu", 0): match(10), ("cpu", 0): match(10, cpu=10)})
+    cost = {s.instance: s.cost for s in scores}
+    assert cost["gpu"] < cost["cpu"] < cost["miss"]
+    assert best.instance == "gpu"
+
+
+def test_queued_work_outweighs_a_small_hit():
+    busy, idle = view("busy", running=4, waiting=2), view("idle", running=0, waiting=0)
+    best, scores = pick([busy, idle], {("busy", 0): match(4)})
+    assert best.instance == "idle"
+    busy_score = next(s for s in scores if s.instance == "busy")
+    assert busy_score.queued == 6 and busy_score.queue_cost == 6 * W.queued_request
+    # A long enough hit is still worth the queue.
+    best, _ = pick([busy, idle], {("busy", 0): match(200)}, prompt_tokens=8192)
+    assert best.instance == "busy"
+
+
+def test_inflight_counts_when_it_exceeds_the_scraped_queue():
+    stale, fresh = view("stale", inflight=3), view("fresh", running=1, waiting=0, inflight=0)
+    _, scores = pick([stale, fresh], {})
+    assert {s.instance: s.queued for s in scores} == {"stale": 3.0, "fresh": 1.0}
+
+
+def test_overloaded_workers_are_skipped_unless_all_are():
+    hot = view("hot", running=1, waiting=W.overload_waiting)
+    cold = view("cold", running=10, waiting=0)
+    best, _ = pick([hot, cold], {("hot", 0): match(60)}, prompt_tokens=8192)
+    assert best.instance == "cold"
+    hot = view("hot", running=1, waiting=0, kv_usage=W.overload_kv_usage)
+    full = view("full", running=1, waiting=0, kv_usage=0.99)
+    best, scores = pick([hot, full], {("hot", 0): match(60)}, prompt_tokens=8192)
+    assert all(s.overloaded for s in scores)
+    assert best.instance == "hot"  # every worker overloaded: cost decides among all
+
+
+def test_ties_rotate():
+    ties = TieBreaker()
+    scores = score_workers([view("a"), view("b"), view("c")], {}, W, prompt_tokens=100)
+    assert {best_of(scores, ties).instance for _ in range(3)} == {"a", "b", "c"}
+
+
+def test_block_hash_queries_count_prefill_per_block_size():
+    small = WorkerView(key=("s", 0), block_size=16, state="live")
+    large = WorkerView(key=("l", 0), block_size=32, state="live")
+    scores = score_workers([small, large], {}, W, prompt_blocks=4)
+    assert {s.instance: s.prefill_cost for s in scores} == {"s": 64.0, "l": 128.0}
+
+
+def test_parse_load_reads_vllm_metrics_per_engine():
+    text = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 7.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 100.0
+"""
+    loads = parse_load(text, read_at=1.0)
+    assert loads[0].running == 3 and loads[0].waiting == 7 and loads[0].kv_usage == 0.5
+    assert loads[1].running == 1 and loads[1].waiting == 0
