@@ -43,7 +43,7 @@ from typing import Any
 
 from xxhash import xxh3_128_digest
 
-from index.keys import TOKEN_BYTES, extra_suffix, root_key, token_bytes
+from index.keys import TOKEN_BYTES, block_splitter, extra_suffix, root_key, token_bytes
 from index.mediums import (
     CPU,
     FIELD_MASK,
@@ -236,8 +236,8 @@ class PrefixIndex:
         bit = w.bit
         held_before = 0
         # Lengths agree (checked above); strict=True would cost a raised StopIteration.
-        for block_hash, start in zip(block_hashes, range(0, blocks * step, step)):  # noqa: B905
-            key = digest(parent_key + tokens[start : start + step])
+        for block_hash, (block,) in zip(block_hashes, block_splitter(step)(tokens)):  # noqa: B905
+            key = digest(parent_key + block)
             if bind(block_hash, key) is key:
                 value = get_node(key)
                 if value is None:
@@ -541,18 +541,21 @@ class PrefixIndex:
         """
         targets = self._select(workers)
         tokens = token_bytes(token_ids)
-        by_size: dict[int, int] = {}
+        by_size: dict[int, list[_Worker]] = {}
         for w in targets:
-            by_size[w.block_size] = by_size.get(w.block_size, 0) | w.bit
+            by_size.setdefault(w.block_size, []).append(w)
         result: dict[Worker, Match] = {}
-        for block_size, alive in by_size.items():
+        for block_size, members in by_size.items():
             if not block_size:
-                self._assemble(result, [(alive, 0)], [], 0)
+                self._assemble(result, members, [], [], 0)
                 continue
+            alive = 0
+            for w in members:
+                alive |= w.bit
             ended, tiered_hits = self._walk_tokens(
                 root_key(block_size, lora_name), tokens, block_size, alive
             )
-            self._assemble(result, ended, tiered_hits, block_size)
+            self._assemble(result, members, ended, tiered_hits, block_size)
         return result
 
     def _walk_tokens(self, parent_key: bytes, tokens: bytes, block_size: int,
@@ -567,20 +570,23 @@ class PrefixIndex:
         ended: list[tuple[int, int]] = []
         tiered_hits: list[tuple[bytes, int]] = []
         step = block_size * TOKEN_BYTES
-        stop = len(tokens) - len(tokens) % step
-        for start in range(0, stop, step):
-            key = digest(parent_key + tokens[start : start + step])
+        if len(tokens) % step:
+            tokens = tokens[: len(tokens) - len(tokens) % step]  # the partial block never matches
+        position = 0
+        for (block,) in block_splitter(step)(tokens):
+            key = digest(parent_key + block)
             value = get_node(key, 0)
             held = value & alive
             if held != alive:
-                ended.append((alive ^ held, start // step))
+                ended.append((alive ^ held, position))
                 alive = held
                 if not alive:
                     return ended, tiered_hits
             if value & TIERED:
                 tiered_hits.append((key, alive))
             parent_key = key
-        ended.append((alive, stop // step))
+            position += 1
+        ended.append((alive, position))
         return ended, tiered_hits
 
     def match_hashes(
@@ -620,7 +626,7 @@ class PrefixIndex:
         else:
             ended.append((alive, len(path)))
         result: dict[Worker, Match] = {}
-        self._assemble(result, ended, tiered_hits, None)
+        self._assemble(result, targets, ended, tiered_hits, None)
         return result
 
     def _resolve_path(self, block_hashes: Sequence[BlockHash]) -> list[bytes]:
@@ -651,36 +657,41 @@ class PrefixIndex:
             expected = _fingerprint_bits(found)
         return path
 
-    def _assemble(self, result: dict[Worker, Match], ended: list[tuple[int, int]],
-                  tiered_hits: list[tuple[bytes, int]], block_size: int | None) -> None:
-        """Turn walk results into one ``Match`` per worker (``None``: each its own size)."""
-        by_slot = self._by_slot
-        tally: Counter[tuple[int, int]] = Counter()
-        tiered = self._tiered
-        for key, holders in tiered_hits:
-            cpu_mask, storage_mask = tiered[key]
-            tally[(cpu_mask & holders, storage_mask & holders)] += 1
+    def _assemble(self, result: dict[Worker, Match], members: list[_Worker],
+                  ended: list[tuple[int, int]], tiered_hits: list[tuple[bytes, int]],
+                  block_size: int | None) -> None:
+        """Turn a walk into one ``Match`` per member (``block_size`` None: each its own).
+
+        ``ended`` holds (workers, blocks matched) in walk order, every member in one entry;
+        non-GPU tiers are tallied per distinct holder mask, then spread over the bits.
+        """
         slow: dict[int, list[int]] = {}
-        for (cpu_mask, storage_mask), count in tally.items():
-            for tier_index, mask in ((0, cpu_mask), (1, storage_mask)):
-                while mask:
-                    low = mask & -mask
-                    mask ^= low
-                    slow.setdefault(low, [0, 0])[tier_index] += count
-        for mask, blocks in ended:
-            while mask:
-                low = mask & -mask
-                mask ^= low
-                w = by_slot[low.bit_length() - 1 - SLOT_SHIFT]
-                assert w is not None
-                size = w.block_size if block_size is None else block_size
-                cpu, storage = slow.get(low, (0, 0))
-                result[w.worker] = Match(
-                    blocks=blocks,
-                    tokens=blocks * size,
-                    block_size=size,
-                    by_medium={"GPU": blocks - cpu - storage, "CPU": cpu, "STORAGE": storage},
-                )
+        if tiered_hits:
+            tally: Counter[tuple[int, int]] = Counter()
+            tiered = self._tiered
+            for key, holders in tiered_hits:
+                cpu_mask, storage_mask = tiered[key]
+                tally[(cpu_mask & holders, storage_mask & holders)] += 1
+            for (cpu_mask, storage_mask), count in tally.items():
+                for tier_index, mask in ((0, cpu_mask), (1, storage_mask)):
+                    while mask:
+                        low = mask & -mask
+                        mask ^= low
+                        slow.setdefault(low, [0, 0])[tier_index] += count
+        make = _new_match
+        for w in members:
+            bit = w.bit
+            blocks = 0
+            for mask, count in ended:
+                if mask & bit:
+                    blocks = count
+                    break
+            size = w.block_size if block_size is None else block_size
+            cpu, storage = slow.get(bit, _NO_SLOW_TIERS) if slow else _NO_SLOW_TIERS
+            result[w.worker] = make(
+                blocks, blocks * size, size,
+                {"GPU": blocks - cpu - storage, "CPU": cpu, "STORAGE": storage},
+            )
 
     def _select(self, workers: Iterable[Worker] | None) -> list[_Worker]:
         if workers is None:
@@ -725,6 +736,25 @@ class PrefixIndex:
             hash_conflicts=self._hash_conflicts,
             estimated_bytes=size,
         )
+
+
+_NO_SLOW_TIERS = (0, 0)
+_new_object = object.__new__
+_set_blocks = Match.__dict__["blocks"].__set__
+_set_tokens = Match.__dict__["tokens"].__set__
+_set_block_size = Match.__dict__["block_size"].__set__
+_set_by_medium = Match.__dict__["by_medium"].__set__
+
+
+def _new_match(blocks: int, tokens: int, block_size: int, by_medium: dict[str, int]) -> Match:
+    """``Match(...)`` at half the cost: a frozen dataclass's __init__ goes through
+    object.__setattr__ per field; the slot descriptors set the same fields directly."""
+    match = _new_object(Match)
+    _set_blocks(match, blocks)
+    _set_tokens(match, tokens)
+    _set_block_size(match, block_size)
+    _set_by_medium(match, by_medium)
+    return match
 
 
 def _mean_size(values: Iterable[object]) -> int:

@@ -1,0 +1,127 @@
+"""Placement guesses: blocks a worker is about to hold because a prompt was just routed to it.
+
+vLLM announces a prompt's blocks only after the step that computed them, so for
+one step (plus transport) the index cannot know where a new prefix is being
+built. A burst of requests that share a new prefix would all see "nobody holds
+it" and spread over the fleet, each instance computing the same prefix. A guess
+closes that window: when kvroute routes a prompt to a worker, it records that
+the worker will soon hold the prompt's full blocks, for a short time to live.
+
+Invariants:
+- A guess names content keys (`index.keys`), so it matches exactly the queries
+  the real blocks would match, at the worker's block size and LoRA.
+- A guess is placed as a chain from the root. A key guessed for a worker stops
+  being a guess when the worker really stores it (`confirm`): from then on only
+  real events decide, so a later eviction is seen at once. A worker's extent for
+  a query therefore walks keys that are guessed *or* really held, and stops at the
+  first that is neither.
+- A guess that reaches its expiry is removed entirely; after `expire(now)`
+  nothing of an expired guess remains.
+- Time is passed in by the caller; this module never reads a clock.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Hashable, Sequence
+
+from sortedcontainers import SortedList
+from xxhash import xxh3_128_digest
+
+from index.keys import TOKEN_BYTES, root_key, token_bytes
+
+__all__ = ["Placements", "chain_keys"]
+
+
+def chain_keys(token_ids: Sequence[int] | bytes, block_size: int,
+               lora_name: str | None = None) -> list[bytes]:
+    """The content keys of every full block of a token sequence, first block first."""
+    tokens = token_ids if isinstance(token_ids, bytes) else token_bytes(token_ids)
+    step = block_size * TOKEN_BYTES
+    parent = root_key(block_size, lora_name)
+    keys = []
+    for start in range(0, len(tokens) - len(tokens) % step, step):
+        parent = xxh3_128_digest(parent + tokens[start:start + step])
+        keys.append(parent)
+    return keys
+
+
+class Placements:
+    """Per worker, the keys it is expected to hold, each until an expiry time."""
+
+    __slots__ = ("_expiry", "_guessed", "_order")
+
+    def __init__(self) -> None:
+        # worker -> key -> expiry of the latest guess naming that key
+        self._guessed: dict[Hashable, dict[bytes, float]] = {}
+        # (expiry, order, worker, keys): the guesses in the order they run out
+        self._expiry: SortedList = SortedList()
+        self._order = itertools.count()
+
+    def __len__(self) -> int:
+        """Keys currently guessed, over all workers."""
+        return sum(len(keys) for keys in self._guessed.values())
+
+    def __bool__(self) -> bool:
+        return bool(self._guessed)
+
+    def workers(self) -> list[Hashable]:
+        return list(self._guessed)
+
+    def place(self, worker: Hashable, keys: Sequence[bytes], expires: float) -> None:
+        """Guess that `worker` will hold `keys` (a chain from the root) until `expires`."""
+        if not keys:
+            return
+        held = self._guessed.setdefault(worker, {})
+        for key in keys:
+            if held.get(key, expires - 1.0) < expires:
+                held[key] = expires
+        self._expiry.add((expires, next(self._order), worker, tuple(keys)))
+
+    def confirm(self, worker: Hashable, keys: Sequence[bytes]) -> None:
+        """The worker really stored `keys`: they are no longer guesses."""
+        held = self._guessed.get(worker)
+        if held is None:
+            return
+        for key in keys:
+            held.pop(key, None)
+        if not held:
+            del self._guessed[worker]
+
+    def forget(self, worker: Hashable) -> None:
+        """Drop every guess for a worker (cleared, dropped, or gone down)."""
+        self._guessed.pop(worker, None)
+
+    def expire(self, now: float) -> None:
+        """Remove every guess whose expiry is at or before `now`."""
+        expiry = self._expiry
+        while expiry and expiry[0][0] <= now:
+            expires, _, worker, keys = expiry.pop(0)
+            held = self._guessed.get(worker)
+            if held is None:
+                continue
+            for key in keys:
+                # A later guess of the same key keeps it alive until its own expiry.
+                if held.get(key) == expires:
+                    del held[key]
+            if not held:
+                del self._guessed[worker]
+
+    def has(self, worker: Hashable) -> bool:
+        return worker in self._guessed
+
+    def extent(self, worker: Hashable, keys: Sequence[bytes],
+               really_holds: Callable[[bytes], bool]) -> tuple[int, int]:
+        """(blocks, of which guessed only): how many of `keys`, from the first, the
+        worker is guessed to hold or really holds."""
+        guessed = self._guessed.get(worker, {})
+        count = pending = 0
+        for key in keys:
+            if really_holds(key):
+                count += 1
+            elif key in guessed:
+                count += 1
+                pending += 1
+            else:
+                break
+        return count, pending
