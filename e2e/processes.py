@@ -54,7 +54,12 @@ class ManagedProcess:
         """The exit code once the group leader has exited, else None."""
         return self._popen.poll() if self._popen else None
 
-    def stop(self, grace: float = 20.0) -> None:
+    def terminate(self) -> None:
+        """Ask the whole group to exit (SIGTERM); :meth:`stop` waits for it."""
+        if self._popen is not None:
+            _signal_group(self._popen.pid, signal.SIGTERM)
+
+    def stop(self, grace: float = 15.0) -> None:
         """SIGTERM the process group, then SIGKILL whatever is left after ``grace``."""
         if self._popen is None:
             return
@@ -126,9 +131,13 @@ class ProcessSet:
         return proc
 
     def stop_all(self) -> None:
+        # Every group gets SIGTERM at once, so the grace periods run in parallel.
+        for proc in self._procs:
+            proc.terminate()
+        deadline = time.monotonic() + 15.0
         for proc in reversed(self._procs):
             try:
-                proc.stop()
+                proc.stop(grace=max(0.5, deadline - time.monotonic()))
             except Exception as exc:  # keep stopping the others
                 print(f"e2e: could not stop {proc.name} (pid {proc.pid}): {exc}", flush=True)
 
