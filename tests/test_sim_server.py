@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 
@@ -216,3 +217,113 @@ def test_cluster_starts_distinct_instances_and_frees_every_port_on_stop():
         assert not any(port_is_free(p, within_s=0) for p in ports)  # the check can fail
     assert cluster.instances == []
     assert all(port_is_free(p) for p in ports)
+
+
+# --- chat, streaming and aborted streams ------------------------------------------------------
+
+
+def sse_payloads(raw: bytes) -> list[object]:
+    """The JSON payloads of an SSE body, with "[DONE]" kept as the string."""
+    events = raw.decode().split("\n\n")
+    assert events[-1] == "", "an SSE body ends with a blank line"
+    out: list[object] = []
+    for event in events[:-1]:
+        assert event.startswith("data: "), event
+        data = event[len("data: "):]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+CHAT = [{"role": "system", "content": "You are terse."},
+        {"role": "user", "content": [{"type": "text", "text": "Name a colour"}]}]
+
+
+def test_chat_uses_the_template_tokenize_applies(instance):
+    with httpx.Client(base_url=instance.url, timeout=10) as http:
+        tokens = http.post("/tokenize", json={"messages": CHAT,
+                                              "add_generation_prompt": True}).json()["tokens"]
+        assert bytes(tokens).decode() == ("<|system|>\nYou are terse.\n<|user|>\nName a colour\n"
+                                          "<|assistant|>\n")
+        bare = http.post("/tokenize", json={"messages": CHAT,
+                                            "add_generation_prompt": False}).json()["tokens"]
+        assert tokens[:len(bare)] == bare and len(bare) < len(tokens)
+        first = http.post("/v1/chat/completions",
+                          json={"model": "sim-model", "messages": CHAT, "max_tokens": 3}).json()
+        again = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 3},
+                          headers={"X-Request-Id": "abc"}).json()
+    assert first["object"] == "chat.completion" and again["id"] == "chatcmpl-abc"
+    message = first["choices"][0]["message"]
+    assert message["role"] == "assistant" and len(message["content"]) == 3
+    assert first["usage"]["prompt_tokens"] == len(tokens)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # the engine cached exactly the tokens /tokenize gave: vLLM's cap of (n - 1) // bs blocks
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(tokens) - 1) // 16 * 16
+    assert instance.engines[0].lookup(tokens) == len(tokens) // 16 * 16
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streams_one_event_per_token_and_records_what_it_sent(instance, chat):
+    path, field = ("/v1/chat/completions", "messages") if chat else ("/v1/completions", "prompt")
+    body = {field: CHAT if chat else "stream me", "max_tokens": 5}
+    with httpx.Client(base_url=instance.url, timeout=10) as http:
+        whole = http.post(path, json=body).json()
+        with http.stream("POST", path, headers={"X-Request-Id": f"s{chat}"},
+                         json={**body, "stream": True,
+                               "stream_options": {"include_usage": True}}) as resp:
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            raw = b"".join(resp.iter_raw())
+    prefix = "chatcmpl-" if chat else "cmpl-"
+    assert instance.responses[f"{prefix}s{chat}"] == raw and instance.aborted == 0
+    *chunks, usage, done = sse_payloads(raw)
+    assert done == "[DONE]" and usage["choices"] == []
+    assert usage["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"]
+    assert usage["usage"]["completion_tokens"] == 5
+    # the streamed request came second: it reused the prompt's full blocks
+    cached = (whole["usage"]["prompt_tokens"] - 1) // 16 * 16
+    assert usage["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+    assert {c["id"] for c in chunks} == {f"{prefix}s{chat}"}
+    if chat:
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        chunks = chunks[1:]
+        text = "".join(c["choices"][0]["delta"]["content"] for c in chunks)
+        assert text == whole["choices"][0]["message"]["content"]
+    else:
+        assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert len(chunks) == 5
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 4 + ["length"]
+
+
+def test_a_client_that_leaves_mid_stream_is_counted_as_aborted():
+    cfg = InstanceConfig(block_size=16, num_blocks=64, stream_interval_s=0.05)
+    with SimInstance(cfg) as inst, httpx.Client(base_url=inst.url, timeout=10) as http:
+        with http.stream("POST", "/v1/completions", headers={"X-Request-Id": "gone"},
+                         json={"prompt": "abc", "max_tokens": 200, "stream": True}) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: ")
+        deadline = time.monotonic() + 10
+        while inst.aborted == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert inst.aborted == 1
+        sent = inst.responses["cmpl-gone"]
+        assert sent.startswith(b"data: ") and b"[DONE]" not in sent
+        assert len(sse_payloads(sent)) < 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages"),
+        ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0},
+         "max_completion_tokens"),
+        ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
+        ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
+         "stream_options"),
+        ("/tokenize", {"messages": CHAT, "add_generation_prompt": 1}, "add_generation_prompt"),
+        ("/tokenize", {"messages": "hi"}, "messages"),
+    ],
+)
+def test_bad_chat_and_stream_requests_get_a_clear_error(instance, path, body, param):
+    resp = httpx.post(f"{instance.url}{path}", json=body, timeout=10)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == param

@@ -7,15 +7,26 @@ them; nothing outlives it.
 
 Two ways to drive the engines, never mixed on one instance:
 
-- HTTP (demo, end-to-end tests): ``POST /v1/completions`` queues the request on a rank and a
-  stepping thread runs that rank's steps until every HTTP request on it is done, publishing
-  each step's events. Steps do not sleep unless ``time_scale > 0`` (then a step takes
-  ``time_scale`` times its modelled duration in real time).
+- HTTP (demo, end-to-end tests): ``POST /v1/completions`` and ``POST /v1/chat/completions``
+  queue the request on a rank (the ``X-data-parallel-rank`` header's, as in vLLM, else the
+  least loaded) and a stepping thread runs that rank's steps until every HTTP request on it is
+  done, publishing each step's events. Steps do not sleep unless ``time_scale > 0`` (then a
+  step takes ``time_scale`` times its modelled duration in real time).
 - Directly (benchmarks): ``rank.lock`` held, call ``rank.engine`` and ``rank.publish``; the
   stepping thread only steps while HTTP requests are pending, so it stays out of the way.
 
-Text prompts use a byte tokenizer: one token per UTF-8 byte (ids 0..255). Generated tokens are
-lowercase letters chosen deterministically from the prompt, so responses are reproducible.
+Text prompts use a byte tokenizer: one token per UTF-8 byte (ids 0..255); chat messages go
+through the template in ``app.sim.openai`` first, and ``/tokenize`` accepts both, giving the
+exact tokens the engine sees. Generated tokens are lowercase letters chosen deterministically
+from the prompt, so responses are reproducible. Response ids are ``cmpl-``/``chatcmpl-`` plus the
+``X-Request-Id`` header when given (as in vLLM), else a random hex.
+
+Streaming (``"stream": true``): the engine runs the request as usual; the response is then sent
+as one SSE event per generated token, ``stream_interval_s`` apart, so a client can go away
+mid-stream. Observability for tests: ``responses`` holds the bytes of the last
+``RECORDED_RESPONSES`` generation responses by id (what was actually sent, also for a stream cut
+short), and ``aborted`` counts streams whose client went away before ``[DONE]`` (a request still
+in the engine then is aborted there, as vLLM does).
 
 ``/reset_prefix_cache`` behaves like vLLM's: refused (still 200) while blocks are in use, and the
 ``AllBlocksCleared`` event goes out with the rank's next step.
@@ -31,22 +42,26 @@ import socket
 import threading
 import time
 import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from app.sim.engine import Engine, EngineError, RequestOutcome, StepResult, TimeModel
+from app.sim.openai import chat_prompt, completion_body, sse_events, validate_messages
 from app.sim.publisher import EventPublisher
 from app.wire import Event
 
 HOST = "127.0.0.1"
 _REQUEST_TIMEOUT_S = 60.0
+RECORDED_RESPONSES = 256
 
 
 @dataclass(frozen=True)
@@ -71,6 +86,8 @@ class InstanceConfig:
     # /kv_event_sources answer shape: "v0.32" (vLLM 0.32.0: {rank: resolved config}, wildcard
     # bind host), "list" (a bare list of per-rank entries) or "sources" ({"sources": list}).
     sources_shape: str = "v0.32"
+    # Seconds between two SSE events of a streamed response (0: as fast as the socket takes).
+    stream_interval_s: float = 0.0
 
 
 class SimRank:
@@ -135,9 +152,9 @@ class SimRank:
     def load(self) -> int:
         return self.engine.load()
 
-    def submit(self, prompt: list[int], output: list[int]) -> Future[RequestOutcome]:
+    def submit(self, prompt: list[int], output: list[int],
+               request_id: str) -> Future[RequestOutcome]:
         """Queue an HTTP request; the future resolves when it finishes. Raises EngineError."""
-        request_id = f"cmpl-{uuid.uuid4().hex}"
         fut: Future[RequestOutcome] = Future()
         with self._wake:
             now = time.monotonic() - self._t0
@@ -145,6 +162,12 @@ class SimRank:
             self._pending[request_id] = fut
             self._wake.notify_all()
         return fut
+
+    def abort(self, request_id: str) -> bool:
+        """The client went away: drop the request if the engine still has it."""
+        with self._wake:
+            self._pending.pop(request_id, None)
+            return self.engine.abort_request(request_id)
 
     def _loop(self) -> None:
         while True:
@@ -182,6 +205,9 @@ class SimInstance:
         self._thread: threading.Thread | None = None
         self._sock: socket.socket | None = None
         self._next_rank = 0
+        self.responses: OrderedDict[str, bytes] = OrderedDict()
+        self.aborted = 0
+        self._record_lock = threading.Lock()
 
     @property
     def engines(self) -> list[Engine]:
@@ -305,6 +331,14 @@ class SimInstance:
             for s in sources
         }
 
+    def record(self, response_id: str, sent: bytes, *, aborted: bool = False) -> None:
+        """Remember what a generation response sent (see the module docstring)."""
+        with self._record_lock:
+            self.responses[response_id] = sent
+            while len(self.responses) > RECORDED_RESPONSES:
+                self.responses.popitem(last=False)
+            self.aborted += aborted
+
     def reset_prefix_cache(self) -> bool:
         ok = True
         for rank in self.ranks:
@@ -342,21 +376,38 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse({"error": body}, status_code=status)
 
 
-def _prompt_tokens(body: dict[str, Any], vocab_size: int) -> list[int] | str:
-    """The prompt as token ids, or an error message."""
+def _prompt_tokens(body: dict[str, Any]) -> list[int] | str:
+    """A completion's prompt as token ids, or an error message."""
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        tokens = tokenize_text(prompt)
-    elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
-        tokens = prompt
-    else:
-        return "'prompt' must be a string or a list of token ids (integers)"
+        return tokenize_text(prompt)
+    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        return prompt
+    return "'prompt' must be a string or a list of token ids (integers)"
+
+
+def _check_tokens(tokens: list[int], vocab_size: int) -> str | None:
     if not tokens:
         return "the prompt cannot be empty"
     bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
     if bad is not None:
         return f"token id {bad} is out of vocabulary (size {vocab_size})"
-    return tokens
+    return None
+
+
+class _Stream(StreamingResponse):
+    """Closes its generator however the response ends, so a client that went away is noticed
+    at once (Starlette leaves a generator suspended at ``yield`` to the garbage collector)."""
+
+    def __init__(self, events: AsyncIterator[bytes]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self._events = events
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()  # type: ignore[attr-defined]
 
 
 def build_app(inst: SimInstance) -> FastAPI:
@@ -390,9 +441,19 @@ def build_app(inst: SimInstance) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Any:
         body = await _json_body(request)
-        if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
-            return _error(400, "'prompt' must be a string", "prompt")
-        tokens = tokenize_text(body["prompt"])
+        if isinstance(body, dict) and "messages" in body:
+            problem = validate_messages(body["messages"])
+            if problem:
+                return _error(400, problem, "messages")
+            generation_prompt = body.get("add_generation_prompt", True)
+            if not isinstance(generation_prompt, bool):
+                return _error(400, "'add_generation_prompt' must be a boolean",
+                              "add_generation_prompt")
+            tokens = tokenize_text(chat_prompt(body["messages"], generation_prompt))
+        elif isinstance(body, dict) and isinstance(body.get("prompt"), str):
+            tokens = tokenize_text(body["prompt"])
+        else:
+            return _error(400, "give 'prompt' (a string) or 'messages'", "prompt")
         return {"count": len(tokens), "max_model_len": max_model_len(), "tokens": tokens,
                 "token_strs": None}
 
@@ -408,38 +469,96 @@ def build_app(inst: SimInstance) -> FastAPI:
         return PlainTextResponse(generate_latest(registry).decode())
 
     @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
-        body = await _json_body(request)
-        if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object")
-        if body.get("model") not in (None, cfg.model):
-            return _error(404, f"The model `{body['model']}` does not exist.", "model")
-        if body.get("stream"):
-            return _error(400, "streaming is not supported by the simulator", "stream")
-        tokens = _prompt_tokens(body, cfg.vocab_size)
-        if isinstance(tokens, str):
-            return _error(400, tokens, "prompt")
-        max_tokens = body.get("max_tokens", 16)
-        if type(max_tokens) is not int or max_tokens < 1:
-            return _error(400, "'max_tokens' must be a positive integer", "max_tokens")
-        rank_header = request.headers.get("x-data-parallel-rank")
-        rank: int | None = None
-        if rank_header is not None:
-            if not rank_header.isdigit() or int(rank_header) >= len(inst.ranks):
-                return _error(400, f"no data-parallel rank {rank_header!r}")
-            rank = int(rank_header)
-        target = inst.pick_rank(rank)
-        try:
-            fut = target.submit(tokens, planned_output(tokens, max_tokens))
-        except EngineError as exc:
-            return _error(400, str(exc), "prompt")
-        try:
-            outcome = await asyncio.wait_for(asyncio.wrap_future(fut), _REQUEST_TIMEOUT_S)
-        except (TimeoutError, asyncio.CancelledError):
-            return _error(503, "the simulated engine did not finish the request in time")
-        return _completion_body(cfg.model, outcome)
+    async def completions(request: Request) -> Response:
+        return await _generate(inst, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(inst, request, chat=True)
 
     return app
+
+
+async def _generate(inst: SimInstance, request: Request, *, chat: bool) -> Response:
+    """Validate like vLLM, queue on a rank, answer whole or streamed."""
+    cfg = inst.config
+    body = await _json_body(request)
+    if not isinstance(body, dict):
+        return _error(400, "the request body must be a JSON object")
+    if body.get("model") not in (None, cfg.model):
+        return _error(404, f"The model `{body['model']}` does not exist.", "model")
+    if chat:
+        problem = validate_messages(body.get("messages"))
+        if problem:
+            return _error(400, problem, "messages")
+        tokens: list[int] | str = tokenize_text(chat_prompt(body["messages"]))
+        limit = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    else:
+        tokens = _prompt_tokens(body)
+        limit = "max_tokens"
+    problem = tokens if isinstance(tokens, str) else _check_tokens(tokens, cfg.vocab_size)
+    if problem:
+        return _error(400, problem, "messages" if chat else "prompt")
+    assert not isinstance(tokens, str)
+    max_tokens = body.get(limit, 16)
+    if type(max_tokens) is not int or max_tokens < 1:
+        return _error(400, f"'{limit}' must be a positive integer", limit)
+    stream, options = body.get("stream", False), body.get("stream_options")
+    if not isinstance(stream, bool):
+        return _error(400, "'stream' must be a boolean", "stream")
+    if options is not None and (not stream or not isinstance(options, dict)):
+        return _error(400, "'stream_options' must be an object, and only with stream=true",
+                      "stream_options")
+    rank_header = request.headers.get("x-data-parallel-rank")
+    rank: int | None = None
+    if rank_header is not None:
+        if not rank_header.isdigit() or int(rank_header) >= len(inst.ranks):
+            return _error(400, f"no data-parallel rank {rank_header!r}")
+        rank = int(rank_header)
+    target = inst.pick_rank(rank)
+    request_id = ("chatcmpl-" if chat else "cmpl-") + (
+        request.headers.get("x-request-id") or uuid.uuid4().hex)
+    try:
+        fut = target.submit(tokens, planned_output(tokens, max_tokens), request_id)
+    except EngineError as exc:
+        return _error(400, str(exc), "messages" if chat else "prompt")
+    created = int(time.time())
+    if stream:
+        include_usage = bool((options or {}).get("include_usage"))
+        return _Stream(_stream_events(inst, target, request_id, fut, chat=chat,
+                                      created=created, include_usage=include_usage))
+    try:
+        outcome = await asyncio.wait_for(asyncio.wrap_future(fut), _REQUEST_TIMEOUT_S)
+    except (TimeoutError, asyncio.CancelledError):
+        target.abort(request_id)
+        return _error(503, "the simulated engine did not finish the request in time")
+    payload = completion_body(chat, request_id, created, cfg.model, outcome,
+                              detokenize(list(outcome.output_tokens)))
+    inst.record(request_id, payload)
+    return Response(payload, media_type="application/json")
+
+
+async def _stream_events(inst: SimInstance, rank: SimRank, request_id: str,
+                         fut: Future[RequestOutcome], *, chat: bool, created: int,
+                         include_usage: bool) -> AsyncIterator[bytes]:
+    """The SSE events of one request; what was sent is recorded however the stream ends."""
+    sent = bytearray()
+    complete = False
+    try:
+        outcome = await asyncio.wait_for(asyncio.wrap_future(fut), _REQUEST_TIMEOUT_S)
+        pieces = [detokenize([token]) for token in outcome.output_tokens]
+        events = sse_events(chat, request_id, created, inst.config.model, outcome, pieces,
+                            include_usage)
+        for i, event in enumerate(events):
+            if i and inst.config.stream_interval_s > 0:
+                await asyncio.sleep(inst.config.stream_interval_s)
+            sent += event
+            yield event
+        complete = True
+    finally:
+        if not complete:
+            rank.abort(request_id)
+        inst.record(request_id, bytes(sent), aborted=not complete)
 
 
 async def _json_body(request: Request) -> Any:
@@ -447,32 +566,6 @@ async def _json_body(request: Request) -> Any:
         return await request.json()
     except ValueError:
         return None
-
-
-def _completion_body(model: str, outcome: RequestOutcome) -> dict[str, Any]:
-    completion = len(outcome.output_tokens)
-    return {
-        "id": outcome.request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "text": detokenize(list(outcome.output_tokens)),
-                "logprobs": None,
-                "finish_reason": "length",
-                "stop_reason": None,
-                "prompt_logprobs": None,
-            }
-        ],
-        "usage": {
-            "prompt_tokens": outcome.prompt_tokens,
-            "total_tokens": outcome.prompt_tokens + completion,
-            "completion_tokens": completion,
-            "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
-        },
-    }
 
 
 class _MetricsCollector:

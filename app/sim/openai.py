@@ -1,0 +1,117 @@
+"""What the simulated vLLM says on the wire: its chat template and the OpenAI-style bodies.
+
+Shapes follow vLLM's OpenAI server: compact JSON, streamed as ``data: <json>\\n\\n`` events
+ending with ``data: [DONE]\\n\\n``; one event per generated token; with
+``stream_options.include_usage`` a last event with empty ``choices`` carries the usage. Usage
+always includes ``prompt_tokens_details.cached_tokens`` (vLLM needs
+``--enable-prompt-tokens-details`` for that; the simulator always reports it).
+
+The chat template is the simulator's own, and ``/tokenize`` applies the same one, so a router
+that tokenizes chat messages through ``/tokenize`` sees exactly the tokens the engine sees::
+
+    <|{role}|>\\n{content}\\n        for each message (content parts: their "text"s joined)
+    <|assistant|>\\n                 when add_generation_prompt is true (the chat default)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from app.sim.engine import RequestOutcome
+
+__all__ = ["chat_prompt", "completion_body", "sse_events", "validate_messages"]
+
+
+def validate_messages(messages: Any) -> str | None:
+    """None when ``messages`` is a chat the template can render, else what is wrong."""
+    if not isinstance(messages, list) or not messages:
+        return "'messages' must be a non-empty list of {role, content} objects"
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            return f"messages[{i}] must be an object with a string 'role'"
+        content = message.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list) or not all(
+            isinstance(part, dict) and isinstance(part.get("text", ""), str) for part in content
+        ):
+            return f"messages[{i}].content must be a string or a list of text parts"
+    return None
+
+
+def chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    """The template above applied to already validated messages."""
+    rendered = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(part.get("text", "") for part in content)
+        rendered.append(f"<|{message['role']}|>\n{content or ''}\n")
+    if add_generation_prompt:
+        rendered.append("<|assistant|>\n")
+    return "".join(rendered)
+
+
+def _encode(payload: Any) -> bytes:
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _usage(outcome: RequestOutcome) -> dict[str, Any]:
+    completion = len(outcome.output_tokens)
+    return {
+        "prompt_tokens": outcome.prompt_tokens,
+        "total_tokens": outcome.prompt_tokens + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
+    }
+
+
+def completion_body(chat: bool, response_id: str, created: int, model: str,
+                    outcome: RequestOutcome, text: str) -> bytes:
+    """A whole (non-streamed) completion or chat completion."""
+    if chat:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": "length",
+            "stop_reason": None,
+        }
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length",
+                  "stop_reason": None, "prompt_logprobs": None}
+        kind = "text_completion"
+    return _encode({"id": response_id, "object": kind, "created": created, "model": model,
+                    "choices": [choice], "usage": _usage(outcome)})
+
+
+def sse_events(chat: bool, response_id: str, created: int, model: str,
+               outcome: RequestOutcome, pieces: list[str], include_usage: bool) -> Iterator[bytes]:
+    """The streamed response, one ``data:`` event per generated token (``pieces``)."""
+    head = {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created, "model": model}
+
+    def event(payload: dict[str, Any]) -> bytes:
+        return b"data: " + _encode(payload) + b"\n\n"
+
+    if chat:
+        yield event({**head, "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                 "content": ""},
+                                          "logprobs": None, "finish_reason": None}]})
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        choice: dict[str, Any] = {"index": 0}
+        if chat:
+            choice["delta"] = {"content": piece}
+        else:
+            choice["text"] = piece
+        choice.update(logprobs=None, finish_reason="length" if last else None)
+        if last:
+            choice["stop_reason"] = None
+        yield event({**head, "choices": [choice]})
+    if include_usage:
+        yield event({**head, "choices": [], "usage": _usage(outcome)})
+    yield b"data: [DONE]\n\n"
