@@ -232,20 +232,20 @@ class PrefixIndex:
         digest = xxh3_128_digest
         bind = w.handles.setdefault
         nodes = self._nodes
-        get_node = nodes.get
+        place = nodes.setdefault
         bit = w.bit
         held_before = 0
         # Lengths agree (checked above); strict=True would cost a raised StopIteration.
         for block_hash, (block,) in zip(block_hashes, block_splitter(step)(tokens)):  # noqa: B905
             key = digest(parent_key + block)
             if bind(block_hash, key) is key:
-                value = get_node(key)
-                if value is None:
-                    nodes[key] = bit | flag | ((hash(parent_key) & FP_MASK) << FP_SHIFT)
-                elif not value & bit:
-                    nodes[key] = value | bit
-                else:
-                    self._add_second_handle(w, key)
+                fresh = bit | flag | ((hash(parent_key) & FP_MASK) << FP_SHIFT)
+                value = place(key, fresh)  # a new node in one dict operation
+                if value is not fresh:
+                    if not value & bit:
+                        nodes[key] = value | bit
+                    else:
+                        self._add_second_handle(w, key)
             else:
                 held_before += 1
                 self._hold(w, block_hash, key, GPU, flag | _fingerprint_bits(parent_key))
