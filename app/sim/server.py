@@ -23,10 +23,10 @@ from the prompt, so responses are reproducible. Response ids are ``cmpl-``/``cha
 
 Streaming (``"stream": true``): the engine runs the request as usual; the response is then sent
 as one SSE event per generated token, ``stream_interval_s`` apart, so a client can go away
-mid-stream. Observability for tests: ``responses`` holds the bytes of the last
-``RECORDED_RESPONSES`` generation responses by id (what was actually sent, also for a stream cut
-short), and ``aborted`` counts streams whose client went away before ``[DONE]`` (a request still
-in the engine then is aborted there, as vLLM does).
+mid-stream. A client that goes away, streaming or not, gets its request aborted in the engine
+if it is still there, as vLLM does. Observability for tests: ``responses`` holds the bytes of
+the last ``RECORDED_RESPONSES`` generation responses by id (what was actually sent, also for a
+response cut short), and ``aborted`` counts responses whose client went away before their end.
 
 ``/reset_prefix_cache`` behaves like vLLM's: refused (still 200) while blocks are in use, and the
 ``AllBlocksCleared`` event goes out with the rank's next step.
@@ -527,11 +527,21 @@ async def _generate(inst: SimInstance, request: Request, *, chat: bool) -> Respo
         include_usage = bool((options or {}).get("include_usage"))
         return _Stream(_stream_events(inst, target, request_id, fut, chat=chat,
                                       created=created, include_usage=include_usage))
+    finished = asyncio.ensure_future(asyncio.wait_for(asyncio.wrap_future(fut),
+                                                      _REQUEST_TIMEOUT_S))
+    gone = asyncio.ensure_future(_client_gone(request))
     try:
-        outcome = await asyncio.wait_for(asyncio.wrap_future(fut), _REQUEST_TIMEOUT_S)
-    except (TimeoutError, asyncio.CancelledError):
+        await asyncio.wait({finished, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        finished.cancel()
+    if not finished.done() or finished.cancelled() or finished.exception() is not None:
         target.abort(request_id)
+        if gone.done() and not gone.cancelled():
+            inst.record(request_id, b"", aborted=True)
+            return Response(status_code=499)  # nobody is left to read it
         return _error(503, "the simulated engine did not finish the request in time")
+    outcome = finished.result()
     payload = completion_body(chat, request_id, created, cfg.model, outcome,
                               detokenize(list(outcome.output_tokens)))
     inst.record(request_id, payload)
@@ -559,6 +569,12 @@ async def _stream_events(inst: SimInstance, rank: SimRank, request_id: str,
         if not complete:
             rank.abort(request_id)
         inst.record(request_id, bytes(sent), aborted=not complete)
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body is read: nothing else can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _json_body(request: Request) -> Any:

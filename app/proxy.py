@@ -1,0 +1,323 @@
+"""OpenAI-compatible proxy mode (`kvroute serve --proxy`).
+
+`POST /v1/completions` and `POST /v1/chat/completions` are routed with `Service.decide`
+and forwarded to the chosen worker; `GET /v1/models` lists the union of the registered
+instances' models. Invariants:
+
+- The request body goes upstream byte for byte, to `{instance url}{path}` with the worker's
+  data-parallel rank in `X-data-parallel-rank` (vLLM's API server reads that header and
+  pins the request to that engine). End-to-end request headers pass through; hop-by-hop
+  ones, `Host` and `Content-Length` do not, and `Accept-Encoding` is the client's or
+  `identity` (so the body relayed raw is one the client can read).
+- The upstream answer (status, headers but hop-by-hop ones, body, streamed or not) is
+  relayed byte for byte as it arrives, errors included. Three headers are added:
+  `x-kvroute-instance`, `x-kvroute-dp-rank` and `x-kvroute-attempts`.
+- Retries: only when the chosen worker refused the connection (or it could not be
+  established in time), i.e. before any byte of the request was sent; the next choice
+  excludes every worker that failed, at most `MAX_CONNECT_ATTEMPTS` connections in all,
+  then 503. Never after the upstream accepted the connection: generation is not idempotent.
+- `service.inflight[worker.key]` counts this proxy's requests to a worker whose response has
+  not ended: +1 before connecting, -1 exactly once when the connection fails, when the
+  upstream fails before answering, or when the relayed response ends however it ends
+  (complete, client gone, upstream broken). A key at zero is deleted.
+- A client that goes away closes the upstream response and its connection, which is how
+  vLLM learns to abort the request. This holds while the response is relayed; a client that
+  leaves while a non-streamed request is still waiting for its answer is noticed too: the
+  pending upstream request is cancelled.
+- Batched completions (`prompt` a list of strings or of token lists) are forwarded as they
+  are and routed by their first prompt: vLLM runs a batch on the one instance it reaches.
+- Errors of the proxy itself are kvroute's JSON `{"error", "field"}`: 400 for a body that is
+  not an OpenAI request, 404 for a model no registered instance serves, 413 for size
+  limits, 502 for an upstream that broke before answering, 503 when no worker is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from app.api import read_body
+from app.registry import Worker
+from app.service import ApiError, RouteRequest, Service
+
+__all__ = ["MAX_CONNECT_ATTEMPTS", "add_proxy_routes", "route_request_of"]
+
+log = logging.getLogger("kvroute.proxy")
+
+MAX_CONNECT_ATTEMPTS = 3
+# Generation can take minutes and a stream can pause between tokens, so reads never time
+# out: a client that gives up closes its connection, and that closes the upstream one.
+UPSTREAM_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=60.0, pool=30.0)
+_HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
+                         "te", "trailer", "trailers", "transfer-encoding", "upgrade"})
+_NOT_FORWARDED = _HOP_BY_HOP | {"host", "content-length", "accept-encoding",
+                                "x-data-parallel-rank"}
+# uvicorn adds its own `date` and `server`; relaying the upstream's would duplicate them.
+_NOT_RELAYED = _HOP_BY_HOP | {"date", "server"}
+_ENDPOINTS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
+
+
+def route_request_of(path: str, body: bytes) -> RouteRequest:
+    """The routing question an OpenAI request body asks; ApiError(400) names a bad field."""
+    try:
+        payload = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"body is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    model = payload.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, "`model` must be a string", "model")
+    question: dict[str, Any] = {"model": model}
+    field = _ENDPOINTS[path]
+    if field == "messages":
+        messages = payload.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "`messages` must be a non-empty list of chat messages",
+                           "messages")
+        question["messages"] = messages
+    else:
+        question.update(_prompt_question(payload.get("prompt")))
+    try:
+        return msgspec.convert(question, RouteRequest)
+    except msgspec.ValidationError as exc:
+        raise ApiError(400, str(exc), _openai_path(str(exc))) from None
+
+
+def _prompt_question(prompt: Any) -> dict[str, Any]:
+    """`prompt` as text or token ids; a batch is routed by its first prompt."""
+    where = "prompt"
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        prompt, where = prompt[0], "prompt[0]"
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if not isinstance(prompt, list) or not prompt:
+        raise ApiError(400, "`prompt` must be a string, a non-empty list of token ids, or a "
+                       "batch of those", "prompt")
+    for i, token in enumerate(prompt):
+        if type(token) is not int or not 0 <= token < 2**32:
+            raise ApiError(400, "token ids must be integers in [0, 2**32)", f"{where}[{i}]")
+    return {"token_ids": prompt}
+
+
+def _openai_path(message: str) -> str | None:
+    """`... - at `$.messages[0].role`` -> `messages[0].role`."""
+    _, found, rest = message.rpartition("at `$.")
+    return rest.rstrip("`") if found else None
+
+
+def _forwarded_headers(request: Request, dp_rank: int) -> list[tuple[str, str]]:
+    headers = [(name, value) for name, value in request.headers.items()
+               if name not in _NOT_FORWARDED]
+    headers.append(("accept-encoding", request.headers.get("accept-encoding", "identity")))
+    headers.append(("x-data-parallel-rank", str(dp_rank)))
+    return headers
+
+
+def _relayed_headers(upstream: httpx.Response, worker: Worker,
+                     attempts: int) -> list[tuple[str, str]]:
+    headers = [(name, value) for name, value in upstream.headers.multi_items()
+               if name.lower() not in _NOT_RELAYED]
+    headers += [("x-kvroute-instance", worker.instance.id),
+                ("x-kvroute-dp-rank", str(worker.endpoint.dp_rank)),
+                ("x-kvroute-attempts", str(attempts))]
+    return headers
+
+
+class _Relay(StreamingResponse):
+    """The upstream response, relayed raw. `close` runs once, however the relay ends: a
+    Starlette stream cancelled while its generator waits at `yield` would otherwise leave
+    the upstream connection open until garbage collection."""
+
+    def __init__(self, upstream: httpx.Response, headers: list[tuple[str, str]],
+                 close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(upstream.aiter_raw(), status_code=upstream.status_code)
+        self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
+                            for k, v in headers]
+        self._close = close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._close()
+
+
+class Proxy:
+    """Forwards OpenAI requests; owns the HTTP client used for upstream calls."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        # No pool cap: each relayed request holds one connection for its whole response,
+        # and a cap would queue clients in kvroute instead of in vLLM's scheduler.
+        self.client = httpx.AsyncClient(
+            timeout=UPSTREAM_TIMEOUT,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    def _check_model(self, model: str | None) -> None:
+        if model is None:
+            return
+        if not any(instance.serves(model) for instance in self.service.registry):
+            raise ApiError(404, f"model {model!r} is not served by any registered instance",
+                           "model")
+
+    def _release(self, key: tuple[str, int]) -> None:
+        inflight = self.service.inflight
+        inflight[key] -= 1
+        if inflight[key] <= 0:
+            del inflight[key]
+
+    async def forward(self, request: Request, path: str) -> Response:
+        body = await read_body(request, self.service.settings.max_body_bytes)
+        question = route_request_of(path, body)
+        self._check_model(question.model)
+        failed: set[tuple[str, int]] = set()
+        refused: list[str] = []
+        # Terminates: every pass excludes one more worker, and decide() raises once none is
+        # left; connections are attempted at most MAX_CONNECT_ATTEMPTS times.
+        while True:
+            try:
+                decision = await self.service.decide(question, exclude=frozenset(failed))
+            except ApiError as exc:
+                if refused and exc.status == 503:
+                    raise ApiError(503, f"{exc.message}; connection refused by "
+                                   f"{', '.join(refused)}") from None
+                raise
+            worker = decision.worker
+            failed.add(worker.key)
+            if decision.tokens is not None and question.token_ids is None:
+                # A retry routes the same tokens without asking a tokenizer again.
+                question = msgspec.structs.replace(question, prompt=None, messages=None,
+                                                   token_ids=decision.tokens)
+            if not worker.instance.url:
+                continue  # configured with event endpoints only: nowhere to send requests
+            response = await self._attempt(request, path, body, worker, len(refused) + 1)
+            if response is not None:
+                return response
+            refused.append(f"{worker.instance.id} rank {worker.endpoint.dp_rank}")
+            if len(refused) >= MAX_CONNECT_ATTEMPTS:
+                raise ApiError(503, f"no worker accepted the connection after "
+                               f"{len(refused)} attempts: {', '.join(refused)}")
+
+    async def _attempt(self, request: Request, path: str, body: bytes, worker: Worker,
+                       attempt: int) -> Response | None:
+        """The relayed response, or None when the worker refused the connection."""
+        url = f"{worker.instance.url}{path}"
+        upstream_request = self.client.build_request(
+            "POST", url, content=body, params=request.url.query or None,
+            headers=_forwarded_headers(request, worker.endpoint.dp_rank))
+        key = worker.key
+        self.service.inflight[key] += 1
+        try:
+            upstream = await _unless_client_leaves(
+                request, self.client.send(upstream_request, stream=True))
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            self._release(key)
+            log.warning("%s refused the connection (%r); choosing another worker", url, exc)
+            return None
+        except _ClientGone:
+            self._release(key)
+            return Response(status_code=499)  # nobody reads it; nginx's "client closed"
+        except httpx.HTTPError as exc:
+            self._release(key)
+            raise ApiError(502, f"{url} failed before answering: {exc!r}") from None
+        except BaseException:
+            self._release(key)
+            raise
+
+        closed = False
+
+        async def close() -> None:
+            nonlocal closed
+            if not closed:
+                closed = True
+                await upstream.aclose()
+                self._release(key)
+
+        return _Relay(upstream, _relayed_headers(upstream, worker, attempt), close)
+
+    def models(self) -> dict[str, Any]:
+        """vLLM's model list shape; a model served by several instances is listed once."""
+        cards: dict[str, dict[str, Any]] = {}
+        for instance in self.service.registry:
+            for model in instance.models:
+                cards.setdefault(model, {"id": model, "object": "model",
+                                         "created": int(instance.added_at),
+                                         "owned_by": "vllm"})
+        return {"object": "list", "data": list(cards.values())}
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _unless_client_leaves(request: Request, pending: Awaitable[httpx.Response]
+                                ) -> httpx.Response:
+    """Await the upstream's answer, cancelling it if the client disconnects meanwhile (the
+    body is read already, so the next ASGI message can only be the disconnect)."""
+    answer = asyncio.ensure_future(pending)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not answer.done():
+            answer.cancel()
+    if answer in done:
+        return answer.result()
+    # Let the cancelled send finish (that closes the half-open upstream connection), and
+    # close the answer should it have arrived before the cancellation did.
+    await asyncio.wait({answer})
+    if not answer.cancelled() and answer.exception() is None:
+        await answer.result().aclose()
+    raise _ClientGone
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def add_proxy_routes(app: FastAPI) -> None:
+    """Register the proxy's routes; its HTTP client lives as long as the app's lifespan."""
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[Any]:
+        async with inner(app) as state:
+            proxy = Proxy(app.state.service)
+            app.state.proxy = proxy
+            try:
+                yield state
+            finally:
+                await proxy.close()
+
+    app.router.lifespan_context = lifespan
+
+    def proxy_of(request: Request) -> Proxy:
+        return request.app.state.proxy
+
+    @app.post("/v1/completions", summary="OpenAI completions, forwarded to the chosen worker")
+    async def completions(request: Request) -> Response:
+        return await proxy_of(request).forward(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions",
+              summary="OpenAI chat completions, forwarded to the chosen worker")
+    async def chat_completions(request: Request) -> Response:
+        return await proxy_of(request).forward(request, "/v1/chat/completions")
+
+    @app.get("/v1/models", summary="Every model a registered instance serves")
+    async def models(request: Request) -> Response:
+        return Response(msgspec.json.encode(proxy_of(request).models()),
+                        media_type="application/json")
