@@ -132,6 +132,19 @@ class Cluster:
         raise CheckFailed(f"kvroute's answer has no score for {name} ({self.ids[name]}): "
                           f"{answer}")
 
+    def holdings_disagree(self) -> list[str]:
+        """kvroute's block count per engine against the engine's own event stream."""
+        wrong = []
+        for name, iid in self.ids.items():
+            held, streamed = self.kvroute.holdings(iid), self.taps[name].held_blocks
+            if held != streamed:
+                wrong.append(f"{name}: kvroute holds {held} blocks, the engine's events leave "
+                             f"{streamed}")
+        return wrong
+
+    def holdings(self) -> dict[str, int]:
+        return {name: self.kvroute.holdings(iid) for name, iid in self.ids.items()}
+
     def matched(self, prompt: Prompt) -> dict[str, int]:
         """kvroute's matched_tokens per engine name (0 for an engine it left out)."""
         by_id = self.kvroute.matched(prompt)
@@ -168,6 +181,8 @@ def check_agreement(cl: Cluster, prompts: list[Prompt]) -> CheckResult:
                f"({sum(s.cached for s in steps)} tokens); routed {per_engine}")
     if hits < len(prompts) // 4:
         bad.append(f"only {hits} requests hit the cache: the workload proves too little")
+    bad += cl.holdings_disagree()
+    summary += f"; holdings {cl.holdings()} match the event streams"
     return CheckResult("1 agreement", not bad, summary, details=bad)
 
 
@@ -183,6 +198,7 @@ def check_kvroute_restart(cl: Cluster, prompts: list[Prompt]) -> CheckResult:
     after = [cl.matched(p) for p in prompts]
     details = [f"prompt {i}: before {b}, after {a}"
                for i, (b, a) in enumerate(zip(before, after, strict=True)) if a != b]
+    details += cl.holdings_disagree()
     new_batches = {n: t.count - engine_batches[n] for n, t in cl.taps.items()}
     if any(new_batches.values()):
         details.append(f"the engines published during the restart: {new_batches}")
@@ -234,6 +250,7 @@ def check_eviction(cl: Cluster, name: str, rng: random.Random) -> CheckResult:
     if evicted_probe.predicted >= learned[victim]:
         details.append(f"evicted prompt still fully predicted: {evicted_probe.describe()}")
     details += _mismatches(steps)
+    details += cl.holdings_disagree()
     summary = (f"vLLM evicted {evicted} blocks; early prompts matched {learned} -> "
                f"{now_early}; newest kept {kept_now}/{kept_full}; probes: kept "
                f"{kept_probe.predicted}=={kept_probe.cached}, evicted "
@@ -260,6 +277,7 @@ def check_reset(cl: Cluster, name: str, probes: list[Prompt]) -> CheckResult:
     probe = cl.step(probes[-1], name)
     if not probe.ok or probe.cached != 0:
         details.append(f"probe after reset: {probe.describe()}")
+    details += cl.holdings_disagree()
     summary = (f"holdings {held_before} -> {held_after}; {len(probes)} earlier prompts match 0; "
                f"probe {probe.predicted}=={probe.cached}")
     return CheckResult("3 reset_prefix_cache", not details, summary, details=details)
@@ -302,6 +320,7 @@ def check_routing_pays(cl: Cluster, rng: random.Random) -> CheckResult:
                            f"responses reported {reported}")
     for name in names:  # leave kvroute in step with the engines for the next check
         cl.settle(name, cl.taps[name].count, expect_batch=False)
+    details += cl.holdings_disagree()
     if results["kvroute"] <= results["round-robin"]:
         details.append("routing by kvroute did not beat round-robin")
     total = sum(len(p) for p in prompts)
@@ -325,6 +344,7 @@ def check_engine_restart(cl: Cluster, name: str, rng: random.Random,
         details.append(f"kvroute did not learn the prompt on {name} before the restart")
     cl.say(f"  killing {name} (SIGKILL to its process group) and starting it on the same ports")
     engine.kill()
+    cl.taps[name].forget_epoch()
     try:
         cl.kvroute.wait_state(iid, {"down", "connecting", "replaying"}, 20.0, cl.say,
                               "after the engine was killed")
@@ -354,6 +374,7 @@ def check_engine_restart(cl: Cluster, name: str, rng: random.Random,
     if relearn[0].cached == 0:
         details.append(f"vLLM did not cache the prompt again: {relearn[0].describe()}")
     details += _mismatches(relearn)
+    details += cl.holdings_disagree()
     summary = (f"holdings {held_before} -> {held_after} after restart (tap saw "
                f"{cl.taps[name].restarts} seq restart); relearned: "
                f"{sum(s.ok for s in relearn)}/{len(relearn)} requests agree, repeat hit "

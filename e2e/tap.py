@@ -7,6 +7,12 @@ itself. That gives "the last seq the engine published", which kvroute's
 the engine by one step), and it shows which event types the engine really
 sent (evictions, AllBlocksCleared) so a check can tell "vLLM did not evict"
 apart from "kvroute missed the eviction".
+
+It also keeps a brute-force model of what the engine holds: a reference
+count per block hash (vLLM stores a hash again when it recomputes a block and
+removes each copy separately), emptied by AllBlocksCleared and by an engine
+restart. The number of distinct hashes held is what kvroute's holdings for
+that worker must equal.
 """
 
 from __future__ import annotations
@@ -35,6 +41,14 @@ def _event_type(event: object) -> str:
     return "?"
 
 
+def _block_hashes(event: object) -> list[object]:
+    """Hashes of a map-encoded BlockStored/BlockRemoved (vLLM 0.32.0's encoding)."""
+    if isinstance(event, dict):
+        hashes = event.get("block_hashes") or []
+        return [bytes(h) if isinstance(h, bytearray) else h for h in hashes]
+    return []
+
+
 class EventTap:
     """A SUB socket on one engine's PUB endpoint, read by a daemon thread.
 
@@ -47,6 +61,7 @@ class EventTap:
         self._lock = threading.Lock()
         self._batches: list[TappedBatch] = []
         self._types: Counter[str] = Counter()
+        self._held: Counter[object] = Counter()  # block hash -> copies the engine holds
         self.restarts = 0
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.SUB)
@@ -75,8 +90,23 @@ class EventTap:
             with self._lock:
                 if self._batches and seq <= self._batches[-1].seq:
                     self.restarts += 1
+                    self._held.clear()  # a new engine starts with an empty cache
                 self._batches.append(batch)
                 self._types.update(batch.event_types)
+                for event, kind in zip(events, batch.event_types, strict=False):
+                    self._apply(event, kind)
+
+    def _apply(self, event: object, kind: str) -> None:
+        if kind == "BlockStored":
+            self._held.update(_block_hashes(event))
+        elif kind == "BlockRemoved":
+            for block_hash in _block_hashes(event):
+                if self._held[block_hash] > 1:
+                    self._held[block_hash] -= 1
+                else:
+                    self._held.pop(block_hash, None)
+        elif kind == "AllBlocksCleared":
+            self._held.clear()
 
     @property
     def count(self) -> int:
@@ -87,6 +117,17 @@ class EventTap:
     def last_seq(self) -> int | None:
         with self._lock:
             return self._batches[-1].seq if self._batches else None
+
+    @property
+    def held_blocks(self) -> int:
+        """Distinct block hashes the engine holds, according to its own events."""
+        with self._lock:
+            return len(self._held)
+
+    def forget_epoch(self) -> None:
+        """The engine was killed: whatever it held is gone with it."""
+        with self._lock:
+            self._held.clear()
 
     def event_counts(self) -> Counter[str]:
         with self._lock:
