@@ -104,7 +104,7 @@ def test_config_is_mounted_and_passed_with_config_flag() -> None:
     deployment = template_text("deployment.yaml")
     assert "mountPath: /etc/kvroute" in deployment
     args = deployment.split("args:")[1].split("ports:")[0]
-    assert re.findall(r"-\s+(\S+)", args) == [
+    assert re.findall(r"^\s*-\s+(\S+)\s*$", args, re.M) == [
         "kvroute", "serve", "--config", "/etc/kvroute/config.toml"]
     assert "config.toml: |" in template_text("configmap.yaml")
 
