@@ -58,7 +58,8 @@ MAX_CONNECT_ATTEMPTS = 3
 UPSTREAM_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=60.0, pool=30.0)
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
                          "te", "trailer", "trailers", "transfer-encoding", "upgrade"})
-_NOT_FORWARDED = _HOP_BY_HOP | {"host", "content-length", "accept-encoding",
+# `expect: 100-continue` was answered to the client already; the body goes upstream whole.
+_NOT_FORWARDED = _HOP_BY_HOP | {"host", "content-length", "accept-encoding", "expect",
                                 "x-data-parallel-rank"}
 # uvicorn adds its own `date` and `server`; relaying the upstream's would duplicate them.
 _NOT_RELAYED = _HOP_BY_HOP | {"date", "server"}

@@ -400,3 +400,19 @@ def test_the_data_parallel_rank_is_passed_as_vllm_reads_it(fleet: Fleet):
             assert inst.engines[0].lookup(prompt) == 0
         finally:
             fleet.http.delete(f"/v1/instances/{instance_id}")
+
+
+def test_the_clients_credentials_reach_the_instance(fleet: Fleet):
+    cfg = InstanceConfig(block_size=BLOCK, num_blocks=64, seed=66, model="guarded-model",
+                         api_key="s3cret")
+    with SimInstance(cfg) as inst:
+        instance_id = fleet.register(url=inst.url)
+        try:
+            body = {"model": "guarded-model", "prompt": [9] * 20, "max_tokens": 1}
+            refused = post(fleet, "/v1/completions", body)
+            assert refused.status_code == 401 and refused.json() == {"error": "Unauthorized"}
+            answer = post(fleet, "/v1/completions", body, authorization="Bearer s3cret")
+            assert answer.status_code == 200, answer.text
+            assert answer.headers["x-kvroute-instance"] == instance_id
+        finally:
+            fleet.http.delete(f"/v1/instances/{instance_id}")

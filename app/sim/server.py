@@ -88,6 +88,9 @@ class InstanceConfig:
     sources_shape: str = "v0.32"
     # Seconds between two SSE events of a streamed response (0: as fast as the socket takes).
     stream_interval_s: float = 0.0
+    # vLLM's --api-key: generation requests need "Authorization: Bearer <key>" (vLLM guards
+    # every /v1 path; here only generation is guarded, so discovery works without the key).
+    api_key: str | None = None
 
 
 class SimRank:
@@ -482,6 +485,8 @@ def build_app(inst: SimInstance) -> FastAPI:
 async def _generate(inst: SimInstance, request: Request, *, chat: bool) -> Response:
     """Validate like vLLM, queue on a rank, answer whole or streamed."""
     cfg = inst.config
+    if cfg.api_key is not None and request.headers.get("authorization") != f"Bearer {cfg.api_key}":
+        return JSONResponse({"error": "Unauthorized"}, status_code=401)  # vLLM's exact answer
     body = await _json_body(request)
     if not isinstance(body, dict):
         return _error(400, "the request body must be a JSON object")
