@@ -572,21 +572,30 @@ class PrefixIndex:
         step = block_size * TOKEN_BYTES
         if len(tokens) % step:
             tokens = tokens[: len(tokens) - len(tokens) % step]  # the partial block never matches
-        position = 0
-        for (block,) in block_splitter(step)(tokens):
-            key = digest(parent_key + block)
-            value = get_node(key, 0)
-            held = value & alive
-            if held != alive:
-                ended.append((alive ^ held, position))
-                alive = held
-                if not alive:
-                    return ended, tiered_hits
-            if value & TIERED:
-                tiered_hits.append((key, alive))
-            parent_key = key
-            position += 1
-        ended.append((alive, position))
+        position = -1
+        if self._tiered:
+            for position, (block,) in enumerate(block_splitter(step)(tokens)):
+                key = digest(parent_key + block)
+                value = get_node(key, 0)
+                held = value & alive
+                if held != alive:
+                    ended.append((alive ^ held, position))
+                    alive = held
+                    if not alive:
+                        return ended, tiered_hits
+                if value & TIERED:
+                    tiered_hits.append((key, alive))
+                parent_key = key
+        else:  # a GPU-only fleet: the same walk without looking for other tiers
+            for position, (block,) in enumerate(block_splitter(step)(tokens)):
+                parent_key = digest(parent_key + block)
+                held = get_node(parent_key, 0) & alive
+                if held != alive:
+                    ended.append((alive ^ held, position))
+                    alive = held
+                    if not alive:
+                        return ended, tiered_hits
+        ended.append((alive, position + 1))
         return ended, tiered_hits
 
     def match_hashes(
