@@ -8,8 +8,11 @@ the `x-kvroute-instance` header the proxy adds.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -416,3 +419,53 @@ def test_the_clients_credentials_reach_the_instance(fleet: Fleet):
             assert answer.headers["x-kvroute-instance"] == instance_id
         finally:
             fleet.http.delete(f"/v1/instances/{instance_id}")
+
+
+class BreaksMidStream:
+    """An upstream that starts a streamed answer, sends one event and drops the connection."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._serve_one, daemon=True)
+        self.thread.start()
+
+    def _serve_one(self) -> None:
+        self.listener.settimeout(WAIT)
+        with contextlib.suppress(OSError), self.listener.accept()[0] as conn:
+            conn.settimeout(WAIT)
+            request = b""
+            while b"\r\n\r\n" not in request:
+                request += conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n"
+                         b"f\r\ndata: {\"a\":1}\n\n\r\n")
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        self.listener.close()
+        self.thread.join(WAIT)
+
+
+def test_an_upstream_that_breaks_mid_stream_is_not_passed_off_as_complete(fleet: Fleet):
+    with SimInstance(InstanceConfig(block_size=BLOCK, num_blocks=64, seed=88)) as source:
+        (events,) = source.kv_event_sources()
+        broken = BreaksMidStream()
+        instance_id = None
+        try:
+            instance_id = fleet.register(id="broken", url=broken.url, model="broken-model",
+                                         block_size=BLOCK, events=[events["endpoint"]],
+                                         replay=[events["replay_endpoint"]])
+            received = b""
+            with pytest.raises(httpx.RemoteProtocolError), fleet.http.stream(
+                    "POST", "/v1/completions",
+                    json={"model": "broken-model", "prompt": [1, 2, 3], "stream": True}) as resp:
+                assert resp.status_code == 200
+                for chunk in resp.iter_raw():
+                    received += chunk
+            assert received == b'data: {"a":1}\n\n'  # what came before the break, then an error
+            fleet.assert_nothing_in_flight()
+        finally:
+            broken.close()
+            if instance_id is not None:
+                fleet.http.delete(f"/v1/instances/{instance_id}")
