@@ -16,7 +16,7 @@ Invariants:
   chance that any two collide is about n**2 / 2**129: for 10**9 keys that is ~10**-21,
   against ~3 * 10**-2 for a 64-bit key. xxh3 is not a cryptographic hash; the index trusts
   its inputs (the vLLM fleet it subscribes to), so resistance to chosen collisions is not
-  a goal, while speed is (a chain of 16-token blocks hashes at ~6 M blocks/s).
+  a goal, while speed is (a chain of 16-token blocks hashes at several M blocks/s).
 - The block size is part of the root, so keys of different block sizes never meet; the
   token bytes of a block then have a fixed length, which makes the extra suffix
   unambiguous (it is empty, or starts right after the tokens).
@@ -48,7 +48,8 @@ _extra_encoder = msgspec.msgpack.Encoder()
 
 @lru_cache(maxsize=1024)
 def root_key(block_size: int, lora_name: str | None) -> bytes:
-    """The parent key of every first block in the (block size, LoRA) domain (memoized)."""
+    """The parent key of every first block in the (block size, LoRA) domain (memoized in a
+    bounded module-level cache of derived constants, not index state)."""
     lora = _NO_LORA if lora_name is None else _LORA + lora_name.encode("utf-8", "surrogatepass")
     return xxh3_128_digest(_ROOT_TAG + block_size.to_bytes(4, "little") + lora)
 

@@ -133,6 +133,18 @@ class PrefixIndex:
 
     Workers are opaque hashables (kvroute uses ``(instance_id, dp_rank)``). A worker is
     known from its first event (or ``clear_worker``) until ``drop_worker``.
+
+    Choices where vLLM's protocol leaves room:
+    - A worker's block size is the one it last stored with; its matches use that size.
+    - Several full-attention groups of one worker announce the same hashes; their stores
+      and removals count on the same (worker, hash, medium) reference, so a block stays
+      held while any of them holds it.
+    - A hash the worker re-announces for other content (an engine restart the caller did
+      not report, or a hash collision in the engine) replaces the older binding and is
+      counted in ``hash_conflicts``.
+    - A removal that brings a hash to zero forgets the handle: a later chain naming it as
+      parent is orphaned (vLLM never stores a child of an evicted block, so this only
+      happens after lost events).
     """
 
     def __init__(self) -> None:
