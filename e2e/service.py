@@ -31,12 +31,17 @@ class Kvroute:
         self._procs = procs
         self._log = log_dir / "kvroute.log"
         self.proc: ManagedProcess | None = None
+        self.settings: dict[str, str] = {}
         self.http = httpx.Client(base_url=self.url, timeout=30.0)
 
-    def start(self, timeout: float = 60.0) -> None:
+    def start(self, settings: dict[str, str] | None = None, timeout: float = 60.0) -> None:
+        """Start ``kvroute serve``; ``settings`` are KVROUTE_* environment overrides."""
         binary = Path(sys.executable).parent / "kvroute"
         argv = [str(binary), "serve", "--host", "127.0.0.1", "--port", str(self.port)]
-        self.proc = self._procs.start(ManagedProcess("kvroute", argv, _env(), self._log))
+        env = dict(os.environ)
+        env.update(settings or {})
+        self.settings = dict(settings or {})
+        self.proc = self._procs.start(ManagedProcess("kvroute", argv, env, self._log))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             code = self.proc.exited()
@@ -121,8 +126,3 @@ class Kvroute:
     def close(self) -> None:
         self.http.close()
 
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("KVROUTE_LOG_LEVEL", "info")
-    return env

@@ -18,11 +18,14 @@ def random_tokens(rng: random.Random, n: int) -> Prompt:
     return [rng.randrange(3, VOCAB_SIZE) for _ in range(n)]
 
 
-def shared_prefix_workload(rng: random.Random, requests: int) -> list[Prompt]:
+def shared_prefix_workload(
+    rng: random.Random, requests: int, block_size: int = 32
+) -> list[Prompt]:
     """System prompts with user tails, multi-turn continuations and exact repeats.
 
-    Lengths are not aligned to blocks on purpose: some prompts end exactly on a
-    block boundary, which is where vLLM's "recompute the last token" cap shows.
+    About one prompt in six is cut to end exactly on a block boundary: that is
+    where vLLM's "always recompute the last token" rule makes its hit one block
+    smaller than what it holds, and kvroute must answer the same.
     """
     systems = [random_tokens(rng, n) for n in (70, 100, 150, 200)]
     sent: list[Prompt] = []
@@ -37,6 +40,8 @@ def shared_prefix_workload(rng: random.Random, requests: int) -> list[Prompt]:
                 prompt = rng.choice(systems) + random_tokens(rng, rng.randint(10, 90))
         else:
             prompt = rng.choice(systems) + random_tokens(rng, rng.randint(10, 90))
+        if rng.random() < 0.17 and len(prompt) > 2 * block_size:
+            prompt = prompt[: len(prompt) // block_size * block_size]
         sent.append(prompt)
     return sent
 
