@@ -206,6 +206,7 @@ class Proxy:
             response = await self._attempt(request, path, body, worker, len(refused) + 1)
             if response is not None:
                 return response
+            self.service.retract(decision)
             refused.append(f"{worker.instance.id} rank {worker.endpoint.dp_rank}")
             if len(refused) >= MAX_CONNECT_ATTEMPTS:
                 raise ApiError(503, f"no worker accepted the connection after "

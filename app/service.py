@@ -258,16 +258,28 @@ class Service:
             # prefix-cache hit is capped at the full blocks of all tokens but the last: a
             # prompt that ends on a block boundary reuses one block less than it holds.
             matches = self.index.match(tokens[:-1], lora_name=request.lora_name,
-                                       workers=[w.key for w in eligible])
+                                       workers=[w.key for w in eligible],
+                                       now=time.monotonic())
         scores = score_workers(
             [self._view(w) for w in eligible], matches, self.weights,
             prompt_tokens=len(tokens) if tokens is not None else None,
             prompt_blocks=len(request.block_hashes or ()))
         best = best_of(scores, self.ties)
         worker = next(w for w in eligible if w.key == (best.instance, best.dp_rank))
+        if tokens and self.settings.placement_ttl > 0:
+            # Until its events arrive, the chosen worker counts as holding this prompt, so
+            # a burst sharing a new prefix follows the first request instead of spreading.
+            self.index.place(worker.key, tokens, block_size=worker.instance.block_size,
+                             lora_name=request.lora_name,
+                             expires=time.monotonic() + self.settings.placement_ttl)
         if tokens:
             self.metrics.match_ratio.observe(best.matched_tokens / len(tokens))
         return Decision(kind=given[0], worker=worker, best=best, scores=scores, tokens=tokens)
+
+    def retract(self, decision: Decision) -> None:
+        """The chosen worker did not take the request (it refused the connection): its
+        placement guesses will not come true."""
+        self.index.placements.forget(decision.worker.key)
 
     def _view(self, worker: Worker) -> WorkerView:
         load = self.load.get(worker.key)

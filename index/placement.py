@@ -34,11 +34,13 @@ __all__ = ["Placements", "chain_keys"]
 
 
 def chain_keys(token_ids: Sequence[int] | bytes, block_size: int,
-               lora_name: str | None = None) -> list[bytes]:
-    """The content keys of every full block of a token sequence, first block first."""
+               lora_name: str | None = None, *, parent: bytes | None = None) -> list[bytes]:
+    """The content keys of every full block of a token sequence (or its uint32 bytes),
+    first block first, hanging off `parent` (default: the root of its domain)."""
     tokens = token_ids if isinstance(token_ids, bytes) else token_bytes(token_ids)
     step = block_size * TOKEN_BYTES
-    parent = root_key(block_size, lora_name)
+    if parent is None:
+        parent = root_key(block_size, lora_name)
     keys = []
     for start in range(0, len(tokens) - len(tokens) % step, step):
         parent = xxh3_128_digest(parent + tokens[start:start + step])
@@ -69,7 +71,8 @@ class Placements:
         return list(self._guessed)
 
     def place(self, worker: Hashable, keys: Sequence[bytes], expires: float) -> None:
-        """Guess that `worker` will hold `keys` (a chain from the root) until `expires`."""
+        """Guess that `worker` will hold `keys` (a chain continuing what it holds) until
+        `expires`."""
         if not keys:
             return
         held = self._guessed.setdefault(worker, {})

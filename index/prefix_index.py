@@ -57,6 +57,7 @@ from index.mediums import (
     fastest,
     tier_of,
 )
+from index.placement import Placements, chain_keys
 from index.results import IndexStats, Match
 
 Worker = Hashable
@@ -158,6 +159,8 @@ class PrefixIndex:
         self._ignored_blocks = 0
         self._ignored_removals = 0
         self._hash_conflicts = 0
+        # Guesses of blocks workers are about to hold; the caller places them.
+        self.placements = Placements()
 
     # ------------------------------------------------------------------ ingestion
 
@@ -234,6 +237,9 @@ class PrefixIndex:
             parent_key = found
             flag = 0
         step = block_size * TOKEN_BYTES
+        if self.placements.has(worker) and suffixes is None:
+            # Real blocks replace guesses, so a later eviction of one shows at once.
+            self.placements.confirm(worker, chain_keys(tokens, block_size, parent=parent_key))
         if suffixes is not None or tier != GPU:
             self._store_chain(w, block_hashes, parent_key, flag, tokens, step, suffixes, tier)
             return
@@ -477,6 +483,7 @@ class PrefixIndex:
 
     def clear_worker(self, worker: Worker) -> None:
         """AllBlocksCleared: the worker holds nothing (its slot and block size stay)."""
+        self.placements.forget(worker)
         w = self._worker(worker)
         nodes = self._nodes
         tiered = self._tiered
@@ -544,13 +551,18 @@ class PrefixIndex:
         *,
         lora_name: str | None = None,
         workers: Iterable[Worker] | None = None,
+        now: float | None = None,
     ) -> dict[Worker, Match]:
         """Every (selected, known) worker's consecutive cached blocks from the first block.
 
         Each worker is matched at its own block size; the trailing partial block never
         matches. Blocks stored with extra keys (multimodal, cache salt) cannot be matched
         by tokens alone. Raises ``ValueError`` for token ids outside ``[0, 2**32)``.
+        Placement guesses count as held (``Match.pending``); with ``now`` given, those
+        expired by then are removed first.
         """
+        if now is not None:
+            self.placements.expire(now)
         targets = self._select(workers)
         tokens = token_bytes(token_ids)
         by_size: dict[int, list[_Worker]] = {}
@@ -568,7 +580,56 @@ class PrefixIndex:
                 root_key(block_size, lora_name), tokens, block_size, alive
             )
             self._assemble(result, members, ended, tiered_hits, block_size)
+        if self.placements:
+            self._add_guesses(result, targets, tokens, lora_name)
         return result
+
+    def place(self, worker: Worker, token_ids: Sequence[int], *, block_size: int | None = None,
+              lora_name: str | None = None, expires: float) -> int:
+        """Guess that ``worker`` will hold the full blocks of ``token_ids`` until
+        ``expires`` (see ``index.placement``); blocks it already holds are not guessed.
+
+        ``block_size`` is needed only for a worker that has not stored yet (it then
+        becomes the worker's block size). Returns the number of blocks guessed.
+        """
+        w = self._workers.get(worker)
+        if (w is None or not w.block_size) and not block_size:
+            return 0
+        w = w or self._worker(worker)
+        if not w.block_size:
+            w.block_size = block_size
+        bit = w.bit
+        nodes = self._nodes
+        keys = chain_keys(token_ids, w.block_size, lora_name)
+        held = 0
+        while held < len(keys) and nodes.get(keys[held], 0) & bit:
+            held += 1
+        self.placements.place(worker, keys[held:], expires)
+        return len(keys) - held
+
+    def _add_guesses(self, result: dict[Worker, Match], targets: list[_Worker],
+                     tokens: bytes, lora_name: str | None) -> None:
+        """Extend the matches of workers with placement guesses: a block counts while the
+        worker really holds it or is guessed to; blocks past the real match that it does
+        hold (beyond a guessed gap) are counted as GPU."""
+        keys_by_size: dict[int, list[bytes]] = {}
+        nodes = self._nodes
+        for w in targets:
+            if not w.block_size or not self.placements.has(w.worker):
+                continue
+            keys = keys_by_size.get(w.block_size)
+            if keys is None:
+                keys = keys_by_size[w.block_size] = chain_keys(tokens, w.block_size,
+                                                               lora_name)
+            blocks, pending = self.placements.extent(
+                w.worker, keys, lambda key, bit=w.bit: bool(nodes.get(key, 0) & bit))
+            real = result[w.worker]
+            if blocks <= real.blocks:
+                continue
+            by_medium = dict(real.by_medium)
+            by_medium["GPU"] += blocks - pending - real.blocks
+            result[w.worker] = Match(blocks, blocks * w.block_size, w.block_size, by_medium,
+                                     pending)
 
     def _walk_tokens(self, parent_key: bytes, tokens: bytes, block_size: int,
                      alive: int) -> tuple[list[tuple[int, int]], list[tuple[bytes, int]]]:
@@ -765,6 +826,7 @@ _set_blocks = Match.__dict__["blocks"].__set__
 _set_tokens = Match.__dict__["tokens"].__set__
 _set_block_size = Match.__dict__["block_size"].__set__
 _set_by_medium = Match.__dict__["by_medium"].__set__
+_set_pending = Match.__dict__["pending"].__set__
 
 
 def _new_match(blocks: int, tokens: int, block_size: int, by_medium: dict[str, int]) -> Match:
@@ -775,6 +837,7 @@ def _new_match(blocks: int, tokens: int, block_size: int, by_medium: dict[str, i
     _set_tokens(match, tokens)
     _set_block_size(match, block_size)
     _set_by_medium(match, by_medium)
+    _set_pending(match, 0)
     return match
 
 

@@ -11,15 +11,18 @@ class Match:
     """One worker's cached prefix of a query.
 
     Invariants: ``tokens == blocks * block_size``; ``by_medium`` has the keys "GPU", "CPU"
-    and "STORAGE", counts each matched block once under the fastest tier the worker holds
-    it in, and sums to ``blocks``. ``block_size`` is 0 for a worker that never stored a
-    block (its size is not known yet).
+    and "STORAGE" and counts each matched block the worker really holds once, under the
+    fastest tier it holds it in; ``pending`` counts the matched blocks that are only
+    placement guesses (``index.placement``); ``sum(by_medium.values()) + pending ==
+    blocks``. ``block_size`` is 0 for a worker that never stored a block (its size is not
+    known yet).
     """
 
     blocks: int
     tokens: int
     block_size: int
     by_medium: dict[str, int] = field(default_factory=dict)
+    pending: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -124,9 +124,12 @@ def test_register_route_and_delete(cluster: SimCluster, client: httpx.Client):
 
 def test_ties_rotate_and_candidates_limit(cluster: SimCluster, client: httpx.Client):
     a, b = (register(client, url) for url in cluster.urls)
-    cold = unique_tokens(99, 2 * BLOCK)
-    chosen = {route(client, token_ids=cold).json()["instance"] for _ in range(6)}
+    # Prompts nobody holds (each a different one: a repeated prompt would follow the
+    # placement guess of its first answer) rotate over the tied workers.
+    chosen = {route(client, token_ids=unique_tokens(99 + i, 2 * BLOCK)).json()["instance"]
+              for i in range(6)}
     assert chosen == {a["id"], b["id"]}
+    cold = unique_tokens(99, 2 * BLOCK)
 
     only_a = route(client, token_ids=cold, candidates=[a["id"]]).json()
     assert only_a["instance"] == a["id"] and len(only_a["scores"]) == 1
@@ -318,3 +321,37 @@ def test_data_parallel_ranks_are_separate_workers():
                 assert ranks == {1: 2 * BLOCK, 0: 0}
         finally:
             server.stop()
+
+
+@pytest.mark.parametrize("ttl", [2.0, 0.0])
+def test_a_burst_with_a_new_prefix_follows_the_first_answer(cluster: SimCluster, ttl: float):
+    """With placement on, 50 concurrent requests sharing a prefix nobody holds yet go to
+    one worker (each answer counts as "that worker will hold it"); with it off they
+    spread, as every request sees a tie."""
+    import asyncio
+
+    server = start_service(placement_ttl=ttl, load_interval=0.0)
+    try:
+        with httpx.Client(base_url=server.url, timeout=10.0) as client:
+            ids = {register(client, url)["id"] for url in cluster.urls}
+        prefix = unique_tokens(500 + int(ttl), 8 * BLOCK)
+
+        async def burst() -> list[dict]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=20.0) as http:
+                answers = await asyncio.gather(*(
+                    http.post("/v1/route", json={"token_ids": prefix + [7, 8, 9, i]})
+                    for i in range(50)))
+            return [answer.json() for answer in answers]
+
+        answers = asyncio.run(burst())
+        chosen = {answer["instance"] for answer in answers}
+        if ttl:
+            assert len(chosen) == 1
+            later = [a for a in answers if a["matched_tokens"]]
+            assert len(later) == 49  # all but the first saw the guess
+            assert all(a["scores"][0]["pending_blocks"] == 8 for a in later)
+        else:
+            assert chosen == ids
+            assert all(a["matched_tokens"] == 0 for a in answers)
+    finally:
+        server.stop()

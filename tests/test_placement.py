@@ -1,0 +1,124 @@
+"""Placement guesses against a brute-force model, and inside the index's answers."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from index import PrefixIndex
+from index.placement import Placements, chain_keys
+
+WORKERS = ("a", "b")
+
+
+def test_chain_keys_are_the_index_keys():
+    """A guess must match exactly what the real blocks would match."""
+    index = PrefixIndex()
+    tokens = list(range(1, 4 * 4 + 3))
+    index.apply_stored("w", [11, 12, 13, 14], None, tokens[:16], 4)
+    keys = chain_keys(tokens, 4)
+    assert len(keys) == 4
+    assert chain_keys(tokens, 4, "lora") != keys
+    assert chain_keys(tokens[:8], 4) == keys[:2]
+    assert index.place("v", tokens, block_size=4, expires=10.0) == 4
+    assert index.place("w", tokens, expires=10.0) == 0  # w holds them all already
+    match = index.match(tokens, now=0.0)
+    assert match["v"].blocks == 4 and match["v"].pending == 4
+    assert match["w"].blocks == 4 and match["w"].pending == 0
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("place"), st.sampled_from(WORKERS), st.integers(1, 6),
+                  st.integers(0, 2), st.integers(1, 5)),
+        st.tuples(st.just("confirm"), st.sampled_from(WORKERS), st.integers(0, 5),
+                  st.integers(0, 2), st.integers(1, 5)),
+        st.tuples(st.just("expire"), st.sampled_from(WORKERS), st.integers(0, 0),
+                  st.integers(0, 0), st.integers(0, 0)),
+        st.tuples(st.just("forget"), st.sampled_from(WORKERS), st.integers(0, 0),
+                  st.integers(0, 0), st.integers(0, 0)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops)
+def test_guesses_follow_a_brute_force_model(operations):
+    """Model: per worker, key -> latest expiry; confirm and expiry delete keys."""
+    chains = {p: chain_keys(list(range(p * 100, p * 100 + 24)), 4) for p in range(3)}
+    placements = Placements()
+    model: dict[str, dict[bytes, float]] = {}
+    really: dict[str, set[bytes]] = {w: set() for w in WORKERS}
+    now = 0.0
+    for op, worker, n, prompt, ttl in operations:
+        if op == "place":
+            keys = chains[prompt][:n]
+            placements.place(worker, keys, now + ttl)
+            held = model.setdefault(worker, {})
+            for key in keys:
+                held[key] = max(held.get(key, 0.0), now + ttl)
+        elif op == "confirm":
+            keys = chains[prompt][:n]
+            placements.confirm(worker, keys)
+            really[worker].update(keys)
+            for key in keys:
+                model.get(worker, {}).pop(key, None)
+        elif op == "expire":
+            now += 1.0
+            placements.expire(now)
+            for held in model.values():
+                for key in [k for k, e in held.items() if e <= now]:
+                    del held[key]
+        else:
+            placements.forget(worker)
+            model.pop(worker, None)
+        model = {w: held for w, held in model.items() if held}
+        assert len(placements) == sum(len(h) for h in model.values())
+        for w in WORKERS:
+            assert placements.has(w) == (w in model)
+            for keys in chains.values():
+                expected = pending = 0
+                for key in keys:
+                    if key in really[w]:
+                        expected += 1
+                    elif key in model.get(w, {}):
+                        expected += 1
+                        pending += 1
+                    else:
+                        break
+                assert placements.extent(w, keys, really[w].__contains__) == (expected, pending)
+    placements.expire(now + 100.0)
+    assert len(placements) == 0 and not placements
+
+
+def test_index_answers_with_guesses_until_they_expire_or_are_replaced():
+    index = PrefixIndex()
+    tokens = list(range(1, 33))
+    index.apply_stored("b", [1], None, tokens[:8], 8)  # b's block size is known
+    assert index.place("b", tokens, expires=5.0) == 3
+    before = index.match(tokens, now=1.0)["b"]
+    assert (before.blocks, before.pending, before.tokens) == (4, 3, 32)
+    assert before.by_medium["GPU"] == 1
+
+    # The real stores arrive: the guess is replaced by them.
+    index.apply_stored("b", [2, 3, 4], 1, tokens[8:32], 8)
+    assert not index.placements.has("b")
+    # An eviction right after is seen at once: no guess keeps the block alive.
+    index.apply_removed("b", [3])
+    after = index.match(tokens, now=1.0)["b"]
+    assert (after.blocks, after.pending) == (2, 0)
+
+    assert index.place("b", tokens, expires=5.0) == 2  # blocks 0 and 1 are really held
+    assert index.match(tokens, now=4.9)["b"].blocks == 4
+    assert index.match(tokens, now=5.0)["b"].blocks == 2  # expired: no trace
+    assert len(index.placements) == 0
+
+    index.place("b", tokens, expires=50.0)
+    index.clear_worker("b")
+    assert len(index.placements) == 0
+    index.place("b", tokens, expires=50.0)
+    index.drop_worker("b")
+    assert len(index.placements) == 0
+    assert index.place("new", tokens, expires=50.0) == 0  # no block size known: no guess
+    assert index.stats().workers == 0

@@ -1,0 +1,99 @@
+"""Cache against load, through the real service: a hot prefix's holder gets busy (real
+requests streaming on a simulated instance, seen through its /metrics), the prefix
+spreads; the requests end, it comes back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+
+import httpx
+import pytest
+
+from app.config import Settings
+from app.server import BackgroundServer, free_port
+from app.sim.cluster import SimCluster
+
+BLOCK = 16
+BUSY = 24  # requests kept running on the holder
+
+
+def poll(check, what: str, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+class Streams:
+    """`n` long streaming completions held open on one instance until `close()`."""
+
+    def __init__(self, url: str, n: int) -> None:
+        self._url, self._n = url, n
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    async def _run(self) -> None:
+        async with httpx.AsyncClient(timeout=60.0) as client:
+            async def one(i: int) -> None:
+                body = {"model": "sim-model", "prompt": [9000 + i] * 40, "max_tokens": 1000,
+                        "stream": True}
+                with contextlib.suppress(httpx.HTTPError):
+                    async with client.stream("POST", f"{self._url}/v1/completions",
+                                             json=body) as response:
+                        async for _ in response.aiter_raw():
+                            if self._stop.is_set():
+                                return
+            tasks = [asyncio.create_task(one(i)) for i in range(self._n)]
+            while not self._stop.is_set():
+                await asyncio.sleep(0.05)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def __enter__(self) -> Streams:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def test_hot_prefix_spreads_when_its_holder_is_busy_and_returns_when_load_falls():
+    with SimCluster(n=2, block_size=BLOCK, num_blocks=2048, stream_interval_s=0.02) as sim:
+        settings = Settings(host="127.0.0.1", port=free_port(), log_level="warning",
+                            load_interval=0.1, placement_ttl=0.0)
+        with BackgroundServer(settings) as server, httpx.Client(base_url=server.url,
+                                                                timeout=10.0) as client:
+            ids = [client.post("/v1/instances", json={"url": url}).json()["id"]
+                   for url in sim.urls]
+            holder, other = ids
+            hot = [(i * 31) % 20000 + 1 for i in range(20 * BLOCK + 3)]
+            sim.complete(0, hot, max_tokens=1)
+
+            def best() -> dict:
+                return client.post("/v1/route", json={"token_ids": hot}).json()
+
+            poll(lambda: best()["instance"] == holder and best()["matched_tokens"] == 20 * BLOCK,
+                 "the holder to be known")
+            with Streams(sim.urls[0], BUSY):
+                busy = poll(lambda: (a := best())["instance"] == other and a, "the hot prefix "
+                            "to spread away from its busy holder")
+                scores = {s["instance"]: s for s in busy["scores"]}
+                assert scores[holder]["matched_tokens"] == 20 * BLOCK
+                assert scores[holder]["load"]["running"] >= 10
+                assert scores[holder]["cost_terms"]["queue"] > scores[holder]["cost_terms"][
+                    "prefill"]
+            back = poll(lambda: (a := best())["instance"] == holder and a,
+                        "the hot prefix to come back once the holder's load fell")
+            assert back["matched_tokens"] == 20 * BLOCK
