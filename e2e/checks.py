@@ -16,6 +16,7 @@ last batch the engine published, as seen on the harness's own subscription
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections.abc import Callable
@@ -375,7 +376,7 @@ def check_engine_restart(cl: Cluster, name: str, rng: random.Random,
 
 
 def check_placement(cl: Cluster, rng: random.Random) -> CheckResult:
-    """7. Placement guesses (kvroute's defaults): a burst sharing a new prefix stays on one
+    """8. Placement guesses (kvroute's defaults): a burst sharing a new prefix stays on one
     worker, real events confirm the guess block for block, and routed traffic still agrees."""
     details: list[str] = []
     cl.kvroute.stop()
@@ -410,7 +411,7 @@ def check_placement(cl: Cluster, rng: random.Random) -> CheckResult:
                f"confirmed by events {confirmed['matched_blocks']}/{full} blocks, pending "
                f"{confirmed.get('pending_blocks')}; {sum(s.ok for s in steps)}/{len(steps)} "
                f"routed requests agree with guesses on")
-    return CheckResult("7 placement guesses", not details, summary, details=details)
+    return CheckResult("8 placement guesses", not details, summary, details=details)
 
 
 def _score_of(cl: Cluster, answer: dict, name: str) -> dict:
@@ -418,3 +419,53 @@ def _score_of(cl: Cluster, answer: dict, name: str) -> dict:
         if score.get("instance") == cl.ids[name] and score.get("dp_rank", 0) == 0:
             return score
     raise CheckFailed(f"kvroute's answer has no score for {name}: {answer}")
+
+
+def check_proxy(cl: Cluster, rng: random.Random) -> CheckResult:
+    """7. Proxy mode: completions sent through kvroute reach the worker it picks, and the
+    hit vLLM reports equals kvroute's answer for that worker, streamed or not."""
+    details: list[str] = []
+    model = str(next(iter(cl.engines.values())).spec.model_dir)
+    served = cl.kvroute.models()
+    if model not in served:
+        details.append(f"kvroute's /v1/models lacks {model}: {served}")
+    steps: list[Step] = []
+    for prompt in shared_prefix_workload(rng, 16):
+        predicted = cl.matched(prompt)
+        before = {n: t.count for n, t in cl.taps.items()}
+        iid, body = cl.kvroute.proxied_completion(
+            {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0})
+        steps.append(_proxied_step(cl, iid, prompt, predicted, body["usage"], before))
+    prompt = shared_prefix_workload(rng, 1)[0]
+    cl.step(prompt)  # cached somewhere now; the streamed request should find it
+    predicted = cl.matched(prompt)
+    before = {n: t.count for n, t in cl.taps.items()}
+    iid, chunks = cl.kvroute.proxied_stream(
+        {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "stream": True,
+         "stream_options": {"include_usage": True}})
+    if not chunks or chunks[-1] != "[DONE]":
+        details.append(f"the streamed answer did not end with [DONE]: {chunks[-3:]}")
+    usage = [json.loads(c)["usage"] for c in chunks if c != "[DONE]" and json.loads(c).get("usage")]
+    if not usage:
+        details.append("the streamed answer carried no usage chunk")
+    else:
+        steps.append(_proxied_step(cl, iid, prompt, predicted, usage[-1], before))
+    details += _mismatches(steps)
+    per_engine = {n: sum(1 for s in steps if s.engine == n) for n in cl.engines}
+    summary = (f"{sum(s.ok for s in steps)}/{len(steps)} proxied requests (1 streamed, "
+               f"{len(chunks)} SSE events) agree; {sum(s.cached > 0 for s in steps)} hits; "
+               f"forwarded {per_engine}")
+    return CheckResult("7 proxy", not details, summary, details=details)
+
+
+def _proxied_step(cl: Cluster, iid: str, prompt: Prompt, predicted: dict[str, int],
+                  usage: dict, before: dict[str, int]) -> Step:
+    name = cl.name_of(iid)
+    cached = _cached_of(usage)
+    bs = cl.engines[name].spec.block_size
+    cl.settle(name, before[name], expect_batch=len(prompt) // bs > cached // bs)
+    return Step(name, len(prompt), predicted[name], cached)
+
+
+def _cached_of(usage: dict) -> int:
+    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)

@@ -36,8 +36,9 @@ VLLM_VERSION = "0.32.0"
 # Checks 1-6 compare the index's event-derived state with vLLM, and several ask
 # kvroute about prompts they then do not send. With placement guesses on, each
 # such question would leave a guess behind (by design), so those checks run
-# with guesses off; check 7 restarts kvroute with its defaults to test guesses.
-EVENTS_ONLY = {"KVROUTE_PLACEMENT_TTL": "0"}
+# with guesses off; check 8 restarts kvroute with its defaults to test guesses.
+# Proxy mode is on so that check 7 can send completions through kvroute.
+EVENTS_ONLY = {"KVROUTE_PLACEMENT_TTL": "0", "KVROUTE_PROXY": "true"}
 
 
 class Clock:
@@ -134,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             ("6 routing pays", lambda: checks.check_routing_pays(cluster, rng)),
             ("4 engine restart", lambda: checks.check_engine_restart(
                 cluster, names[1], rng, args.boot_timeout)),
-            ("7 placement guesses", lambda: checks.check_placement(cluster, rng)),
+            ("7 proxy", lambda: checks.check_proxy(cluster, rng)),
+            ("8 placement guesses", lambda: checks.check_placement(cluster, rng)),
         ]
         for name, fn in plan:
             results.append(run_check(clock, name, fn))

@@ -100,6 +100,31 @@ class Kvroute:
             if score.get("dp_rank", 0) == 0
         }
 
+    def models(self) -> list[str]:
+        response = self.http.get("/v1/models")
+        if response.status_code != 200:
+            raise KvrouteError(f"GET /v1/models -> {response.status_code}: {response.text}")
+        return [str(m["id"]) for m in response.json().get("data", [])]
+
+    def proxied_completion(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """POST /v1/completions through kvroute's proxy: (instance id it chose, vLLM's JSON)."""
+        response = self.http.post("/v1/completions", json=body)
+        if response.status_code != 200:
+            raise KvrouteError(
+                f"proxied POST /v1/completions -> {response.status_code}: {response.text}")
+        return response.headers.get("x-kvroute-instance", ""), response.json()
+
+    def proxied_stream(self, body: dict[str, Any]) -> tuple[str, list[str]]:
+        """A streamed completion through the proxy: (instance id, the SSE data payloads)."""
+        with self.http.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                response.read()
+                raise KvrouteError(f"proxied streamed POST /v1/completions -> "
+                                   f"{response.status_code}: {response.text}")
+            data = [line[len("data: "):] for line in response.iter_lines()
+                    if line.startswith("data: ")]
+            return response.headers.get("x-kvroute-instance", ""), data
+
     def wait_state(self, instance_id: str, states: set[str], timeout: float,
                    say=print, what: str = "") -> str:
         """Poll until the rank-0 worker's state is one of ``states``; return it."""
