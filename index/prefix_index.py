@@ -67,7 +67,7 @@ TIERED = 1
 FIRST = 2
 FP_SHIFT = 2
 FP_BITS = 26
-FP_MASK = (1 << FP_BITS) - 1
+FP_FIELD = ((1 << FP_BITS) - 1) << FP_SHIFT  # where the parent fingerprint sits
 SLOT_SHIFT = FP_SHIFT + FP_BITS
 HOLDERS_MIN = 1 << SLOT_SHIFT  # a node value below this has no holder left
 UINT64_MASK = (1 << 64) - 1
@@ -75,8 +75,9 @@ INDEXED_KINDS = frozenset({None, "full_attention", "mla_attention"})
 
 
 def _fingerprint_bits(parent: bytes) -> int:
-    """The parent fingerprint as stored in a node value (Python caches a bytes hash)."""
-    return (hash(parent) & FP_MASK) << FP_SHIFT
+    """The parent fingerprint as stored in a node value: bits of the parent key's Python
+    hash, which a bytes object computes once and caches (one int operation per block)."""
+    return hash(parent) & FP_FIELD
 
 
 def _has_negative(block_hashes: Sequence[BlockHash]) -> bool:
@@ -252,12 +253,13 @@ class PrefixIndex:
         nodes = self._nodes
         place = nodes.setdefault
         bit = w.bit
+        seed = bit | flag  # a new node's value before its parent fingerprint
         held_before = 0
         # Lengths agree (checked above); strict=True would cost a raised StopIteration.
         for block_hash, (block,) in zip(block_hashes, block_splitter(step)(tokens)):  # noqa: B905
             key = digest(parent_key + block)
             if bind(block_hash, key) is key:
-                fresh = bit | flag | ((hash(parent_key) & FP_MASK) << FP_SHIFT)
+                fresh = seed | (hash(parent_key) & FP_FIELD)
                 value = place(key, fresh)  # a new node in one dict operation
                 if value is not fresh:
                     if not value & bit:
@@ -266,9 +268,9 @@ class PrefixIndex:
                         self._add_second_handle(w, key)
             else:
                 held_before += 1
-                self._hold(w, block_hash, key, GPU, flag | _fingerprint_bits(parent_key))
+                self._hold(w, block_hash, key, GPU, (seed ^ bit) | _fingerprint_bits(parent_key))
             parent_key = key
-            flag = 0
+            seed = bit
         w.held[GPU] += blocks - held_before
 
     def _add_second_handle(self, w: _Worker, key: bytes) -> None:
@@ -728,7 +730,7 @@ class PrefixIndex:
                 if expected is None:
                     linked = bool(value & FIRST)
                 else:
-                    linked = not value & FIRST and value & (FP_MASK << FP_SHIFT) == expected
+                    linked = not value & FIRST and value & FP_FIELD == expected
                 if linked:
                     found = key
                     recent = w
