@@ -22,8 +22,8 @@ def store(index: PrefixIndex, worker, hashes, parent, tokens, block_size=4, **kw
 
 
 def assert_empty(index: PrefixIndex) -> None:
-    containers = {k: v for k, v in vars(index).items() if isinstance(v, dict | list | set)}
-    assert containers and all(not v for v in containers.values()), containers
+    containers = {k: v for k, v in vars(index).items() if hasattr(v, "__len__")}
+    assert containers and all(len(v) == 0 for v in containers.values()), containers
 
 
 # ---------------------------------------------------------------- content, not hashes
