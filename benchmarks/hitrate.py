@@ -235,8 +235,14 @@ def run_kvroute(sessions: Sequence[Session], n: int, num_blocks: int, seed: int,
     from app.server import BackgroundServer, free_port
 
     with SimCluster(n=n, block_size=BLOCK_SIZE, num_blocks=num_blocks, seed=seed) as cluster:
+        # The fleet runs in virtual time, so the service's own /metrics scrapes (real time)
+        # would read it at arbitrary moments: kvroute answers on cache alone here, and the
+        # "+load" variant prices the exact queues itself from the answer's scores. A caller
+        # that overrides kvroute's choice must turn placement guesses off: they assume the
+        # answer is followed.
         settings = Settings(host="127.0.0.1", port=free_port(), log_level="warning",
-                            ready_grace_seconds=5)
+                            ready_grace_seconds=5, load_interval=0.0,
+                            placement_ttl=0.0 if load_tokens is not None else 2.0)
         with BackgroundServer(settings) as server, httpx.Client(timeout=30) as client:
             ids = []
             for url in cluster.urls:
