@@ -335,17 +335,22 @@ def percentile(samples: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def timed_us(run: Callable[[], Any], repeats: int) -> tuple[list[float], list[float]]:
-    """Wall-clock and CPU-time samples of ``run`` in microseconds (the CPU time leaves out
-    the time other processes of a shared machine held the core)."""
-    wall, cpu = [], []
+Samples = tuple[list[float], list[float]]  # (wall-clock, CPU time) in microseconds
+
+
+def timed_us(runs: Sequence[Callable[[], Any]], repeats: int) -> list[Samples]:
+    """Wall-clock and CPU-time samples (microseconds) of each of ``runs``, interleaved so
+    that every run and its floors see the same machine; the CPU time leaves out the time
+    other processes of a shared machine held the core."""
+    samples: list[Samples] = [([], []) for _ in runs]
     for _ in range(repeats):
-        cpu_start = time.process_time_ns()
-        start = time.perf_counter_ns()
-        run()
-        wall.append((time.perf_counter_ns() - start) / 1e3)
-        cpu.append((time.process_time_ns() - cpu_start) / 1e3)
-    return wall, cpu
+        for run, (wall, cpu) in zip(runs, samples, strict=True):
+            cpu_start = time.process_time_ns()
+            start = time.perf_counter_ns()
+            run()
+            wall.append((time.perf_counter_ns() - start) / 1e3)
+            cpu.append((time.process_time_ns() - cpu_start) / 1e3)
+    return samples
 
 
 def bench_queries(quick: bool) -> list[dict[str, Any]]:
@@ -388,9 +393,8 @@ def bench_queries(quick: bool) -> list[dict[str, Any]]:
             assert max(m.blocks for m in answer.values()) == blocks
             assert len(answer) == workers
             gc.collect()
-            wall, cpu = timed_us(query, repeats)
-            floor_wall, floor_cpu = timed_us(lookups, repeats)
-            hash_wall, _ = timed_us(hashing, repeats)
+            (wall, cpu), (floor_wall, _), (hash_wall, _) = timed_us(
+                [query, lookups, hashing], repeats)
             rows.append({
                 "workers": workers,
                 "holdings": held,
