@@ -714,32 +714,39 @@ class PrefixIndex:
         return result
 
     def _resolve_path(self, block_hashes: Sequence[BlockHash]) -> list[bytes]:
+        """The content keys a hash path leads to; the worker that resolved the previous
+        hash is asked first (a path usually comes from one hash space)."""
         path: list[bytes] = []
-        nodes = self._nodes
         everyone = list(self._workers.values())
         recent: _Worker | None = None
         expected = None  # the fingerprint bits the next block's node must carry
         for block_hash in block_hashes:
             found = None
-            candidates = everyone if recent is None else [recent, *everyone]
-            for w in candidates:
-                key = w.handles.get(block_hash)
-                if key is None:
-                    continue
-                value = nodes[key]
-                if expected is None:
-                    linked = bool(value & FIRST)
-                else:
-                    linked = not value & FIRST and value & FP_FIELD == expected
-                if linked:
-                    found = key
-                    recent = w
-                    break
+            if recent is not None:
+                found = self._linked_key(recent, block_hash, expected)
             if found is None:
-                break
+                for w in everyone:
+                    found = self._linked_key(w, block_hash, expected)
+                    if found is not None:
+                        recent = w
+                        break
+                else:
+                    break
             path.append(found)
             expected = _fingerprint_bits(found)
         return path
+
+    def _linked_key(self, w: _Worker, block_hash: BlockHash,
+                    expected: int | None) -> bytes | None:
+        """The key ``w`` holds under ``block_hash`` if it continues the path (``expected``
+        None: if it is a first block), else None."""
+        key = w.handles.get(block_hash)
+        if key is None:
+            return None
+        value = self._nodes[key]
+        if expected is None:
+            return key if value & FIRST else None
+        return key if not value & FIRST and value & FP_FIELD == expected else None
 
     def _assemble(self, result: dict[Worker, Match], members: list[_Worker],
                   ended: list[tuple[int, int]], tiered_hits: list[tuple[bytes, int]],
