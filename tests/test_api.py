@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
+from polling import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.config import InstanceConfig, Settings
@@ -14,19 +14,8 @@ from app.server import BackgroundServer, free_port
 from app.sim.cluster import SimCluster
 
 BLOCK = 16
-WAIT = 15.0
 
 
-def wait_for(check: Callable[[], object], what: str, timeout: float = WAIT) -> object:
-    """Poll `check` until it returns something truthy; fail naming `what`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +25,11 @@ def cluster() -> Iterator[SimCluster]:
 
 
 def start_service(**overrides: object) -> BackgroundServer:
-    settings = Settings(host="127.0.0.1", port=free_port(), log_level="warning", **overrides)
+    """kvroute on a free port. These tests ask /v1/route without sending the prompt
+    anywhere, and placement guesses assume every answer is followed: they are off unless
+    a test turns them on (the burst test does)."""
+    settings = Settings(host="127.0.0.1", port=free_port(), log_level="warning",
+                        **{"placement_ttl": 0.0, **overrides})
     return BackgroundServer(settings).start()
 
 
