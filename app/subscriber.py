@@ -47,6 +47,7 @@ from app.wire import (
     AllBlocksCleared,
     WireError,
     apply_event,
+    coalesced,
     decode_batch,
     decode_replay_frame,
     decode_seq,
@@ -459,7 +460,7 @@ class Subscriber:
         blocks = 0
         exact_again = False
         chunk = self.options.chunk_events
-        for event in batch.events:
+        for event in coalesced(batch.events):
             # Counted across batches, so that a replay of thousands of small batches yields
             # too, whether or not zmq's own awaits happen to.
             self._unyielded += 1

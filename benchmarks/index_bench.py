@@ -202,33 +202,6 @@ def bench_apply(index: PrefixIndex, worker: Any, batch: BenchBatch) -> None:
             index.clear_worker(worker)
 
 
-def coalescing_apply(index: PrefixIndex, worker: Any, batch: Any) -> None:
-    """Like an ``apply_batch`` that merges runs of BlockRemoved events (vLLM sends one hash
-    per event) into one ``apply_removed`` call per run; works on app.wire's and this file's
-    decoded events alike."""
-    run: list[Any] = []
-    medium = group = None
-    for event in batch.events:
-        removed = type(event).__name__ == "BlockRemoved"
-        if run and not (removed and event.medium == medium and event.group_idx == group):
-            index.apply_removed(worker, run, medium=medium, group_idx=group or 0)
-            run = []
-        if removed:
-            if not run:
-                medium, group = event.medium, event.group_idx
-            run.extend(event.block_hashes)
-        elif type(event).__name__ == "BlockStored":
-            index.apply_stored(worker, event.block_hashes, event.parent_block_hash,
-                               event.token_ids, event.block_size, lora_name=event.lora_name,
-                               extra_keys=event.extra_keys, medium=event.medium,
-                               group_idx=event.group_idx or 0,
-                               kv_cache_spec_kind=event.kv_cache_spec_kind)
-        else:
-            index.clear_worker(worker)
-    if run:
-        index.apply_removed(worker, run, medium=medium, group_idx=group or 0)
-
-
 def service_codec() -> tuple[str, Callable[[bytes], Any], Callable[[PrefixIndex, Any, Any], Any]]:
     """The service's decode + apply (app.wire) if present, else this file's."""
     try:
@@ -286,7 +259,6 @@ def bench_ingestion(quick: bool) -> dict[str, Any]:
 
     floor = best_of(repeats, decode_only)
     full = best_of(repeats, lambda: decode_and_apply(apply))
-    coalesced = best_of(repeats, lambda: decode_and_apply(coalescing_apply))
     applied = best_of(repeats, apply_only)
     blocks = workload.steady_blocks
     return {
@@ -299,10 +271,8 @@ def bench_ingestion(quick: bool) -> dict[str, Any]:
         "payload_bytes": sum(len(p) for _, p in steady),
         "decode_only_blocks_per_s": blocks / floor,
         "decode_apply_blocks_per_s": blocks / full,
-        "decode_apply_coalesced_blocks_per_s": blocks / coalesced,
         "apply_only_blocks_per_s": blocks / applied,
         "decode_apply_vs_decode_only": floor / full,
-        "decode_apply_coalesced_vs_decode_only": floor / coalesced,
     }
 
 
@@ -459,9 +429,6 @@ def table(result: dict[str, Any]) -> str:
         f"{ingest['steady_batches']:,} batches, {ingest['workers']} workers)",
         f"  decode + apply   {ingest['decode_apply_blocks_per_s'] / 1e6:7.2f} M blocks/s   "
         f"target >= {TARGET_INGEST_BLOCKS_PER_S / 1e6:.2f} M/s",
-        f"  same, removal runs coalesced (bench apply loop) "
-        f"{ingest['decode_apply_coalesced_blocks_per_s'] / 1e6:.2f} M blocks/s = "
-        f"{ingest['decode_apply_coalesced_vs_decode_only']:.0%} of decode",
         f"  apply only       {ingest['apply_only_blocks_per_s'] / 1e6:7.2f} M blocks/s",
         f"  floor: decode    {ingest['decode_only_blocks_per_s'] / 1e6:7.2f} M blocks/s   "
         f"decode+apply / decode = {ingest['decode_apply_vs_decode_only']:.0%} "

@@ -5,6 +5,7 @@ WireError and never costs the well-formed events of a batch)."""
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import math
 from collections import Counter, defaultdict
@@ -24,6 +25,8 @@ from app.wire import (
     EventBatch,
     WireError,
     apply_batch,
+    apply_event,
+    coalesced,
     decode_batch,
     decode_replay_frame,
     decode_seq,
@@ -422,3 +425,37 @@ def test_events_are_grouped_by_class_whatever_the_encoding():
         batch = decode_batch(encode_batch([AllBlocksCleared()], encoding=encoding))
         both[encoding] = [comparable(e) for e in batch.events]
     assert both["map"] == both["array"] == [("AllBlocksCleared", {})]
+
+
+chain_tokens = list(range(100, 116))  # 8 blocks of 2 tokens
+chain_events = st.one_of(
+    st.builds(lambda n, medium: BlockStored(block_hashes=list(range(1, n + 1)),
+                                            token_ids=chain_tokens[:2 * n], block_size=2,
+                                            medium=medium),
+              st.integers(1, 8), st.sampled_from([None, "CPU"])),
+    st.builds(lambda h, medium, group: BlockRemoved(block_hashes=[h], medium=medium,
+                                                    group_idx=group),
+              st.integers(1, 9), st.sampled_from([None, "GPU", "CPU"]),
+              st.sampled_from([None, 0])),
+    st.just(AllBlocksCleared()),
+)
+
+
+@settings(deadline=None, max_examples=300)
+@given(st.lists(chain_events, max_size=25))
+def test_coalesced_removals_change_the_index_exactly_as_one_by_one(evs):
+    one_by_one, merged = PrefixIndex(), PrefixIndex()
+    for event in evs:
+        apply_event(one_by_one, "w", event)
+    assert apply_batch(merged, "w", EventBatch(ts=0.0, events=list(evs))) == sum(
+        len(getattr(e, "block_hashes", ())) for e in evs)
+    assert one_by_one.stats() == merged.stats()
+    assert one_by_one.match(chain_tokens) == merged.match(chain_tokens)
+    removals = [e for e in coalesced(evs) if isinstance(e, BlockRemoved)]
+    assert sum(len(e.block_hashes) for e in removals) == sum(
+        len(e.block_hashes) for e in evs if isinstance(e, BlockRemoved))
+    # Runs are merged: no two removals of one medium and group stand next to each other.
+    out = list(coalesced(evs))
+    for before, after in itertools.pairwise(out):
+        assert not (isinstance(before, BlockRemoved) and isinstance(after, BlockRemoved)
+                    and (before.medium, before.group_idx) == (after.medium, after.group_idx))
