@@ -121,7 +121,7 @@ def score_workers(
             by_medium.update(match.by_medium)
             blocks, tokens = match.blocks, match.tokens
             block_size = match.block_size or block_size
-            pending = getattr(match, "pending", 0)
+            pending = match.pending
         size = block_size or 0
         total = prompt_tokens if prompt_tokens is not None else (prompt_blocks or 0) * size
         prefill = (weights.miss_token * max(total - tokens, 0)
