@@ -1,0 +1,42 @@
+"""Start-up and shutdown: everything the service starts, it stops; no task outlives it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from app.config import InstanceConfig, Settings
+from app.server import free_port
+from app.service import Service
+from app.sim.cluster import SimCluster
+
+
+def test_close_stops_every_task_and_socket_it_started():
+    with SimCluster(n=2, block_size=16, num_blocks=64) as sim:
+        dead = f"http://127.0.0.1:{free_port()}"  # discovery of this one keeps retrying
+
+        async def scenario() -> None:
+            before = asyncio.all_tasks()
+            settings = Settings(instances=(InstanceConfig(url=sim.urls[0]),
+                                           InstanceConfig(url=dead)),
+                                load_interval=0.05)
+            service = Service(settings)
+            await service.start()
+            await service.registry.add(InstanceConfig(url=sim.urls[1]))
+            deadline = time.monotonic() + 15
+            while not all(w.state == "live" for w in service.registry.workers()):
+                assert time.monotonic() < deadline, "workers never went live"
+                await asyncio.sleep(0.02)
+            workers = list(service.registry.workers())
+            assert len(workers) == 2 and len(service.registry) == 3
+            assert len(asyncio.all_tasks() - before) >= 4  # 2 subscribers, discovery, load
+
+            await service.close()
+            leaked = [t for t in asyncio.all_tasks() - before if not t.done()]
+            assert leaked == [], leaked
+            assert len(service.registry) == 0
+            assert all(w.subscriber._sub is None for w in workers)  # sockets closed
+            assert service.client.is_closed
+            assert service.index.stats().workers == 0  # nothing of them stays indexed
+
+        asyncio.run(scenario())
