@@ -42,6 +42,8 @@ EngineHash = int | str
 _HEX = re.compile(r"(?:0x)?([0-9a-fA-F]+)")
 _INPUTS = ("token_ids", "block_hashes", "prompt", "messages")
 _READY_STATES = frozenset({"live", "degraded"})
+# Instances asked in turn to tokenize a text prompt before the request fails.
+TOKENIZE_ATTEMPTS = 3
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
@@ -210,19 +212,25 @@ class Service:
         if self.tokenizer is None:
             raise ApiError(422, f"`{field}` needs a tokenizer; none is configured "
                            "(set `tokenizer`), or send token_ids", field)
-        live = [w for w in eligible if w.state in _READY_STATES and w.instance.url]
-        url = (live or [w for w in eligible if w.instance.url] or [None])[0]
-        url = url.instance.url if url is not None else None
-        try:
-            if request.prompt is not None:
-                tokens = await self.tokenizer.encode_prompt(request.prompt, url=url,
-                                                            model=request.model)
-            else:
-                messages = [msgspec.to_builtins(m) for m in request.messages or ()]
-                tokens = await self.tokenizer.encode_chat(messages, url=url,
-                                                          model=request.model)
-        except TokenizerError as exc:
-            raise ApiError(exc.status, str(exc), field) from None
+        # Live instances first; an instance whose HTTP server fails (502) hands over to the
+        # next, so one dead server does not fail text routing while others could answer.
+        ranked = sorted(eligible, key=lambda w: w.state not in _READY_STATES)
+        urls = list(dict.fromkeys(w.instance.url for w in ranked if w.instance.url))
+        messages = [msgspec.to_builtins(m) for m in request.messages or ()]
+        for attempt, url in enumerate(urls[:TOKENIZE_ATTEMPTS] or [None]):
+            try:
+                if request.prompt is not None:
+                    tokens = await self.tokenizer.encode_prompt(request.prompt, url=url,
+                                                                model=request.model)
+                else:
+                    tokens = await self.tokenizer.encode_chat(messages, url=url,
+                                                              model=request.model)
+                break
+            except TokenizerError as exc:
+                last_try = attempt + 1 >= min(len(urls), TOKENIZE_ATTEMPTS)
+                if exc.status != 502 or last_try:
+                    raise ApiError(exc.status, str(exc), field) from None
+                log.warning("tokenizing on %s failed (%s); trying the next instance", url, exc)
         if len(tokens) > self.settings.max_prompt_tokens:
             raise ApiError(413, f"{field} is {len(tokens)} tokens, over the limit of "
                            f"{self.settings.max_prompt_tokens}", field)

@@ -348,3 +348,27 @@ def test_a_burst_with_a_new_prefix_follows_the_first_answer(cluster: SimCluster,
             assert all(a["matched_tokens"] == 0 for a in answers)
     finally:
         server.stop()
+
+
+def test_text_prompts_survive_an_instance_whose_http_server_is_gone(cluster: SimCluster):
+    """Its events still flow (it stays eligible), but its /tokenize is unreachable: the next
+    instance tokenizes instead of the request failing."""
+    from app.sim.publisher import EventPublisher
+
+    server = start_service(tokenizer="instance")
+    try:
+        with EventPublisher() as ghost_events, httpx.Client(base_url=server.url,
+                                                           timeout=10.0) as client:
+            ghost = client.post("/v1/instances", json={
+                "id": "ghost", "url": f"http://127.0.0.1:{free_port()}", "model": "sim-model",
+                "events": [ghost_events.endpoint], "replay": [ghost_events.replay_endpoint]})
+            assert ghost.status_code == 201, ghost.text
+            wait_for(lambda: client.get("/v1/instances/ghost").json()["state"] == "live",
+                     "the ghost's events to go live")
+            register(client, cluster.urls[0])
+            answer = route(client, prompt="hello there")
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["prompt_tokens"] == len(httpx.post(
+                f"{cluster.urls[0]}/tokenize", json={"prompt": "hello there"}).json()["tokens"])
+    finally:
+        server.stop()
