@@ -16,7 +16,9 @@ What vLLM answers (facts; see also the plan's vllm-facts notes):
   ``{"sources": [...]}``; both are accepted, as is a single config object without ranks.
 - Without a resolved per-rank answer, rank r publishes on base port + r (replay likewise);
   a port of 0 is never offset.
-- ``GET /v1/models``: ``{"data": [{"id": ..., "max_model_len": ...}, ...]}``.
+- ``GET /v1/models``: ``{"data": [{"id": ..., "max_model_len": ..., "parent": ...}, ...]}``;
+  a LoRA adapter is listed as a model whose ``parent`` is the base model, and a request
+  naming it is cached under the adapter's name (vLLM's ``lora_name``).
 - ``GET /metrics``: ``vllm:cache_config_info{...,block_size="32",...} 1.0``.
 """
 
@@ -52,6 +54,7 @@ class InstanceInfo:
     workers: list[WorkerEndpoint]
     max_model_len: int | None = None
     notes: list[str] = field(default_factory=list)  # what was assumed, for the operator
+    lora_adapters: list[str] = field(default_factory=list)  # models that are LoRA adapters
 
 
 def instance_id_for(url: str) -> str:
@@ -190,12 +193,12 @@ async def discover(
         notes.append("no replay endpoint: prefixes cached before kvroute connected stay "
                      "unknown and dropped events cannot be recovered")
     models_body = await _get_json(client, url, "/v1/models")
-    models, max_len = _models(url, models_body)
+    models, max_len, adapters = _models(url, models_body)
     block_size = await _block_size(client, url, notes)
-    return InstanceInfo(url, models, block_size, workers, max_len, notes)
+    return InstanceInfo(url, models, block_size, workers, max_len, notes, adapters)
 
 
-def _models(url: str, body: Any) -> tuple[list[str], int | None]:
+def _models(url: str, body: Any) -> tuple[list[str], int | None, list[str]]:
     data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list):
         raise DiscoveryError(url, "/v1/models has no 'data' list")
@@ -204,7 +207,9 @@ def _models(url: str, body: Any) -> tuple[list[str], int | None]:
         raise DiscoveryError(url, "/v1/models lists no model")
     lengths = [m.get("max_model_len") for m in data if isinstance(m, dict)]
     known = [n for n in lengths if type(n) is int and n > 0]
-    return models, (min(known) if known else None)
+    adapters = [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)
+                and isinstance(m.get("parent"), str)]
+    return models, (min(known) if known else None), adapters
 
 
 async def _block_size(client: httpx.AsyncClient, url: str, notes: list[str]) -> int | None:

@@ -71,6 +71,7 @@ class Instance:
     config: InstanceConfig
     url: str | None
     models: tuple[str, ...] = ()
+    lora_adapters: frozenset[str] = frozenset()  # models that are LoRA adapters
     block_size: int | None = None
     workers: list[Worker] = field(default_factory=list)
     discovery_error: str | None = None
@@ -172,6 +173,7 @@ class Registry:
         info = await discover(instance.url, self._client)
         if not instance.config.model:
             instance.models = tuple(info.models)
+            instance.lora_adapters = frozenset(info.lora_adapters)
         if instance.config.block_size is None:
             instance.block_size = info.block_size
         instance.discovery_error = None

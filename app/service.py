@@ -253,6 +253,7 @@ class Service:
                 + (" that has not failed already" if exclude else ""))
             raise ApiError(503, f"no eligible worker: {reason}")
         tokens: list[int] | None = None
+        lora_name = request.lora_name
         if request.block_hashes is not None:
             hashes = [_parse_hash(h, i) for i, h in enumerate(request.block_hashes)]
             matches = self.index.match_hashes(hashes, workers=[w.key for w in eligible])
@@ -265,7 +266,10 @@ class Service:
             # vLLM always computes a prompt's last token (it needs its logits), so its
             # prefix-cache hit is capped at the full blocks of all tokens but the last: a
             # prompt that ends on a block boundary reuses one block less than it holds.
-            matches = self.index.match(tokens[:-1], lora_name=request.lora_name,
+            if lora_name is None and any(request.model in w.instance.lora_adapters
+                                         for w in eligible):
+                lora_name = request.model  # vLLM caches an adapter's blocks under its name
+            matches = self.index.match(tokens[:-1], lora_name=lora_name,
                                        workers=[w.key for w in eligible],
                                        now=time.monotonic())
         scores = score_workers(
@@ -278,7 +282,7 @@ class Service:
             # Until its events arrive, the chosen worker counts as holding this prompt, so
             # a burst sharing a new prefix follows the first request instead of spreading.
             self.index.place(worker.key, tokens, block_size=worker.instance.block_size,
-                             lora_name=request.lora_name,
+                             lora_name=lora_name,
                              expires=time.monotonic() + self.settings.placement_ttl)
         if tokens:
             self.metrics.match_ratio.observe(best.matched_tokens / len(tokens))

@@ -372,3 +372,44 @@ def test_text_prompts_survive_an_instance_whose_http_server_is_gone(cluster: Sim
                 f"{cluster.urls[0]}/tokenize", json={"prompt": "hello there"}).json()["tokens"])
     finally:
         server.stop()
+
+
+def test_a_model_naming_a_lora_adapter_matches_that_adapters_blocks():
+    """vLLM lists an adapter as a model with a parent and caches its blocks under the
+    adapter's name; a request for that model must match those blocks, not the base's."""
+    import json
+
+    from canned_http import canned_http
+
+    from app.sim.publisher import EventPublisher
+    from app.wire import BlockStored
+
+    with EventPublisher() as events:
+        host, port = events.endpoint.removeprefix("tcp://").rsplit(":", 1)
+        replay_port = events.replay_endpoint.rsplit(":", 1)[1]
+        routes = {
+            "/kv_event_sources": (200, json.dumps({"0": {
+                "endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{replay_port}",
+                "topic": "kv-events"}})),
+            "/v1/models": (200, json.dumps({"object": "list", "data": [
+                {"id": "base", "parent": None}, {"id": "sql-lora", "parent": "base"}]})),
+            "/metrics": (200, 'vllm:cache_config_info{block_size="16",engine="0"} 1.0\n'),
+        }
+        tokens = unique_tokens(77, 2 * BLOCK)
+        events.publish([BlockStored(block_hashes=[1, 2], token_ids=tokens, block_size=16,
+                                    lora_name="sql-lora")])
+        with canned_http(routes) as url:
+            server = start_service()
+            try:
+                with httpx.Client(base_url=server.url, timeout=10.0) as client:
+                    register(client, url)
+                    prompt = tokens + [5]
+                    adapter = route_until(client, 2 * BLOCK, "the adapter's blocks",
+                                          token_ids=prompt, model="sql-lora")
+                    assert adapter["matched_blocks"] == 2
+                    assert route(client, token_ids=prompt, model="base").json()[
+                        "matched_tokens"] == 0
+                    assert route(client, token_ids=prompt, model="base",
+                                 lora_name="sql-lora").json()["matched_tokens"] == 2 * BLOCK
+            finally:
+                server.stop()

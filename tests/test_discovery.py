@@ -6,13 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
 import pytest
+from canned_http import canned_http
 
 from app.discovery import (
     DiscoveryError,
@@ -49,28 +48,8 @@ def http_instance() -> Iterator[tuple[str, dict[str, tuple[int, str]]]]:
         "/v1/models": (200, json.dumps(MODELS_0_32)),
         "/metrics": (200, METRICS_0_32),
     }
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-            status, body = routes.get(self.path, (404, "not found"))
-            data = body.encode()
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", routes
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    with canned_http(routes) as url:
+        yield url, routes
 
 
 async def _discover(url: str, **kwargs: Any):
@@ -206,3 +185,14 @@ def test_endpoint_rules():
     assert offset_port("ipc:///tmp/kv", 1) == "ipc:///tmp/kv"
     with pytest.raises(DiscoveryError, match="dp_size"):
         explicit_workers("http://h:1", "tcp://*:1", dp_size=0)
+
+
+def test_lora_adapters_are_the_models_with_a_parent(http_instance):
+    url, routes = http_instance
+    adapter = {"id": "sql-lora", "object": "model", "root": "/adapters/sql", "parent":
+               "/models/tiny-llama", "max_model_len": 1024}
+    routes["/v1/models"] = (200, json.dumps(
+        {"object": "list", "data": [*MODELS_0_32["data"], adapter]}))
+    info = asyncio.run(_discover(url))
+    assert info.models == ["/models/tiny-llama", "sql-lora"]
+    assert info.lora_adapters == ["sql-lora"]
