@@ -29,7 +29,7 @@ import math
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -60,6 +60,8 @@ class InstanceConfig:
     replay: tuple[str, ...] = ()
     topic: str = ""
     block_size: int | None = None
+    # The instance's vLLM --api-key, sent when kvroute itself calls its /v1 endpoints.
+    api_key: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +156,8 @@ def parse_instance(raw: Mapping[str, Any], where: str) -> InstanceConfig:
     if instance_id is not None and "/" in instance_id:
         raise ConfigError(f"{where}.id: must not contain '/'")
     return InstanceConfig(url=url, id=instance_id, model=text("model"), events=events,
-                          replay=replay, topic=topic, block_size=block_size)
+                          replay=replay, topic=topic, block_size=block_size,
+                          api_key=text("api_key"))
 
 
 def _check_zmq_endpoint(endpoint: str, where: str) -> None:

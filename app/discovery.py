@@ -177,6 +177,7 @@ async def discover(
     replay_endpoint: str | None = None,
     topic: str = "",
     dp_size: int = 1,
+    api_key: str | None = None,
 ) -> InstanceInfo:
     """Ask the instance. With ``endpoint`` given, ``/kv_event_sources`` is not consulted."""
     url = url.rstrip("/")
@@ -192,7 +193,8 @@ async def discover(
     if any(w.replay_endpoint is None for w in workers):
         notes.append("no replay endpoint: prefixes cached before kvroute connected stay "
                      "unknown and dropped events cannot be recovered")
-    models_body = await _get_json(client, url, "/v1/models")
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    models_body = await _get_json(client, url, "/v1/models", headers=auth)
     models, max_len, adapters = _models(url, models_body)
     block_size = await _block_size(client, url, notes)
     return InstanceInfo(url, models, block_size, workers, max_len, notes, adapters)
@@ -230,9 +232,10 @@ async def _block_size(client: httpx.AsyncClient, url: str, notes: list[str]) -> 
     return int(found.group(1))
 
 
-async def _get_json(client: httpx.AsyncClient, url: str, path: str) -> Any:
+async def _get_json(client: httpx.AsyncClient, url: str, path: str,
+                    headers: dict[str, str] | None = None) -> Any:
     try:
-        response = await client.get(f"{url}{path}")
+        response = await client.get(f"{url}{path}", headers=headers)
     except httpx.HTTPError as exc:
         raise DiscoveryError(url, f"GET {path} failed: {exc.__class__.__name__}: {exc}"
                              .rstrip(": ")) from exc

@@ -170,7 +170,7 @@ class Registry:
     # -- internals -------------------------------------------------------
     async def _discover(self, instance: Instance) -> list[WorkerEndpoint]:
         assert instance.url is not None
-        info = await discover(instance.url, self._client)
+        info = await discover(instance.url, self._client, api_key=instance.config.api_key)
         if not instance.config.model:
             instance.models = tuple(info.models)
             instance.lora_adapters = frozenset(info.lora_adapters)

@@ -93,3 +93,10 @@ def test_an_instance_configured_twice_is_refused(tmp_path):
     path = write(tmp_path, '[[instances]]\nurl = "http://a:8000"\n')
     with pytest.raises(ConfigError, match="a:8000 configured more than once"):
         load_settings(path, environ={"KVROUTE_INSTANCES": "http://a:8000/"})
+
+
+def test_an_instance_api_key_is_read_but_never_shown(tmp_path):
+    path = write(tmp_path, '[[instances]]\nurl = "http://a:8000"\napi_key = "s3cret"\n')
+    settings = load_settings(path, environ={})
+    assert settings.instances[0].api_key == "s3cret"
+    assert "s3cret" not in repr(settings)

@@ -403,7 +403,10 @@ def test_the_clients_credentials_reach_the_instance(fleet: Fleet):
     cfg = InstanceConfig(block_size=BLOCK, num_blocks=64, seed=66, model="guarded-model",
                          api_key="s3cret")
     with SimInstance(cfg) as inst:
-        instance_id = fleet.register(url=inst.url)
+        unkeyed = fleet.http.post("/v1/instances", json={"url": inst.url})
+        assert unkeyed.status_code == 502 and "401" in unkeyed.json()["error"]
+        instance_id = fleet.register(url=inst.url, api_key="s3cret")
+        assert "s3cret" not in fleet.http.get(f"/v1/instances/{instance_id}").text
         try:
             body = {"model": "guarded-model", "prompt": [9] * 20, "max_tokens": 1}
             refused = post(fleet, "/v1/completions", body)

@@ -88,8 +88,8 @@ class InstanceConfig:
     sources_shape: str = "v0.32"
     # Seconds between two SSE events of a streamed response (0: as fast as the socket takes).
     stream_interval_s: float = 0.0
-    # vLLM's --api-key: generation requests need "Authorization: Bearer <key>" (vLLM guards
-    # every /v1 path; here only generation is guarded, so discovery works without the key).
+    # vLLM's --api-key: every /v1 path (models, completions, chat) needs
+    # "Authorization: Bearer <key>".
     api_key: str | None = None
 
 
@@ -425,7 +425,10 @@ def build_app(inst: SimInstance) -> FastAPI:
         return Response(status_code=200)
 
     @app.get("/v1/models")
-    def models() -> dict[str, Any]:
+    def models(request: Request) -> Any:
+        refused = _unauthorized(inst, request)
+        if refused is not None:
+            return refused
         card = {
             "id": cfg.model,
             "object": "model",
@@ -482,11 +485,20 @@ def build_app(inst: SimInstance) -> FastAPI:
     return app
 
 
+def _unauthorized(inst: SimInstance, request: Request) -> Response | None:
+    """vLLM's --api-key check, which guards every /v1 path (not /tokenize or /metrics)."""
+    key = inst.config.api_key
+    if key is not None and request.headers.get("authorization") != f"Bearer {key}":
+        return JSONResponse({"error": "Unauthorized"}, status_code=401)  # vLLM's exact answer
+    return None
+
+
 async def _generate(inst: SimInstance, request: Request, *, chat: bool) -> Response:
     """Validate like vLLM, queue on a rank, answer whole or streamed."""
     cfg = inst.config
-    if cfg.api_key is not None and request.headers.get("authorization") != f"Bearer {cfg.api_key}":
-        return JSONResponse({"error": "Unauthorized"}, status_code=401)  # vLLM's exact answer
+    refused = _unauthorized(inst, request)
+    if refused is not None:
+        return refused
     body = await _json_body(request)
     if not isinstance(body, dict):
         return _error(400, "the request body must be a JSON object")
