@@ -65,16 +65,9 @@ class ManagedProcess:
             return
         pgid = self._popen.pid
         _signal_group(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and _group_alive(pgid):
-            self._popen.poll()
-            time.sleep(0.1)
-        if _group_alive(pgid):
+        if not self._wait_group_gone(pgid, grace):
             _signal_group(pgid, signal.SIGKILL)
-            kill_deadline = time.monotonic() + 5.0
-            while time.monotonic() < kill_deadline and _group_alive(pgid):
-                self._popen.poll()
-                time.sleep(0.05)
+            self._wait_group_gone(pgid, 5.0)
         self._popen.wait(timeout=5.0)
         self._popen = None
 
@@ -84,12 +77,20 @@ class ManagedProcess:
             return
         pgid = self._popen.pid
         _signal_group(pgid, signal.SIGKILL)
-        deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline and _group_alive(pgid):
-            self._popen.poll()
-            time.sleep(0.05)
+        self._wait_group_gone(pgid, 10.0)
         self._popen.wait(timeout=5.0)
         self._popen = None
+
+    def _wait_group_gone(self, pgid: int, timeout: float) -> bool:
+        """Poll (reaping the leader) until no process of the group is left; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while _group_alive(pgid):
+            if time.monotonic() >= deadline:
+                return False
+            assert self._popen is not None
+            self._popen.poll()
+            time.sleep(0.05)
+        return True
 
     def log_tail(self, lines: int = 30) -> str:
         try:
