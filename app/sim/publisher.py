@@ -74,7 +74,11 @@ class EventPublisher:
         self.buffer_steps = buffer_steps
         self.dp_rank = dp_rank
         self._hwm = hwm
-        self._ctx = ctx or zmq.Context.instance()
+        # A context of its own unless given one: terminating it when the publisher closes
+        # waits until ZMQ has really released the ports (closing a socket alone returns
+        # before its listener is gone), so a restarted engine can bind them again at once.
+        self._owns_ctx = ctx is None
+        self._ctx = ctx or zmq.Context()
         self._queue: queue.Queue[object] = queue.Queue()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._seq_lock = threading.Lock()
@@ -187,18 +191,21 @@ class EventPublisher:
                 self.replay_endpoint = _bound(replay)
         except zmq.ZMQError as exc:
             self._error = exc
-            for sock in (pub, replay):
-                if sock is not None:
-                    sock.close(0)
+            self._release(pub, replay)
             self._ready.set()
             return
         self._ready.set()
         try:
             self._loop(pub, replay)
         finally:
-            pub.close(0)
-            if replay is not None:
-                replay.close(0)
+            self._release(pub, replay)
+
+    def _release(self, *sockets: zmq.Socket | None) -> None:
+        for sock in sockets:
+            if sock is not None:
+                sock.close(0)
+        if self._owns_ctx:
+            self._ctx.term()
 
     def _loop(self, pub: zmq.Socket, replay: zmq.Socket | None) -> None:
         while True:
