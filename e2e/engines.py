@@ -9,22 +9,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
+from app.server import free_port
 from e2e.processes import ManagedProcess, ProcessSet
 
 TOPIC = "kv-events"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from e2e.engines import free_port
+from app.server import free_port
 from e2e.processes import ManagedProcess, ProcessSet
 
 
