@@ -35,7 +35,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -537,17 +537,3 @@ class Subscriber:
     def _count(self, name: str, n: int = 1) -> None:
         if n:
             self.hooks.count(self.worker, name, n)
-
-
-async def run_all(subscribers: list[Subscriber]) -> Callable[[], Awaitable[None]]:
-    """Start every subscriber as its own task; returns an async function stopping them all."""
-    tasks = [asyncio.create_task(s.run(), name=f"kv-sub-{s.worker}") for s in subscribers]
-
-    async def stop_all() -> None:
-        await asyncio.gather(*(s.stop() for s in subscribers))
-        for task in tasks:
-            if not task.done():
-                task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    return stop_all

@@ -67,9 +67,6 @@ class Placements:
     def __bool__(self) -> bool:
         return bool(self._guessed)
 
-    def workers(self) -> list[Hashable]:
-        return list(self._guessed)
-
     def place(self, worker: Hashable, keys: Sequence[bytes], expires: float) -> None:
         """Guess that `worker` will hold `keys` (a chain continuing what it holds) until
         `expires`."""
