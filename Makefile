@@ -23,12 +23,12 @@ lint: $(STAMP)
 	$(BIN)/hadolint Dockerfile
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/index_bench.py --quick
-	$(BIN)/python benchmarks/hitrate.py --quick
+	$(BIN)/python -m benchmarks.index_bench --quick
+	$(BIN)/python -m benchmarks.hitrate --quick
 
 bench-full: $(STAMP)
-	$(BIN)/python benchmarks/index_bench.py
-	$(BIN)/python benchmarks/hitrate.py --full
+	$(BIN)/python -m benchmarks.index_bench
+	$(BIN)/python -m benchmarks.hitrate --full
 
 # kvroute against two real vLLM engines (CPU build, installed into .e2e/ on first use).
 e2e: $(STAMP)

@@ -180,10 +180,14 @@ def _coerce(name: str, value: Any, where: str) -> Any:
     if name in _INT_SETTINGS:
         if isinstance(value, str) and value.strip().isdigit():
             value = int(value)
+        if name == "port":
+            # 0 lets the OS pick a free port; the server logs the one it got.
+            if type(value) is not int or not 0 <= value <= 65535:
+                raise ConfigError(f"{where}: port must be an integer from 0 to 65535, "
+                                  f"got {value!r}")
+            return value
         if type(value) is not int or value <= 0:
             raise ConfigError(f"{where}: {name} must be a positive integer, got {value!r}")
-        if name == "port" and value > 65535:
-            raise ConfigError(f"{where}: port must be at most 65535, got {value}")
         return value
     if name in _FLOAT_SETTINGS:
         try:

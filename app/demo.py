@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from app.config import Settings
-from app.server import BackgroundServer, free_port
+from app.server import BackgroundServer
 from app.sim.cluster import SimCluster
 
 __all__ = ["run_demo"]
@@ -57,20 +57,22 @@ def _print_summary(client: httpx.Client, base: str, tally: Tally, started: float
 
 
 def run_demo(*, port: int = 8000, instances: int = 4, duration: float | None = None,
-             seed: int = 0) -> int:
+             requests: int | None = None, seed: int = 0) -> int:
+    """Route simulated traffic until `duration` seconds have passed or `requests` requests
+    were served (whichever comes first; neither: until Ctrl-C)."""
     rng = random.Random(seed)
     print(f"starting {instances} simulated vLLM instances on loopback ...", flush=True)
     with SimCluster(n=instances, block_size=16, num_blocks=256, seed=seed) as cluster:
-        settings = Settings(host="127.0.0.1", port=port or free_port(), tokenizer="instance",
+        settings = Settings(host="127.0.0.1", port=port, tokenizer="instance",
                             log_level="warning", ready_grace_seconds=10)
         try:
             server = BackgroundServer(settings).start()
-        except RuntimeError as exc:
+        except (OSError, RuntimeError) as exc:
             print(f"kvroute demo: {exc} (is port {settings.port} in use? try --port)",
                   file=sys.stderr)
             return 1
         try:
-            return _play(server.url, cluster.urls, rng, duration)
+            return _play(server.url, cluster.urls, rng, duration, requests)
         except KeyboardInterrupt:
             print("\nstopping ...")
             return 0
@@ -78,7 +80,8 @@ def run_demo(*, port: int = 8000, instances: int = 4, duration: float | None = N
             server.stop()
 
 
-def _play(base: str, urls: list[str], rng: random.Random, duration: float | None) -> int:
+def _play(base: str, urls: list[str], rng: random.Random, duration: float | None,
+          requests: int | None) -> int:
     with httpx.Client(timeout=30.0) as client:
         for url in urls:
             answer = client.post(f"{base}/v1/instances", json={"url": url})
@@ -93,7 +96,8 @@ def _play(base: str, urls: list[str], rng: random.Random, duration: float | None
               f"-d '{{\"prompt\": \"{example}\"}}'\n")
         tally = Tally()
         started = last = time.monotonic()
-        while duration is None or time.monotonic() - started < duration:
+        while ((duration is None or time.monotonic() - started < duration)
+               and (requests is None or tally.requests < requests)):
             system = rng.choice(prompts)
             question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 30)))
             prompt = f"{system}\nuser: {question}"

@@ -17,14 +17,7 @@ import uvicorn
 from app.api import create_app
 from app.config import Settings
 
-__all__ = ["BackgroundServer", "free_port", "serve_forever"]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS says is free now (another process may still take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
+__all__ = ["BackgroundServer", "serve_forever"]
 
 
 def _config(settings: Settings) -> uvicorn.Config:
@@ -32,8 +25,23 @@ def _config(settings: Settings) -> uvicorn.Config:
                           log_level=settings.log_level, lifespan="on", access_log=False)
 
 
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening socket on (host, port); port 0 lets the OS choose a free one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def serve_forever(settings: Settings) -> int:
-    """Serve until SIGINT/SIGTERM; the exit status for the CLI."""
+    """Serve until SIGINT/SIGTERM; the exit status for the CLI. Port 0 picks a free port,
+    named in uvicorn's "running on" line."""
     server = uvicorn.Server(_config(settings))
     # uvicorn shuts down gracefully on SIGTERM and then raises the signal again with the
     # previous handler restored; this one makes that a no-op, so a clean stop exits 0.
@@ -46,19 +54,26 @@ def serve_forever(settings: Settings) -> int:
 
 
 class BackgroundServer:
-    """kvroute on a daemon thread, for callers that need the real HTTP API in-process."""
+    """kvroute on a daemon thread, for callers that need the real HTTP API in-process.
+
+    The listening socket is bound when the server is made (port 0: any free port), so
+    ``port`` and ``url`` are final before ``start()`` and no other process can take the port
+    in between."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self._socket = _bind(settings.host, settings.port)
+        self.port: int = self._socket.getsockname()[1]
         self._server = uvicorn.Server(_config(settings))
         # A thread may not install signal handlers; the owner stops us instead.
         self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-        self._thread = threading.Thread(target=self._server.run, name="kvroute-http",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
+                                        name="kvroute-http", daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://{self.settings.host}:{self.settings.port}"
+        host = self.settings.host
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     def start(self, timeout: float = 20.0) -> BackgroundServer:
         self._thread.start()
@@ -74,6 +89,7 @@ class BackgroundServer:
         self._server.should_exit = True
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self._socket.close()
 
     def __enter__(self) -> BackgroundServer:
         return self.start()

@@ -14,7 +14,7 @@ benchmark waits until kvroute has applied everything published so far, so the in
 as stale as the lag makes it, no more (machine noise) and no less. The oracle reads the engines'
 caches directly, including blocks scheduled in a step that has not finished yet.
 
-Usage: python benchmarks/hitrate.py [--quick | --full] [--out bench-out] [--seed N]
+Usage: python -m benchmarks.hitrate [--quick | --full] [--out bench-out] [--seed N]
 """
 
 from __future__ import annotations
@@ -45,9 +45,7 @@ from app.sim.workloads import (
     shared_system_prompts,
 )
 from app.wire import Event
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from policies import (  # noqa: E402
+from benchmarks.policies import (
     ApproximateTreePolicy,
     ConsistentHashPolicy,
     KvroutePolicy,
@@ -232,7 +230,7 @@ def run_kvroute(sessions: Sequence[Session], n: int, num_blocks: int, seed: int,
     """The fleet as real simulated vLLM servers, kvroute as a real service registering them by
     URL; returns the run and the HTTP floor (GET /healthz round trip) measured alongside."""
     from app.config import Settings  # the service is only needed for this policy
-    from app.server import BackgroundServer, free_port
+    from app.server import BackgroundServer
 
     with SimCluster(n=n, block_size=BLOCK_SIZE, num_blocks=num_blocks, seed=seed) as cluster:
         # The fleet runs in virtual time, so the service's own /metrics scrapes (real time)
@@ -240,7 +238,7 @@ def run_kvroute(sessions: Sequence[Session], n: int, num_blocks: int, seed: int,
         # "+load" variant prices the exact queues itself from the answer's scores. A caller
         # that overrides kvroute's choice must turn placement guesses off: they assume the
         # answer is followed.
-        settings = Settings(host="127.0.0.1", port=free_port(), log_level="warning",
+        settings = Settings(host="127.0.0.1", port=0, log_level="warning",
                             ready_grace_seconds=5, load_interval=0.0,
                             placement_ttl=0.0 if load_tokens is not None else 2.0)
         with BackgroundServer(settings) as server, httpx.Client(timeout=30) as client:

@@ -19,7 +19,7 @@ noisy machines:
   every block held by four workers; beside it the index's own estimate (``stats()``).
   tracemalloc counts requested bytes, not the allocator's rounding.
 
-Usage: python benchmarks/index_bench.py [--quick] [--json-only]
+Usage: python -m benchmarks.index_bench [--quick] [--json-only]
 (--quick: fewer blocks and repeats, queries at 32 workers only, memory without sharing only)
 Prints one JSON object, then a table.
 """

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from app.server import free_port
+from e2e.ports import free_port
 from e2e.processes import ManagedProcess, ProcessSet
 
 TOPIC = "kv-events"

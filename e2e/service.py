@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from app.server import free_port
+from e2e.ports import free_port
 from e2e.processes import ManagedProcess, ProcessSet
 
 

@@ -6,12 +6,13 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from polling import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.config import InstanceConfig, Settings
-from app.server import BackgroundServer, free_port
+from app.server import BackgroundServer
 from app.sim.cluster import SimCluster
+from tests.conftest import HTTP_TIMEOUT, wait_for
+from tests.support.tokens import unique_tokens
 
 BLOCK = 16
 
@@ -28,7 +29,7 @@ def start_service(**overrides: object) -> BackgroundServer:
     """kvroute on a free port. These tests ask /v1/route without sending the prompt
     anywhere, and placement guesses assume every answer is followed: they are off unless
     a test turns them on (the burst test does)."""
-    settings = Settings(host="127.0.0.1", port=free_port(), log_level="warning",
+    settings = Settings(host="127.0.0.1", port=0, log_level="warning",
                         **{"placement_ttl": 0.0, **overrides})
     return BackgroundServer(settings).start()
 
@@ -42,7 +43,7 @@ def service() -> Iterator[BackgroundServer]:
 
 @pytest.fixture
 def client(service: BackgroundServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=service.url, timeout=10.0) as http:
+    with httpx.Client(base_url=service.url, timeout=HTTP_TIMEOUT) as http:
         yield http
 
 
@@ -58,13 +59,9 @@ def register(client: httpx.Client, url: str, **extra: object) -> dict:
 def complete(url: str, tokens: list[int]) -> dict:
     answer = httpx.post(f"{url}/v1/completions",
                         json={"model": "sim-model", "prompt": tokens, "max_tokens": 1},
-                        timeout=10.0)
+                        timeout=HTTP_TIMEOUT)
     assert answer.status_code == 200, answer.text
     return answer.json()
-
-
-def unique_tokens(seed: int, n: int) -> list[int]:
-    return [(seed * 7919 + i * 104729) % 30_000 + 1 for i in range(n)]
 
 
 def route(client: httpx.Client, **body: object) -> httpx.Response:
@@ -185,11 +182,11 @@ def test_size_limits(cluster: SimCluster, client: httpx.Client):
     assert huge.status_code == 413
 
 
-def test_instance_api_errors(cluster: SimCluster, client: httpx.Client):
+def test_instance_api_errors(cluster: SimCluster, client: httpx.Client, dead_url: str):
     assert client.post("/v1/instances", json={"url": "ftp://x"}).json()["field"] == "url"
     assert client.post("/v1/instances", json={}).status_code == 422
     assert client.post("/v1/instances", content=b"nope").status_code == 400
-    dead = client.post("/v1/instances", json={"url": f"http://127.0.0.1:{free_port()}"})
+    dead = client.post("/v1/instances", json={"url": dead_url})
     assert dead.status_code == 502 and dead.json()["field"] == "url"
     register(client, cluster.urls[0])
     duplicate = client.post("/v1/instances", json={"url": cluster.urls[0]})
@@ -201,7 +198,7 @@ def test_instance_api_errors(cluster: SimCluster, client: httpx.Client):
 def test_text_prompts_through_the_instance_tokenizer(cluster: SimCluster):
     server = start_service(tokenizer="instance")
     try:
-        with httpx.Client(base_url=server.url, timeout=10.0) as client:
+        with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as client:
             a = register(client, cluster.urls[0])
             text = "the quick brown fox " * 40
             tokens = httpx.post(f"{cluster.urls[0]}/tokenize", json={"prompt": text}).json()
@@ -223,7 +220,7 @@ def test_text_prompts_through_a_local_tokenizer(tmp_path, cluster: SimCluster):
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     server = start_service(tokenizer=str(tmp_path))
     try:
-        with httpx.Client(base_url=server.url, timeout=10.0) as client:
+        with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as client:
             a = register(client, cluster.urls[0])
             words = [f"w{(i * 37) % 100}" for i in range(3 * BLOCK + 1)]
             ids = [vocab[w] for w in words]
@@ -272,9 +269,8 @@ def test_readiness_waits_for_configured_workers(cluster: SimCluster):
         server.stop()
 
 
-def test_readiness_grace_for_unreachable_instance():
-    dead = f"http://127.0.0.1:{free_port()}"
-    server = start_service(instances=(InstanceConfig(url=dead),), ready_grace_seconds=1.0)
+def test_readiness_grace_for_unreachable_instance(dead_url: str):
+    server = start_service(instances=(InstanceConfig(url=dead_url),), ready_grace_seconds=1.0)
     try:
         first = httpx.get(f"{server.url}/readyz")
         assert first.status_code == 503 and "discovering" in first.json()["reason"]
@@ -302,7 +298,7 @@ def test_data_parallel_ranks_are_separate_workers():
     with SimCluster(n=1, block_size=BLOCK, num_blocks=64, dp_size=2) as sim:
         server = start_service()
         try:
-            with httpx.Client(base_url=server.url, timeout=10.0) as client:
+            with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as client:
                 instance = register(client, sim.urls[0])
                 assert instance["dp_size"] == 2
                 prompt = unique_tokens(21, 2 * BLOCK + 3)
@@ -325,12 +321,12 @@ def test_a_burst_with_a_new_prefix_follows_the_first_answer(cluster: SimCluster,
 
     server = start_service(placement_ttl=ttl, load_interval=0.0)
     try:
-        with httpx.Client(base_url=server.url, timeout=10.0) as client:
+        with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as client:
             ids = {register(client, url)["id"] for url in cluster.urls}
         prefix = unique_tokens(500 + int(ttl), 8 * BLOCK)
 
         async def burst() -> list[dict]:
-            async with httpx.AsyncClient(base_url=server.url, timeout=20.0) as http:
+            async with httpx.AsyncClient(base_url=server.url, timeout=HTTP_TIMEOUT) as http:
                 answers = await asyncio.gather(*(
                     http.post("/v1/route", json={"token_ids": prefix + [7, 8, 9, i]})
                     for i in range(50)))
@@ -350,7 +346,8 @@ def test_a_burst_with_a_new_prefix_follows_the_first_answer(cluster: SimCluster,
         server.stop()
 
 
-def test_text_prompts_survive_an_instance_whose_http_server_is_gone(cluster: SimCluster):
+def test_text_prompts_survive_an_instance_whose_http_server_is_gone(cluster: SimCluster,
+                                                                   dead_url: str):
     """Its events still flow (it stays eligible), but its /tokenize is unreachable: the next
     instance tokenizes instead of the request failing."""
     from app.sim.publisher import EventPublisher
@@ -358,9 +355,9 @@ def test_text_prompts_survive_an_instance_whose_http_server_is_gone(cluster: Sim
     server = start_service(tokenizer="instance")
     try:
         with EventPublisher() as ghost_events, httpx.Client(base_url=server.url,
-                                                           timeout=10.0) as client:
+                                                           timeout=HTTP_TIMEOUT) as client:
             ghost = client.post("/v1/instances", json={
-                "id": "ghost", "url": f"http://127.0.0.1:{free_port()}", "model": "sim-model",
+                "id": "ghost", "url": dead_url, "model": "sim-model",
                 "events": [ghost_events.endpoint], "replay": [ghost_events.replay_endpoint]})
             assert ghost.status_code == 201, ghost.text
             wait_for(lambda: client.get("/v1/instances/ghost").json()["state"] == "live",
@@ -379,10 +376,9 @@ def test_a_model_naming_a_lora_adapter_matches_that_adapters_blocks():
     adapter's name; a request for that model must match those blocks, not the base's."""
     import json
 
-    from canned_http import canned_http
-
     from app.sim.publisher import EventPublisher
     from app.wire import BlockStored
+    from tests.support.canned_http import canned_http
 
     with EventPublisher() as events:
         host, port = events.endpoint.removeprefix("tcp://").rsplit(":", 1)
@@ -401,7 +397,7 @@ def test_a_model_naming_a_lora_adapter_matches_that_adapters_blocks():
         with canned_http(routes) as url:
             server = start_service()
             try:
-                with httpx.Client(base_url=server.url, timeout=10.0) as client:
+                with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as client:
                     register(client, url)
                     prompt = tokens + [5]
                     adapter = route_until(client, 2 * BLOCK, "the adapter's blocks",

@@ -3,23 +3,24 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
-import time
+import threading
 
 import httpx
 import pytest
 
 from app.demo import run_demo
-from app.server import free_port
 from app.sim.cluster import SimCluster
+from tests.conftest import scaled, wait_for
 
 KVROUTE = [sys.executable, "-m", "app.cli"]
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*KVROUTE, *args], capture_output=True, text=True, timeout=60,
+    return subprocess.run([*KVROUTE, *args], capture_output=True, text=True, timeout=scaled(60),
                           env={**os.environ, **(env or {})})
 
 
@@ -28,7 +29,7 @@ def test_bad_configuration_is_one_clear_line(tmp_path):
     config.write_text("port = 'eighty'\n")
     result = run("serve", "--config", str(config))
     assert result.returncode == 2
-    assert "configuration error" in result.stderr and "port must be a positive integer" in (
+    assert "configuration error" in result.stderr and "port must be an integer" in (
         result.stderr)
     assert "Traceback" not in result.stderr
 
@@ -36,31 +37,54 @@ def test_bad_configuration_is_one_clear_line(tmp_path):
     assert result.returncode == 2 and "instances[0].url" in result.stderr
 
 
+class Lines:
+    """Collects a child's stream line by line on a thread, so a test can wait for one."""
+
+    def __init__(self, stream) -> None:
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self.lines.append(line)
+
+    def find(self, pattern: str) -> re.Match[str] | None:
+        return next((m for line in list(self.lines) if (m := re.search(pattern, line))), None)
+
+    def text(self) -> str:
+        self._thread.join(scaled(10))
+        return "".join(self.lines)
+
+
 def test_serve_follows_instances_and_stops_cleanly_on_sigterm():
-    port = free_port()
     with SimCluster(n=1, block_size=16, num_blocks=64) as sim:
-        process = subprocess.Popen([*KVROUTE, "serve", "--port", str(port),
-                                    "--instance", sim.urls[0], "--log-level", "warning"],
+        process = subprocess.Popen([*KVROUTE, "serve", "--port", "0", "--instance", sim.urls[0],
+                                    "--log-level", "info"],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stderr = Lines(process.stderr)
         try:
-            base = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 30
-            while True:
+            # Port 0: the server binds a free port itself and names it in its log.
+            running = wait_for(lambda: stderr.find(r"running on http://127\.0\.0\.1:(\d+)")
+                               or process.poll() is not None, "kvroute serve to name its port",
+                               detail=stderr.text)
+            assert process.poll() is None, stderr.text()
+            base = f"http://127.0.0.1:{running.group(1)}"
+
+            def ready() -> bool:
                 try:
-                    if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                        break
+                    return httpx.get(f"{base}/readyz", timeout=scaled(2)).status_code == 200
                 except httpx.HTTPError:
-                    pass
-                assert process.poll() is None, process.stderr.read()
-                assert time.monotonic() < deadline, "kvroute serve never became ready"
-                time.sleep(0.1)
+                    return False
+
+            wait_for(ready, "kvroute serve to be ready")
             (instance,) = httpx.get(f"{base}/v1/instances").json()["instances"]
             assert instance["url"] == sim.urls[0] and instance["state"] == "live"
         finally:
             process.send_signal(signal.SIGTERM)
-            _, stderr = process.communicate(timeout=30)
-        assert process.returncode == 0, stderr
-        assert "Traceback" not in stderr
+            process.wait(timeout=scaled(30))
+        assert process.returncode == 0, stderr.text()
+        assert "Traceback" not in stderr.text()
 
 
 def test_serve_reports_a_busy_port():
@@ -76,15 +100,16 @@ def test_tail_is_wired_in():
     assert result.returncode == 0 and "--replay" in result.stdout
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 def test_demo_routes_a_workload_and_prints_a_summary(capsys):
-    assert run_demo(port=0, instances=2, duration=3.0, seed=1) == 0
+    # A count of requests, not a duration: a busy machine serves fewer in the same time.
+    assert run_demo(port=0, instances=2, requests=40, seed=1) == 0
     out = capsys.readouterr().out
     assert out.count("registered http://127.0.0.1:") == 2
     assert "curl -s http://127.0.0.1:" in out and "/v1/route" in out
     summary = [line for line in out.splitlines() if "prefix-cache hit rate" in line][-1]
     requests = int(summary.split("]")[1].split()[0])
     hit_rate = float(summary.split("hit rate ")[1].split("%")[0])
-    assert requests > 5
+    assert requests == 40
     # Shared system prompts routed by prefix: most prompt tokens are cache hits.
     assert hit_rate > 40.0

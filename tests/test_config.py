@@ -21,6 +21,10 @@ def test_defaults_bind_loopback():
     assert settings.tokenizer is None
 
 
+def test_port_zero_asks_the_os_for_a_free_port():
+    assert load_settings(environ={"KVROUTE_PORT": "0"}).port == 0
+
+
 def test_file_env_and_flags_layer_in_order(tmp_path):
     path = write(tmp_path, 'port = 9000\nhost = "0.0.0.0"\n[[instances]]\nurl = "http://a:8000"\n')
     env = {"KVROUTE_PORT": "9100", "KVROUTE_INSTANCES": "http://b:8000, http://c:8001"}
@@ -49,8 +53,9 @@ replay = ["tcp://10.0.0.1:6557", "tcp://10.0.0.1:6558"]
 @pytest.mark.parametrize(
     ("text", "needle"),
     [
-        ("port = 'x'", "port must be a positive integer"),
-        ("port = 70000", "port must be at most 65535"),
+        ("port = 'x'", "port must be an integer from 0 to 65535"),
+        ("port = 70000", "port must be an integer from 0 to 65535"),
+        ("port = -1", "port must be an integer from 0 to 65535"),
         ("ready_grace_seconds = -1", "ready_grace_seconds"),
         ("log_level = 'loud'", "log_level must be one of"),
         ("colour = 'blue'", "unknown setting 'colour'"),

@@ -11,7 +11,6 @@ from typing import Any
 
 import httpx
 import pytest
-from canned_http import canned_http
 
 from app.discovery import (
     DiscoveryError,
@@ -22,6 +21,8 @@ from app.discovery import (
     workers_from_sources,
 )
 from app.subscriber import WorkerEndpoint
+from tests.conftest import HTTP_TIMEOUT
+from tests.support.canned_http import canned_http
 
 # Answers recorded from a real vLLM 0.32.0 (CPU build).
 SOURCES_0_32 = {"0": {"enable_kv_cache_events": True, "publisher": "zmq",
@@ -53,7 +54,7 @@ def http_instance() -> Iterator[tuple[str, dict[str, tuple[int, str]]]]:
 
 
 async def _discover(url: str, **kwargs: Any):
-    async with httpx.AsyncClient(timeout=5) as client:
+    async with httpx.AsyncClient(timeout=HTTP_TIMEOUT) as client:
         return await discover(url, client, **kwargs)
 
 

@@ -8,29 +8,12 @@ the project's wire-exact test publisher on loopback.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-import time
-from pathlib import Path
-
 import pytest
 
 from app.sim.publisher import EventPublisher
 from app.wire import AllBlocksCleared, BlockRemoved, BlockStored
-
-
-def _load_tap_module():
-    """e2e/ is the harness, not an installed package: load its tap module by path."""
-    path = Path(__file__).resolve().parent.parent / "e2e" / "tap.py"
-    spec = importlib.util.spec_from_file_location("e2e_tap_under_test", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-EventTap = _load_tap_module().EventTap
+from e2e.tap import EventTap
+from tests.conftest import scaled, wait_for
 
 
 def stored(*hashes: int) -> BlockStored:
@@ -38,22 +21,14 @@ def stored(*hashes: int) -> BlockStored:
                        token_ids=list(range(4 * len(hashes))), block_size=4)
 
 
-def wait_until(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
-
-
 def subscribed(publisher: EventPublisher, tap: EventTap) -> None:
-    """Publish harmless batches until the tap receives one (ZMQ's slow joiner), bounded."""
-    for _ in range(100):
+    """Publish harmless batches until the tap receives one (ZMQ's slow joiner)."""
+
+    def received() -> bool:
         publisher.publish([AllBlocksCleared()])
-        if tap.wait_for_count(1, 0.05):
-            return
-    pytest.fail("the tap never received a batch")
+        return tap.wait_for_count(1, 0.05)
+
+    wait_for(received, "the tap to receive a batch", interval=0)
 
 
 @pytest.fixture
@@ -74,15 +49,15 @@ def test_holdings_are_reference_counted_per_hash(publisher, tap) -> None:
     subscribed(publisher, tap)
     publisher.publish([stored(1, 2, 3)])
     publisher.publish([stored(2**64 - 1, 2)])  # 2 stored a second time; a hash above 2**63
-    assert wait_until(lambda: tap.held_blocks == 4)
+    wait_for(lambda: tap.held_blocks == 4, "4 blocks held")
     publisher.publish([BlockRemoved(block_hashes=[2])])
     publisher.publish([BlockRemoved(block_hashes=[3]), BlockRemoved(block_hashes=[99])])
     count = tap.count
     publisher.publish([BlockRemoved(block_hashes=[2**64 - 1])])
-    assert tap.wait_for_count(count + 1, 5.0)
+    assert tap.wait_for_count(count + 1, scaled(30))
     assert tap.held_blocks == 2  # 1, and the second copy of 2
     publisher.publish([BlockRemoved(block_hashes=[2])])
-    assert wait_until(lambda: tap.held_blocks == 1)
+    wait_for(lambda: tap.held_blocks == 1, "1 block held")
     counts = tap.event_counts()
     assert counts["BlockStored"] == 2 and counts["BlockRemoved"] == 5
 
@@ -90,10 +65,10 @@ def test_holdings_are_reference_counted_per_hash(publisher, tap) -> None:
 def test_all_blocks_cleared_empties_and_later_stores_count(publisher, tap) -> None:
     subscribed(publisher, tap)
     publisher.publish([stored(5, 6)])
-    assert wait_until(lambda: tap.held_blocks == 2)
+    wait_for(lambda: tap.held_blocks == 2, "2 blocks held")
     count = tap.count
     publisher.publish([AllBlocksCleared(), stored(7)])  # vLLM sends both in one batch
-    assert tap.wait_for_count(count + 1, 5.0)
+    assert tap.wait_for_count(count + 1, scaled(30))
     assert tap.held_blocks == 1
     assert tap.last_seq == tap.batches_since(count)[-1].seq
 
@@ -101,17 +76,19 @@ def test_all_blocks_cleared_empties_and_later_stores_count(publisher, tap) -> No
 def test_a_restarted_engine_starts_empty(publisher, tap) -> None:
     subscribed(publisher, tap)
     publisher.publish([stored(1, 2)])
-    for _ in range(60):  # the old engine got far: seq ~60
+    old_seq = 2000  # the old engine got far
+    for _ in range(old_seq):
         publisher.publish([stored(3)])
-    assert wait_until(lambda: tap.held_blocks == 3 and tap.last_seq >= 60)
+    wait_for(lambda: tap.held_blocks == 3 and tap.last_seq >= old_seq, "the old engine's seq")
     endpoint = publisher.endpoint
     publisher.close()
     with EventPublisher(endpoint=endpoint, replay_endpoint=None) as restarted:
         # The new engine's seq starts at 0 again; its first batches may be lost while the
-        # tap reconnects, so publish until one arrives (bounded, well below seq 60).
-        for _ in range(200):
+        # tap reconnects, so publish until one arrives, while still well below the old seq.
+        def restart_seen() -> bool:
+            assert restarted.next_seq < old_seq // 2, "the tap did not reconnect in time"
             restarted.publish([stored(9)])
-            if wait_until(lambda: tap.restarts == 1, 0.05):
-                break
-        assert tap.restarts == 1
-        assert wait_until(lambda: tap.held_blocks == 1)
+            return tap.restarts == 1
+
+        wait_for(restart_seen, "the tap to see the engine restart")
+        wait_for(lambda: tap.held_blocks == 1, "only the new engine's block held")

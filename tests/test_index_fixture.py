@@ -1,4 +1,4 @@
-"""Replaying real vLLM 0.32.0 traffic (shared/fixtures) leaves the index as the engine was.
+"""Replaying real vLLM 0.32.0 traffic (tests/fixtures) leaves the index as the engine was.
 
 The fixture's session (see its README): a 7-block chain of a prompt sharing a 200-token
 prefix, five chains hanging off it by parent hash, twelve unrelated prompts whose stores
@@ -10,19 +10,13 @@ the index after every batch.
 
 from __future__ import annotations
 
-import base64
-import json
 from collections import Counter
-from pathlib import Path
 
 import msgspec
-import pytest
 
 from index import PrefixIndex
+from tests.support.fixtures import END_SEQ, live_payloads, replay_payloads, session_frames
 
-FIXTURE = (
-    Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "vllm-0.32.0-cpu-session.jsonl"
-)
 WORKER = ("vllm-cpu", 0)
 BLOCK_SIZE = 32
 NUM_GPU_BLOCKS = 48
@@ -30,28 +24,9 @@ NUM_GPU_BLOCKS = 48
 
 def _load() -> tuple[dict[int, bytes], dict[int, bytes]]:
     """(live payloads by seq, replay payloads by seq)."""
-    if not FIXTURE.is_file():
-        pytest.fail(
-            f"fixture missing: {FIXTURE} (the repo is expected to sit beside shared/, "
-            "as CI clones it)"
-        )
-    live: dict[int, bytes] = {}
-    replay: dict[int, bytes] = {}
-    saw_end_marker = False
-    for line in FIXTURE.read_text().splitlines():
-        record = json.loads(line)
-        frames = [base64.b64decode(f) for f in record["frames"]]
-        if record["kind"] == "live":
-            _topic, seq, payload = frames
-            live[int.from_bytes(seq, "big")] = payload
-        else:
-            _empty, _topic, seq, payload = frames
-            if seq == b"\xff" * 8:
-                saw_end_marker = True
-                continue
-            replay[int.from_bytes(seq, "big")] = payload
-    assert saw_end_marker, "replay stream has no end marker"
-    return live, replay
+    assert any(kind == "replay" and frames[2] == END_SEQ for kind, frames in session_frames()), (
+        "replay stream has no end marker")
+    return live_payloads(), replay_payloads()
 
 
 def _events(payload: bytes) -> list[dict]:

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from index import Match, PrefixIndex
+from tests.support.index_state import assert_empty
 
 TIERS = ("GPU", "CPU", "STORAGE")
 # Weighted towards GPU: the fast paths of the index serve GPU-only workers.
@@ -488,12 +489,6 @@ def check_layout(index: PrefixIndex) -> None:
     assert sorted(index._free_slots) == [
         slot for slot, w in enumerate(index._by_slot) if w is None]
 
-
-def assert_empty(index: PrefixIndex) -> None:
-    """Every container the index owns is empty (nothing of a dropped worker remains)."""
-    containers = {k: v for k, v in vars(index).items() if hasattr(v, "__len__")}
-    assert containers, "the index keeps its state in containers"
-    assert all(len(v) == 0 for v in containers.values()), containers
 
 
 IndexMachine.TestCase.settings = settings(

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from index import IndexStats, Match, PrefixIndex
+from tests.support.index_state import assert_empty
 
 A, B, C = ("a", 0), ("b", 0), ("c", 1)
 TOKENS = list(range(100, 116))  # 16 tokens: 4 blocks of 4, 8 blocks of 2
@@ -20,10 +21,6 @@ def gpu(blocks: int, block_size: int, cpu: int = 0, storage: int = 0) -> Match:
 def store(index: PrefixIndex, worker, hashes, parent, tokens, block_size=4, **kw) -> None:
     index.apply_stored(worker, hashes, parent, tokens, block_size, **kw)
 
-
-def assert_empty(index: PrefixIndex) -> None:
-    containers = {k: v for k, v in vars(index).items() if hasattr(v, "__len__")}
-    assert containers and all(len(v) == 0 for v in containers.values()), containers
 
 
 # ---------------------------------------------------------------- content, not hashes

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 from app.config import InstanceConfig, Settings
-from app.server import free_port
 from app.service import Service
 from app.sim.cluster import SimCluster
+from tests.conftest import run_async, wait_until
 
 
-def test_close_stops_every_task_and_socket_it_started():
+def test_close_stops_every_task_and_socket_it_started(dead_url: str):
     with SimCluster(n=2, block_size=16, num_blocks=64) as sim:
-        dead = f"http://127.0.0.1:{free_port()}"  # discovery of this one keeps retrying
+        dead = dead_url  # discovery of this one keeps retrying
 
         async def scenario() -> None:
             before = asyncio.all_tasks()
@@ -23,10 +22,8 @@ def test_close_stops_every_task_and_socket_it_started():
             service = Service(settings)
             await service.start()
             await service.registry.add(InstanceConfig(url=sim.urls[1]))
-            deadline = time.monotonic() + 15
-            while not all(w.state == "live" for w in service.registry.workers()):
-                assert time.monotonic() < deadline, "workers never went live"
-                await asyncio.sleep(0.02)
+            await wait_until(lambda: all(w.state == "live" for w in service.registry.workers()),
+                             "workers to go live")
             workers = list(service.registry.workers())
             assert len(workers) == 2 and len(service.registry) == 3
             assert len(asyncio.all_tasks() - before) >= 4  # 2 subscribers, discovery, load
@@ -39,4 +36,4 @@ def test_close_stops_every_task_and_socket_it_started():
             assert service.client.is_closed
             assert service.index.stats().workers == 0  # nothing of them stays indexed
 
-        asyncio.run(scenario())
+        run_async(scenario)

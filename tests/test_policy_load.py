@@ -9,11 +9,11 @@ import contextlib
 import threading
 
 import httpx
-from polling import wait_for
 
 from app.config import Settings
-from app.server import BackgroundServer, free_port
+from app.server import BackgroundServer
 from app.sim.cluster import SimCluster
+from tests.conftest import HTTP_TIMEOUT, wait_for
 
 BLOCK = 16
 BUSY = 24  # requests kept running on the holder
@@ -30,7 +30,7 @@ class Streams:
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
     async def _run(self) -> None:
-        async with httpx.AsyncClient(timeout=60.0) as client:
+        async with httpx.AsyncClient(timeout=HTTP_TIMEOUT) as client:
             async def one(i: int) -> None:
                 body = {"model": "sim-model", "prompt": [9000 + i] * 40, "max_tokens": 1000,
                         "stream": True}
@@ -61,10 +61,10 @@ class Streams:
 
 def test_hot_prefix_spreads_when_its_holder_is_busy_and_returns_when_load_falls():
     with SimCluster(n=2, block_size=BLOCK, num_blocks=2048, time_scale=1.0) as sim:
-        settings = Settings(host="127.0.0.1", port=free_port(), log_level="warning",
+        settings = Settings(host="127.0.0.1", port=0, log_level="warning",
                             load_interval=0.1, placement_ttl=0.0)
         with BackgroundServer(settings) as server, httpx.Client(base_url=server.url,
-                                                                timeout=10.0) as client:
+                                                                timeout=HTTP_TIMEOUT) as client:
             ids = [client.post("/v1/instances", json={"url": url}).json()["id"]
                    for url in sim.urls]
             holder, other = ids

@@ -19,23 +19,19 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from polling import wait_for
 
 from app.config import Settings
 from app.proxy import MAX_CONNECT_ATTEMPTS
-from app.server import BackgroundServer, free_port
+from app.server import BackgroundServer
 from app.sim.cluster import SimCluster
 from app.sim.server import InstanceConfig, SimInstance
+from tests.conftest import HTTP_TIMEOUT, refusing_urls, scaled, wait_for
+from tests.support.tokens import unique_tokens
 
 BLOCK = 16
-WAIT = 15.0
 _ids = itertools.count()
 
 
-
-
-def unique_tokens(seed: int, n: int) -> list[int]:
-    return [(seed * 7919 + i * 104729) % 30_000 + 256 for i in range(n)]
 
 
 def request_id() -> str:
@@ -83,11 +79,11 @@ def fleet() -> Iterator[Fleet]:
     with SimCluster(n=2, block_size=BLOCK, num_blocks=256, stream_interval_s=0.02) as cluster:
         # The tests probe /v1/route without following the answers; placement guesses
         # assume answers are followed, so they are off here (tested in test_api).
-        settings = Settings(host="127.0.0.1", port=free_port(), log_level="warning",
+        settings = Settings(host="127.0.0.1", port=0, log_level="warning",
                             proxy=True, tokenizer="instance", placement_ttl=0.0)
         server = BackgroundServer(settings).start()
         try:
-            with httpx.Client(base_url=server.url, timeout=20.0) as http:
+            with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as http:
                 fleet = Fleet(server, http, cluster)
                 fleet.ids = [fleet.register(url=url) for url in cluster.urls]
                 yield fleet
@@ -137,7 +133,7 @@ def test_chat_lands_on_the_instance_holding_the_conversation(fleet: Fleet):
     messages = [{"role": "system", "content": "You answer in one word. " * 10},
                 {"role": "user", "content": "Which instance holds this conversation?"}]
     warm = httpx.post(f"{fleet.cluster.urls[1]}/v1/chat/completions",
-                      json={"messages": messages, "max_tokens": 1}, timeout=10)
+                      json={"messages": messages, "max_tokens": 1}, timeout=HTTP_TIMEOUT)
     assert warm.status_code == 200, warm.text
     prompt_tokens = warm.json()["usage"]["prompt_tokens"]
     fleet.route_until_best(fleet.ids[1], messages=messages)
@@ -202,7 +198,7 @@ def test_a_stream_is_relayed_byte_for_byte(fleet: Fleet, chat: bool):
 
     # Straight from the instance, the same request streams the same bytes (ids aside).
     again = request_id()
-    with httpx.stream("POST", f"{instance.url}{path}", json=body, timeout=10,
+    with httpx.stream("POST", f"{instance.url}{path}", json=body, timeout=HTTP_TIMEOUT,
                       headers={"X-Request-Id": again}) as resp:
         direct = b"".join(resp.iter_raw())
 
@@ -239,9 +235,9 @@ def test_a_client_that_leaves_before_the_answer_cancels_the_upstream_request():
     # running in the engine when the client gives up.
     cfg = {"block_size": BLOCK, "num_blocks": 128, "time_scale": 1.0}
     with SimInstance(InstanceConfig(**cfg)) as inst:
-        settings = Settings(host="127.0.0.1", port=free_port(), log_level="warning", proxy=True)
+        settings = Settings(host="127.0.0.1", port=0, log_level="warning", proxy=True)
         with BackgroundServer(settings) as server, \
-                httpx.Client(base_url=server.url, timeout=20.0) as http:
+                httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as http:
             fleet = Fleet(server, http)
             fleet.register(url=inst.url)
             with pytest.raises(httpx.ReadTimeout):
@@ -257,7 +253,7 @@ def test_a_client_that_leaves_before_the_answer_cancels_the_upstream_request():
 
 def test_upstream_errors_come_back_as_they_came(fleet: Fleet):
     body = {"prompt": [1, 2, 40_000], "max_tokens": 1}  # out of the simulator's vocabulary
-    direct = httpx.post(f"{fleet.cluster.urls[0]}/v1/completions", json=body, timeout=10)
+    direct = httpx.post(f"{fleet.cluster.urls[0]}/v1/completions", json=body, timeout=HTTP_TIMEOUT)
     relayed = post(fleet, "/v1/completions", body)
     assert direct.status_code == relayed.status_code == 400
     assert relayed.content == direct.content
@@ -297,15 +293,16 @@ def test_bad_bodies_get_a_clear_error_naming_the_field(fleet: Fleet, path: str, 
 
 
 def test_oversized_bodies_are_refused_before_routing():
-    settings = Settings(host="127.0.0.1", port=free_port(), log_level="warning", proxy=True,
+    settings = Settings(host="127.0.0.1", port=0, log_level="warning", proxy=True,
                         max_body_bytes=1024)
     with BackgroundServer(settings) as server:
-        answer = httpx.post(f"{server.url}/v1/completions", timeout=10,
+        answer = httpx.post(f"{server.url}/v1/completions", timeout=HTTP_TIMEOUT,
                             json={"prompt": [1] * 1000})
         assert answer.status_code == 413 and "limit" in answer.json()["error"]
-        assert httpx.get(f"{server.url}/v1/models", timeout=10).json() == {"object": "list",
-                                                                           "data": []}
-        nobody = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1]}, timeout=10)
+        models = httpx.get(f"{server.url}/v1/models", timeout=HTTP_TIMEOUT)
+        assert models.json() == {"object": "list", "data": []}
+        nobody = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1]},
+                            timeout=HTTP_TIMEOUT)
         assert nobody.status_code == 503 and "no registered instance" in nobody.json()["error"]
 
 
@@ -319,13 +316,16 @@ def test_a_worker_that_refuses_connections_is_retried_elsewhere(fleet: Fleet):
         (events,) = source.kv_event_sources()
         prompt = unique_tokens(6, 16 * BLOCK + 3)
         warm = httpx.post(f"{source.url}/v1/completions",
-                          json={"prompt": prompt, "max_tokens": 1}, timeout=10)
+                          json={"prompt": prompt, "max_tokens": 1}, timeout=HTTP_TIMEOUT)
         assert warm.status_code == 200
         ghosts = []
-        try:
-            for i, model in enumerate(["sim-model"] + ["ghost-model"] * (MAX_CONNECT_ATTEMPTS + 1)):
+        models = ["sim-model"] + ["ghost-model"] * (MAX_CONNECT_ATTEMPTS + 1)
+        with contextlib.ExitStack() as held:
+            urls = held.enter_context(refusing_urls(len(models)))
+            held.callback(lambda: [fleet.http.delete(f"/v1/instances/{g}") for g in ghosts])
+            for i, (model, url) in enumerate(zip(models, urls, strict=True)):
                 ghosts.append(fleet.register(
-                    id=f"ghost-{i}", url=f"http://127.0.0.1:{free_port()}", model=model,
+                    id=f"ghost-{i}", url=url, model=model,
                     block_size=BLOCK, events=[events["endpoint"]],
                     replay=[events["replay_endpoint"]]))
             # ghost-0 is the best of the workers serving sim-model ...
@@ -345,9 +345,6 @@ def test_a_worker_that_refuses_connections_is_retried_elsewhere(fleet: Fleet):
             assert f"after {MAX_CONNECT_ATTEMPTS} attempts" in message
             assert message.count("ghost-") == MAX_CONNECT_ATTEMPTS
             fleet.assert_nothing_in_flight()
-        finally:
-            for ghost in ghosts:
-                fleet.http.delete(f"/v1/instances/{ghost}")
 
 
 def test_a_worker_that_dies_gets_no_new_traffic(fleet: Fleet):
@@ -358,7 +355,7 @@ def test_a_worker_that_dies_gets_no_new_traffic(fleet: Fleet):
         doomed_id = fleet.register(url=doomed.url)
         prompt = unique_tokens(7, 16 * BLOCK)
         httpx.post(f"{doomed.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1},
-                   timeout=10)
+                   timeout=HTTP_TIMEOUT)
         fleet.route_until_best(doomed_id, token_ids=prompt)
         doomed.stop()
         wait_for(lambda: fleet.http.get(f"/v1/instances/{doomed_id}").json()["state"] == "down",
@@ -382,7 +379,7 @@ def test_the_data_parallel_rank_is_passed_as_vllm_reads_it(fleet: Fleet):
         instance_id = fleet.register(url=inst.url)
         try:
             prompt = unique_tokens(8, 10 * BLOCK + 1)
-            warm = httpx.post(f"{inst.url}/v1/completions", timeout=10,
+            warm = httpx.post(f"{inst.url}/v1/completions", timeout=HTTP_TIMEOUT,
                               json={"prompt": prompt, "max_tokens": 1},
                               headers={"X-data-parallel-rank": "1"})
             assert warm.status_code == 200
@@ -419,29 +416,49 @@ def test_the_clients_credentials_reach_the_instance(fleet: Fleet):
 
 
 class BreaksMidStream:
-    """An upstream that starts a streamed answer, sends one event and drops the connection."""
+    """An upstream whose completions start a streamed answer, send one event and drop the
+    connection. Anything else (kvroute's load scrapes of /metrics) gets a 404, so the one
+    completion the test sends is always the one that breaks."""
 
     def __init__(self) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-        self.thread = threading.Thread(target=self._serve_one, daemon=True)
+        self.completions = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
-    def _serve_one(self) -> None:
-        self.listener.settimeout(WAIT)
-        with contextlib.suppress(OSError), self.listener.accept()[0] as conn:
-            conn.settimeout(WAIT)
-            request = b""
-            while b"\r\n\r\n" not in request:
-                request += conn.recv(65536)
-            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                         b"transfer-encoding: chunked\r\n\r\n"
-                         b"f\r\ndata: {\"a\":1}\n\n\r\n")
-            time.sleep(0.2)
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):  # the listener closed: done
+            while True:
+                conn, _ = self.listener.accept()
+                with conn:
+                    self._answer(conn)
+
+    def _answer(self, conn: socket.socket) -> None:
+        conn.settimeout(scaled(30))
+        request = b""
+        while b"\r\n\r\n" not in request:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return
+            request += chunk
+        if not request.startswith(b"POST /v1/completions "):
+            conn.sendall(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n"
+                         b"connection: close\r\n\r\n")
+            return
+        self.completions += 1
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n"
+                     b"f\r\ndata: {\"a\":1}\n\n\r\n")
+        time.sleep(0.2)
 
     def close(self) -> None:
+        # shutdown() wakes the thread blocked in accept(); close() alone would not.
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
-        self.thread.join(WAIT)
+        self.thread.join(scaled(30))
+        assert not self.thread.is_alive()
 
 
 def test_an_upstream_that_breaks_mid_stream_is_not_passed_off_as_complete(fleet: Fleet):
@@ -461,6 +478,7 @@ def test_an_upstream_that_breaks_mid_stream_is_not_passed_off_as_complete(fleet:
                 for chunk in resp.iter_raw():
                     received += chunk
             assert received == b'data: {"a":1}\n\n'  # what came before the break, then an error
+            assert broken.completions == 1
             fleet.assert_nothing_in_flight()
         finally:
             broken.close()

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import hitrate  # noqa: E402
-from policies import ApproximateTreePolicy, ConsistentHashPolicy, Worker  # noqa: E402
-
-from app.sim.engine import Engine  # noqa: E402
-from app.sim.workloads import multi_turn_chat, shared_system_prompts  # noqa: E402
+from app.sim.engine import Engine
+from app.sim.workloads import multi_turn_chat, shared_system_prompts
+from benchmarks import hitrate
+from benchmarks.policies import ApproximateTreePolicy, ConsistentHashPolicy, Worker
 
 
 def fleet(n: int = 4, num_blocks: int = 48) -> list[Worker]:

@@ -1,10 +1,10 @@
 """Subscribers against the wire-exact test publisher over real loopback TCP.
 
-Ground truth is the publisher side's own bookkeeping: every batch the test published, applied
-in order to a fresh recording index. The subscriber's index must hold exactly the same
-operation log for each worker (a clear wipes a worker's log, so the log is "what the worker
-holds, and how it got there"). The real PrefixIndex is compared the same way in
-test_subscriber_index.py.
+Ground truth is the publisher side's own bookkeeping (tests.support.events): every batch the
+test published, applied in order to a fresh recording index. The subscriber's index must hold
+exactly the same operation log for each worker (a clear wipes a worker's log, so the log is
+"what the worker holds, and how it got there"). The real PrefixIndex is compared the same way
+in test_subscriber_index.py.
 """
 
 from __future__ import annotations
@@ -12,184 +12,50 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
-import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 import msgspec
 import pytest
 import zmq
-import zmq.asyncio
 
 from app.sim.publisher import EventPublisher
-from app.subscriber import (
-    Subscriber,
-    SubscriberHooks,
-    SubscriberOptions,
-    WorkerEndpoint,
-)
+from app.subscriber import Subscriber, SubscriberHooks, WorkerEndpoint
 from app.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    Event,
     EventBatch,
     apply_batch,
+    encode_batch,
     encode_seq,
 )
-
-FAST = SubscriberOptions(
-    replay_timeout=0.5, replay_retries=2, retry_backoff=0.05, reconnect_ivl_ms=50,
-    reconnect_ivl_max_ms=200, idle_check=60.0,
+from tests.conftest import wait_until
+from tests.support.events import (
+    TEST_OPTIONS,
+    EventSource,
+    Ledger,
+    OpLog,
+    Running,
+    caught_up,
+    endpoint_of,
+    run,
 )
-DEADLINE = 15.0
+
+SERVING = ("live", "degraded")
 
 
-# --- helpers --------------------------------------------------------------------------------
-
-
-def _freeze(value: Any) -> Any:
-    if isinstance(value, list | tuple):
-        return tuple(_freeze(v) for v in value)
-    return value
-
-
-class OpLog:
-    """A recording stand-in for PrefixIndex: per worker, the operations since its last clear."""
-
-    def __init__(self) -> None:
-        self.ops: dict[Any, list[tuple[Any, ...]]] = defaultdict(list)
-
-    def apply_stored(self, worker, block_hashes, parent_block_hash, token_ids, block_size,
-                     **kwargs) -> None:
-        self.ops[worker].append(("stored", _freeze(block_hashes), parent_block_hash,
-                                 _freeze(token_ids), block_size,
-                                 tuple(sorted((k, _freeze(v)) for k, v in kwargs.items()))))
-
-    def apply_removed(self, worker, block_hashes, **kwargs) -> None:
-        self.ops[worker].append(("removed", _freeze(block_hashes),
-                                 tuple(sorted(kwargs.items()))))
-
-    def clear_worker(self, worker) -> None:
-        self.ops[worker] = []
-
-    def log(self, worker) -> list[tuple[Any, ...]]:
-        return list(self.ops.get(worker, []))
-
-
-class EventSource:
-    """Deterministic random KV events: chains (some hanging off earlier blocks), removals of
-    held blocks, duplicate stores; hashes span the whole uint64 range."""
-
-    def __init__(self, seed: int, block_size: int = 4) -> None:
-        self.rng = random.Random(seed)
-        self.block_size = block_size
-        self.held: list[int] = []
-
-    def batch(self, n_events: int = 3) -> list[Event]:
-        events: list[Event] = []
-        for _ in range(n_events):
-            roll = self.rng.random()
-            if roll < 0.25 and self.held:
-                gone = self.rng.sample(self.held, min(len(self.held), self.rng.randint(1, 3)))
-                events.append(BlockRemoved(block_hashes=gone, medium="GPU", group_idx=0))
-            else:
-                n = self.rng.randint(1, 4)
-                hashes = [self.rng.getrandbits(64) for _ in range(n)]
-                parent = self.rng.choice(self.held) if self.held and roll < 0.7 else None
-                tokens = [self.rng.randrange(50_000) for _ in range(n * self.block_size)]
-                events.append(BlockStored(
-                    block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
-                    block_size=self.block_size, medium="GPU", group_idx=0,
-                    kv_cache_spec_kind="full_attention", extra_keys=[None] * n))
-                self.held.extend(hashes)
-        return events
-
-
-class Ledger:
-    """What one publisher sent, by seq, since its last restart (None = garbage payload)."""
-
-    def __init__(self, pub: EventPublisher) -> None:
-        self.pub = pub
-        self.sent: dict[int, list[Event] | None] = {}
-
-    def publish(self, events: list[Event]) -> int:
-        seq = self.pub.publish(events)
-        self.sent[seq] = events
-        return seq
-
-    def publish_raw(self, payload: bytes) -> int:
-        seq = self.pub.publish_raw(payload)
-        self.sent[seq] = None
-        return seq
-
-    def restart(self) -> None:
-        self.pub.restart()
-        self.sent = {}
-
-    def truth(self, worker: Any, seqs: list[int] | None = None) -> list[tuple[Any, ...]]:
-        model = OpLog()
-        for seq in sorted(self.sent) if seqs is None else seqs:
-            events = self.sent[seq]
-            if events is not None:
-                apply_batch(model, worker, EventBatch(0.0, list(events)))
-        return model.log(worker)
-
-
-async def wait_until(predicate: Callable[[], bool], what: str, timeout: float = DEADLINE,
-                     detail: Callable[[], object] = lambda: "") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what} {detail()}")
-        await asyncio.sleep(0.01)
-
-
-def run(scenario: Callable[[zmq.asyncio.Context], Awaitable[None]]) -> None:
-    async def main() -> None:
-        ctx = zmq.asyncio.Context()
-        try:
-            await asyncio.wait_for(scenario(ctx), 40)
-        finally:
-            ctx.destroy(linger=0)
-
-    asyncio.run(main())
-
-
-class Running:
-    """A started subscriber whose task is always stopped, even when the test fails."""
-
-    def __init__(self, sub: Subscriber) -> None:
-        self.sub = sub
-        self.task: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> Subscriber:
-        self.task = asyncio.create_task(self.sub.run())
-        return self.sub
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.sub.stop()
-        assert self.task is not None
-        await asyncio.gather(self.task, return_exceptions=True)
-        assert self.task.done()
-
-
-def endpoint_of(pub: EventPublisher, rank: int = 0, instance: str = "vllm-a") -> WorkerEndpoint:
-    return WorkerEndpoint(instance, rank, pub.endpoint, pub.replay_endpoint)
-
-
-def in_sync(sub: Subscriber, index: OpLog, ledger: Ledger) -> bool:
-    last = max(ledger.sent) if ledger.sent else None
-    return (sub.status.state in ("live", "degraded") and sub.status.last_seq == last
-            and index.log(sub.worker) == ledger.truth(sub.worker))
+async def synced(sub: Subscriber, index: OpLog, ledger: Ledger, what: str) -> None:
+    """Wait (cheaply) until `sub` has applied the ledger's last batch, then check once that
+    the worker's log is exactly the ledger's truth."""
+    await wait_until(lambda: caught_up(sub, ledger, SERVING), what, detail=lambda: sub.status)
+    assert index.log(sub.worker) == ledger.truth(sub.worker), what
 
 
 async def barrier(sub: Subscriber, index: OpLog, ledger: Ledger, source: EventSource) -> None:
     """Publish one more batch and wait for it: every live batch before it has been handled
     (the live queue is FIFO), so counters are final."""
     ledger.publish(source.batch())
-    await wait_until(lambda: in_sync(sub, index, ledger), "barrier batch")
+    await synced(sub, index, ledger, "barrier batch")
 
 
 FORMATS = [("map", "new"), ("array", "old"), ("map", "old"), ("array", "new")]
@@ -206,14 +72,14 @@ def test_started_after_the_publisher_learns_existing_state_by_replay(encoding, r
             for _ in range(30):
                 ledger.publish(source.batch())
             pub.flush()
-            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=FAST)
+            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=TEST_OPTIONS)
             async with Running(sub):
-                await wait_until(lambda: in_sync(sub, index, ledger), "replayed state")
+                await synced(sub, index, ledger, "replayed state")
                 assert sub.status.state == "live"
                 assert sub.status.replays >= 1 and sub.status.batches == 30
                 for _ in range(10):  # and goes on live from there
                     ledger.publish(source.batch())
-                await wait_until(lambda: in_sync(sub, index, ledger), "live state")
+                await synced(sub, index, ledger, "live state")
                 assert sub.status.gaps == 0 and sub.status.restarts == 0
                 assert index.log(sub.worker)  # the scenario really stored something
     run(scenario)
@@ -224,15 +90,15 @@ def test_dropped_live_batches_are_recovered_exactly_by_replay(encoding, replay_f
     async def scenario(ctx):
         with EventPublisher(encoding=encoding, replay_format=replay_format) as pub:
             ledger, source, index = Ledger(pub), EventSource(2), OpLog()
-            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=FAST)
+            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=TEST_OPTIONS)
             async with Running(sub):
                 await wait_until(lambda: sub.status.state == "live", "first connection")
                 ledger.publish(source.batch())
-                await wait_until(lambda: in_sync(sub, index, ledger), "seq 0")
+                await synced(sub, index, ledger, "seq 0")
                 pub.drop_live([3, 4, 5, 9])
                 for _ in range(12):
                     ledger.publish(source.batch())
-                await wait_until(lambda: in_sync(sub, index, ledger), "recovered state")
+                await synced(sub, index, ledger, "recovered state")
                 await barrier(sub, index, ledger, source)
                 # The replay for the first gap may already cover the second one.
                 assert 1 <= sub.status.gaps <= 2
@@ -245,7 +111,7 @@ def test_dropped_tail_batches_are_found_when_the_stream_goes_quiet():
     async def scenario(ctx):
         with EventPublisher() as pub:
             ledger, source, index = Ledger(pub), EventSource(3), OpLog()
-            options = dataclasses.replace(FAST, idle_check=0.3)
+            options = dataclasses.replace(TEST_OPTIONS, idle_check=0.3)
             sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=options)
             async with Running(sub):
                 await wait_until(lambda: sub.status.state == "live", "first connection")
@@ -254,7 +120,7 @@ def test_dropped_tail_batches_are_found_when_the_stream_goes_quiet():
                 pub.drop_live([3, 4])
                 ledger.publish(source.batch())
                 ledger.publish(source.batch())  # the last two never arrive live
-                await wait_until(lambda: in_sync(sub, index, ledger), "tail recovered")
+                await synced(sub, index, ledger, "tail recovered")
                 assert sub.status.gaps == 0  # no later batch revealed them: the idle check did
     run(scenario)
 
@@ -263,7 +129,7 @@ def test_duplicates_after_a_replay_under_load_are_skipped_not_taken_for_a_restar
     async def scenario(ctx):
         with EventPublisher() as pub:
             ledger, source, index = Ledger(pub), EventSource(4), OpLog()
-            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=FAST)
+            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=TEST_OPTIONS)
             async with Running(sub):
                 await wait_until(lambda: sub.status.state == "live", "first connection")
                 rng = random.Random(4)
@@ -272,7 +138,7 @@ def test_duplicates_after_a_replay_under_load_are_skipped_not_taken_for_a_restar
                 pub.drop_live(s for s in range(5, 1500) if rng.random() < 0.03)
                 for _ in range(1500):
                     ledger.publish(source.batch(2))
-                await wait_until(lambda: in_sync(sub, index, ledger), "state after load")
+                await synced(sub, index, ledger, "state after load")
                 await barrier(sub, index, ledger, source)
                 status = sub.status
                 assert status.restarts == 0 and status.degraded_count == 0
@@ -285,16 +151,16 @@ def test_holes_inside_a_replay_are_asked_for_again():
     async def scenario(ctx):
         with EventPublisher(replay_format="old") as pub:
             ledger, source, index = Ledger(pub), EventSource(5), OpLog()
-            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=FAST)
+            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=TEST_OPTIONS)
             async with Running(sub):
                 await wait_until(lambda: sub.status.state == "live", "first connection")
                 ledger.publish(source.batch())
-                await wait_until(lambda: in_sync(sub, index, ledger), "seq 0")
+                await synced(sub, index, ledger, "seq 0")
                 pub.drop_live([1, 2, 3, 4])
                 pub.drop_from_next_replay([3])
                 for _ in range(6):
                     ledger.publish(source.batch())
-                await wait_until(lambda: in_sync(sub, index, ledger), "state after hole")
+                await synced(sub, index, ledger, "state after hole")
                 assert sub.status.replays >= 3  # connect, the gap, the hole
                 assert sub.status.degraded_count == 0
     run(scenario)
@@ -304,11 +170,11 @@ def test_buffer_overflow_degrades_then_rebuilds_a_correct_index():
     async def scenario(ctx):
         with EventPublisher(buffer_steps=5) as pub:
             ledger, source, index = Ledger(pub), EventSource(6), OpLog()
-            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=FAST)
+            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=TEST_OPTIONS)
             async with Running(sub):
                 await wait_until(lambda: sub.status.state == "live", "first connection")
                 ledger.publish(source.batch())
-                await wait_until(lambda: in_sync(sub, index, ledger), "seq 0")
+                await synced(sub, index, ledger, "seq 0")
                 pub.drop_live(range(1, 12))  # more than the buffer holds
                 for _ in range(13):
                     ledger.publish(source.batch())
@@ -316,14 +182,13 @@ def test_buffer_overflow_degrades_then_rebuilds_a_correct_index():
                 kept = pub.buffered_seqs()
                 assert kept == list(range(9, 14))
                 # What can be known: exactly the batches still buffered, nothing stale.
-                await wait_until(
-                    lambda: sub.status.last_seq == 13
-                    and index.log(sub.worker) == ledger.truth(sub.worker, kept),
-                    "rebuilt from the buffer")
+                await wait_until(lambda: sub.status.last_seq == 13, "rebuilt from the buffer",
+                                 detail=lambda: sub.status)
+                assert index.log(sub.worker) == ledger.truth(sub.worker, kept)
                 assert sub.status.state == "degraded" and sub.status.degraded_count == 1
                 # A cache reset makes the state exact again: back to live, equal to the truth.
                 ledger.publish([AllBlocksCleared(), *source.batch()])
-                await wait_until(lambda: in_sync(sub, index, ledger), "state after reset")
+                await synced(sub, index, ledger, "state after reset")
                 assert sub.status.state == "live"
     run(scenario)
 
@@ -332,18 +197,17 @@ def test_publisher_restart_clears_the_worker_and_replays_from_zero():
     async def scenario(ctx):
         with EventPublisher() as pub:
             ledger, source, index = Ledger(pub), EventSource(7), OpLog()
-            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=FAST)
+            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=TEST_OPTIONS)
             async with Running(sub):
                 for _ in range(8):
                     ledger.publish(source.batch())
-                await wait_until(lambda: in_sync(sub, index, ledger), "before restart")
+                await synced(sub, index, ledger, "before restart")
                 before = index.log(sub.worker)
                 ledger.restart()
                 fresh = EventSource(70)
                 for _ in range(3):
                     ledger.publish(fresh.batch())
-                await wait_until(lambda: in_sync(sub, index, ledger), "after restart",
-                                 detail=lambda: (sub.status, sorted(ledger.sent)))
+                await synced(sub, index, ledger, "after restart")
                 assert sub.status.restarts == 1
                 assert not set(before) & set(index.log(sub.worker))  # nothing stale kept
     run(scenario)
@@ -369,7 +233,7 @@ def test_malformed_payloads_are_counted_and_skipped_while_the_subscriber_carries
     async def scenario(ctx):
         with EventPublisher() as pub:
             ledger, source, index = Ledger(pub), EventSource(8), OpLog()
-            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=FAST)
+            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=TEST_OPTIONS)
             async with Running(sub):
                 await wait_until(lambda: sub.status.state == "live", "first connection")
                 ledger.publish(source.batch())
@@ -381,7 +245,7 @@ def test_malformed_payloads_are_counted_and_skipped_while_the_subscriber_carries
                     BlockStored(block_hashes=[11], token_ids=[1, 2, 3, 4], block_size=4),
                     BlockRemoved(block_hashes=[11])]
                 ledger.publish(source.batch())
-                await wait_until(lambda: in_sync(sub, index, ledger), "state after garbage")
+                await synced(sub, index, ledger, "state after garbage")
                 assert sub.status.malformed == len(garbage) + 2
                 assert sub.status.unknown == 1
                 assert sub.status.gaps == 0 and sub.status.restarts == 0
@@ -398,19 +262,26 @@ def test_frames_that_are_not_a_batch_message_are_counted_and_skipped():
             port = raw.bind_to_random_port("tcp://127.0.0.1")
             index = OpLog()
             endpoint = WorkerEndpoint("raw", 0, f"tcp://127.0.0.1:{port}", None)
-            sub = Subscriber(endpoint, index, ctx=ctx, options=FAST)
+            sub = Subscriber(endpoint, index, ctx=ctx, options=TEST_OPTIONS)
             source = EventSource(9)
             batches = [source.batch() for _ in range(3)]
-            from app.wire import encode_batch
             payloads = [encode_batch(b, dp_rank=0) for b in batches]
             async with Running(sub):
                 await wait_until(lambda: sub.status.state == "live", "connection")
                 # The subscription reaches the PUB a little after the handshake: resend the
                 # first message until it is seen (the subscriber dedups by seq anyway).
-                deadline = time.monotonic() + DEADLINE
-                while sub.status.last_seq is None and time.monotonic() < deadline:
-                    await raw.send_multipart([b"t", encode_seq(0), payloads[0]])
-                    await asyncio.sleep(0.02)
+                async def resend_first() -> None:
+                    while True:
+                        await raw.send_multipart([b"t", encode_seq(0), payloads[0]])
+                        await asyncio.sleep(0.02)
+
+                resending = asyncio.create_task(resend_first())
+                try:
+                    await wait_until(lambda: sub.status.last_seq is not None,
+                                     "the first message to get through")
+                finally:
+                    resending.cancel()
+                    await asyncio.gather(resending, return_exceptions=True)
                 await raw.send_multipart([b"t", encode_seq(1)])  # two frames
                 await raw.send_multipart([b"t", b"\x01\x02", payloads[1]])  # 2-byte seq
                 await raw.send_multipart([b"t", encode_seq(1), payloads[1], b"x"])  # four
@@ -434,16 +305,14 @@ def test_two_data_parallel_ranks_feed_one_index_as_two_workers():
             index = OpLog()
             ledgers = [Ledger(rank0), Ledger(rank1)]
             sources = [EventSource(10), EventSource(11)]
-            subs = [Subscriber(endpoint_of(p, rank=r), index, ctx=ctx, options=FAST)
+            subs = [Subscriber(endpoint_of(p, rank=r), index, ctx=ctx, options=TEST_OPTIONS)
                     for r, p in enumerate((rank0, rank1))]
             async with Running(subs[0]), Running(subs[1]):
                 for _ in range(20):
                     for ledger, source in zip(ledgers, sources, strict=True):
                         ledger.publish(source.batch())
-                await wait_until(
-                    lambda: all(in_sync(s, index, led) for s, led in zip(subs, ledgers,
-                                                                        strict=True)),
-                    "both ranks")
+                for sub, ledger in zip(subs, ledgers, strict=True):
+                    await synced(sub, index, ledger, f"rank {sub.worker[1]}")
                 assert index.log(("vllm-a", 0)) != index.log(("vllm-a", 1))
     run(scenario)
 
@@ -461,11 +330,12 @@ def test_disconnect_marks_down_then_reconnect_rebuilds_from_a_replay():
                 def state_changed(self, worker, state):
                     states.append(state)
 
-            sub = Subscriber(endpoint_of(first), index, ctx=ctx, options=FAST, hooks=Hooks())
+            sub = Subscriber(endpoint_of(first), index, ctx=ctx, options=TEST_OPTIONS,
+                             hooks=Hooks())
             async with Running(sub):
                 for _ in range(5):
                     ledger.publish(source.batch())
-                await wait_until(lambda: in_sync(sub, index, ledger), "before disconnect")
+                await synced(sub, index, ledger, "before disconnect")
                 first.close()
                 await wait_until(lambda: sub.status.state == "down", "down")
                 assert not sub.status.serving
@@ -477,7 +347,7 @@ def test_disconnect_marks_down_then_reconnect_rebuilds_from_a_replay():
                 ledger, source = Ledger(second), EventSource(13)
                 for _ in range(9):
                     ledger.publish(source.batch())
-                await wait_until(lambda: in_sync(sub, index, ledger), "rebuilt")
+                await synced(sub, index, ledger, "rebuilt")
                 assert sub.status.disconnects == 1 and sub.status.serving
                 assert states[:2] == ["replaying", "live"] and "down" in states
         finally:
@@ -497,7 +367,7 @@ def test_unreachable_endpoint_is_down_until_the_publisher_appears():
         endpoint = WorkerEndpoint("late", 0, f"tcp://127.0.0.1:{port}",
                                   f"tcp://127.0.0.1:{replay_port}")
         index = OpLog()
-        sub = Subscriber(endpoint, index, ctx=ctx, options=FAST)
+        sub = Subscriber(endpoint, index, ctx=ctx, options=TEST_OPTIONS)
         async with Running(sub):
             await wait_until(lambda: sub.status.state == "down", "down")
             assert "cannot connect" in (sub.status.last_error or "")
@@ -505,7 +375,7 @@ def test_unreachable_endpoint_is_down_until_the_publisher_appears():
                 ledger, source = Ledger(pub), EventSource(14)
                 for _ in range(4):
                     ledger.publish(source.batch())
-                await wait_until(lambda: in_sync(sub, index, ledger), "up")
+                await synced(sub, index, ledger, "up")
     run(scenario)
 
 
@@ -518,7 +388,7 @@ def test_a_gap_no_replay_can_fill_leaves_the_worker_cleared_and_degraded():
             silent_port = silent.bind_to_random_port("tcp://127.0.0.1")
             try:
                 endpoint = WorkerEndpoint("x", 0, pub.endpoint, f"tcp://127.0.0.1:{silent_port}")
-                options = dataclasses.replace(FAST, replay_timeout=0.1)
+                options = dataclasses.replace(TEST_OPTIONS, replay_timeout=0.1)
                 sub = Subscriber(endpoint, index, ctx=ctx, options=options)
                 async with Running(sub):
                     await wait_until(lambda: sub.status.state == "degraded", "first connection")
@@ -562,7 +432,7 @@ def test_applying_yields_to_the_event_loop_between_chunks_of_events(shape):
         stop = asyncio.Event()
         with EventPublisher() as pub:
             ledger, source, index = Ledger(pub), EventSource(16), TickingLog()
-            options = dataclasses.replace(FAST, chunk_events=50)
+            options = dataclasses.replace(TEST_OPTIONS, chunk_events=50)
             sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=options)
             stores = [e for _ in range(200) for e in source.batch(10)
                       if isinstance(e, BlockStored)]
@@ -578,7 +448,7 @@ def test_applying_yields_to_the_event_loop_between_chunks_of_events(shape):
                         await wait_until(lambda: sub.status.state == "live", "connection")
                         index.ticks_seen.clear()
                         ledger.publish(stores)
-                    await wait_until(lambda: in_sync(sub, index, ledger), shape)
+                    await synced(sub, index, ledger, shape)
             finally:
                 stop.set()
                 await ticking
@@ -598,14 +468,15 @@ def test_hooks_receive_counters():
     async def scenario(ctx):
         with EventPublisher() as pub:
             ledger, source, index = Ledger(pub), EventSource(17), OpLog()
-            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=FAST, hooks=Hooks())
+            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=TEST_OPTIONS,
+                             hooks=Hooks())
             async with Running(sub):
                 await wait_until(lambda: sub.status.state == "live", "connection")
                 ledger.publish(source.batch())
                 pub.drop_live([1])
                 ledger.publish(source.batch())
                 ledger.publish(source.batch())
-                await wait_until(lambda: in_sync(sub, index, ledger), "synced")
+                await synced(sub, index, ledger, "synced")
             assert counts["batches"] == 3 == sub.status.batches
             assert counts["gaps"] == 1 and counts["replays"] == sub.status.replays
             assert counts["events"] == sub.status.events and counts["blocks"] == sub.status.blocks
@@ -627,7 +498,7 @@ def test_an_index_failure_clears_the_worker_and_the_subscription_goes_on():
     async def scenario(ctx):
         with EventPublisher() as pub:
             ledger, source, index = Ledger(pub), EventSource(18), FailingOnce()
-            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=FAST)
+            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=TEST_OPTIONS)
             async with Running(sub):
                 await wait_until(lambda: sub.status.state == "live", "connection")
                 ledger.publish(source.batch())

@@ -3,40 +3,27 @@ like a fresh PrefixIndex given every published batch in order (the publisher sid
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
-from test_subscriber import (
-    FAST,
-    EventSource,
-    Ledger,
-    Running,
-    endpoint_of,
-    run,
-    wait_until,
-)
 
 from app.sim.publisher import EventPublisher
 from app.subscriber import Subscriber
-from app.wire import BlockStored, EventBatch, apply_batch, decode_batch
+from app.wire import BlockStored, apply_batch, decode_batch
 from index import PrefixIndex
-
-SESSION = (Path(__file__).resolve().parents[2] / "shared" / "fixtures"
-           / "vllm-0.32.0-cpu-session.jsonl")
-
-
-def truth_index(ledgers: dict[Any, Ledger]) -> PrefixIndex:
-    truth = PrefixIndex()
-    for worker, ledger in ledgers.items():
-        for seq in sorted(ledger.sent):
-            events = ledger.sent[seq]
-            if events is not None:
-                apply_batch(truth, worker, EventBatch(0.0, list(events)))
-    return truth
+from tests.conftest import wait_until
+from tests.support.events import (
+    TEST_OPTIONS,
+    EventSource,
+    Ledger,
+    Running,
+    caught_up,
+    endpoint_of,
+    run,
+    truth_index,
+)
+from tests.support.fixtures import live_payloads
 
 
 def queries(ledgers: dict[Any, Ledger]) -> list[list[int]]:
@@ -45,22 +32,22 @@ def queries(ledgers: dict[Any, Ledger]) -> list[list[int]]:
             for e in events if isinstance(e, BlockStored)]
 
 
-def same_answers(index: PrefixIndex, ledgers: dict[Any, Ledger]) -> bool:
+def assert_same_answers(index: PrefixIndex, ledgers: dict[Any, Ledger]) -> None:
     truth = truth_index(ledgers)
     workers = list(ledgers)
     held, expected = index.stats().holdings, truth.stats().holdings
-    if any(held.get(w) != expected.get(w) for w in workers):
-        return False
-    return all(index.match(q, workers=workers) == truth.match(q, workers=workers)
-               for q in queries(ledgers))
+    assert {w: held.get(w) for w in workers} == {w: expected.get(w) for w in workers}
+    for query in queries(ledgers):
+        assert index.match(query, workers=workers) == truth.match(query, workers=workers)
 
 
-def synced(subs: list[Subscriber], index: PrefixIndex, ledgers: dict[Any, Ledger]) -> bool:
-    for sub in subs:
-        ledger = ledgers[sub.worker]
-        if sub.status.state != "live" or sub.status.last_seq != max(ledger.sent):
-            return False
-    return same_answers(index, ledgers)
+async def synced(subs: list[Subscriber], index: PrefixIndex, ledgers: dict[Any, Ledger],
+                 what: str) -> None:
+    """Wait (cheaply) until every subscriber is live at its ledger's last batch, then check
+    once that the index answers exactly like the truth."""
+    await wait_until(lambda: all(caught_up(sub, ledgers[sub.worker]) for sub in subs), what,
+                     detail=lambda: [sub.status for sub in subs])
+    assert_same_answers(index, ledgers)
 
 
 @pytest.mark.parametrize(("encoding", "replay_format"), [("map", "new"), ("array", "old")])
@@ -74,16 +61,16 @@ def test_two_ranks_with_drops_and_a_late_start_match_the_truth(encoding, replay_
             for ledger, source in zip(ledgers.values(), sources, strict=True):
                 for _ in range(20):  # cached before kvroute starts
                     ledger.publish(source.batch())
-            subs = [Subscriber(endpoint_of(p, rank=r), index, ctx=ctx, options=FAST)
+            subs = [Subscriber(endpoint_of(p, rank=r), index, ctx=ctx, options=TEST_OPTIONS)
                     for r, p in enumerate((r0, r1))]
             async with Running(subs[0]), Running(subs[1]):
-                await wait_until(lambda: synced(subs, index, ledgers), "replayed start")
+                await synced(subs, index, ledgers, "replayed start")
                 r0.drop_live(range(r0.next_seq + 2, r0.next_seq + 6))
                 r1.drop_live([r1.next_seq])
                 for _ in range(30):
                     for ledger, source in zip(ledgers.values(), sources, strict=True):
                         ledger.publish(source.batch())
-                await wait_until(lambda: synced(subs, index, ledgers), "after drops")
+                await synced(subs, index, ledgers, "after drops")
                 assert index.stats().holdings[("vllm-a", 0)]["GPU"] > 0
                 assert all(s.status.gaps >= 1 for s in subs)
     run(scenario)
@@ -97,16 +84,16 @@ def test_restart_and_disconnect_leave_only_the_new_engines_blocks():
             index = PrefixIndex()
             worker = ("vllm-a", 0)
             ledger, source = Ledger(first), EventSource(42)
-            sub = Subscriber(endpoint_of(first), index, ctx=ctx, options=FAST)
+            sub = Subscriber(endpoint_of(first), index, ctx=ctx, options=TEST_OPTIONS)
             async with Running(sub):
                 for _ in range(10):
                     ledger.publish(source.batch())
-                await wait_until(lambda: synced([sub], index, {worker: ledger}), "start")
+                await synced([sub], index, {worker: ledger}, "start")
                 ledger.restart()
                 source = EventSource(43)
                 for _ in range(5):
                     ledger.publish(source.batch())
-                await wait_until(lambda: synced([sub], index, {worker: ledger}), "restart")
+                await synced([sub], index, {worker: ledger}, "restart")
                 endpoints = (first.endpoint, first.replay_endpoint)
                 first.close()
                 await wait_until(lambda: sub.status.state == "down", "down")
@@ -115,7 +102,7 @@ def test_restart_and_disconnect_leave_only_the_new_engines_blocks():
                 ledger, source = Ledger(second), EventSource(44)
                 for _ in range(7):
                     ledger.publish(source.batch())
-                await wait_until(lambda: synced([sub], index, {worker: ledger}), "rebuilt")
+                await synced([sub], index, {worker: ledger}, "rebuilt")
         finally:
             first.close()
             if second is not None:
@@ -125,11 +112,8 @@ def test_restart_and_disconnect_leave_only_the_new_engines_blocks():
 
 def test_captured_vllm_traffic_through_publisher_and_subscriber():
     """The real vLLM 0.32.0 payloads, re-published byte for byte, some dropped live."""
-    if not SESSION.is_file():
-        pytest.fail(f"captured vLLM session missing: expected {SESSION}")
-    payloads = [base64.b64decode(json.loads(line)["frames"][2])
-                for line in SESSION.read_text().splitlines()
-                if json.loads(line)["kind"] == "live"]
+    live = live_payloads()
+    payloads = [live[seq] for seq in sorted(live)]
     direct = PrefixIndex()
     for payload in payloads:
         apply_batch(direct, "w", decode_batch(payload))
@@ -138,7 +122,7 @@ def test_captured_vllm_traffic_through_publisher_and_subscriber():
         with EventPublisher(topic="kv-events") as pub:
             index = PrefixIndex()
             # The last batch is dropped too: only the idle check can find it.
-            options = dataclasses.replace(FAST, idle_check=0.3)
+            options = dataclasses.replace(TEST_OPTIONS, idle_check=0.3)
             sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=options)
             async with Running(sub):
                 await wait_until(lambda: sub.status.state == "live", "connected")

@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import re
 import threading
-import time
 
 import pytest
 
 from app import tail
 from app.sim.publisher import EventPublisher
 from app.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from tests.conftest import scaled, wait_for
+
+# tail's own deadline: longer than any wait below, so the test's waits fail first.
+DURATION = str(scaled(90))
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -43,24 +46,29 @@ def test_tail_prints_batches_fills_gaps_by_replay_and_survives_garbage(capsys):
         pub.publish([AllBlocksCleared(), stored(-2, parent=None)])
         pub.flush()
         args = parse(pub.endpoint, "--replay", pub.replay_endpoint, "--from-start",
-                     "--max-batches", "8", "--duration", "20")
+                     "--max-batches", "8", "--duration", DURATION)
         thread, result = run_in_thread(args)
         seen = ""
-        deadline = time.monotonic() + 20
-        while "seq 2 " not in seen and time.monotonic() < deadline:  # the start is replayed
-            thread.join(0.02)
+
+        def replayed_the_start() -> bool:
+            nonlocal seen
             seen += capsys.readouterr().out
+            return "seq 2 " in seen
+
+        wait_for(replayed_the_start, "tail to replay the first three batches", interval=0.02)
         pub.drop_live([4])
         pub.publish([stored(10)])                    # 3
         pub.publish([stored(11)])                    # 4: never sent live
         pub.publish_raw(b"\x93\xc1 not msgpack")     # 5: garbage
         pub.publish([BlockRemoved(block_hashes=[10], medium="cpu")])  # 6
         pub.publish([stored(12)])                    # 7
-        deadline = time.monotonic() + 20
-        while thread.is_alive() and time.monotonic() < deadline:
+
+        def finished() -> bool:
             pub.publish([stored(99)])  # keeps the live stream moving until tail has 8
             thread.join(0.05)
-        assert not thread.is_alive()
+            return not thread.is_alive()
+
+        wait_for(finished, "tail to print 8 batches and stop")
     out = seen + capsys.readouterr().out
     assert result == [0]
     assert printed_seqs(out) == list(range(8))  # each batch once, in order
@@ -78,12 +86,13 @@ def test_tail_prints_batches_fills_gaps_by_replay_and_survives_garbage(capsys):
 
 def test_tail_reports_an_engine_restart_and_old_replay_format(capsys):
     with EventPublisher(replay_format="old", encoding="array") as pub:
-        args = parse(pub.endpoint, "--replay", pub.replay_endpoint, "--duration", "20",
+        args = parse(pub.endpoint, "--replay", pub.replay_endpoint, "--duration", DURATION,
                      "--max-batches", "4")
         thread, result = run_in_thread(args)
-        deadline = time.monotonic() + 20
         restarted = False
-        while thread.is_alive() and time.monotonic() < deadline:
+
+        def finished() -> bool:
+            nonlocal restarted
             pub.publish([stored(7)])
             thread.join(0.05)
             seen = capsys.readouterr().out
@@ -91,7 +100,10 @@ def test_tail_reports_an_engine_restart_and_old_replay_format(capsys):
                 pub.restart()  # seq starts over from 0
                 restarted = True
             print(seen, end="")
-        assert not thread.is_alive() and result == [0]
+            return not thread.is_alive()
+
+        wait_for(finished, "tail to print 4 batches and stop")
+        assert result == [0]
     out = capsys.readouterr().out
     assert re.search(r"^! seq went back from \d+ to 0: the engine restarted$", out, re.MULTILINE)
 

@@ -4,12 +4,9 @@ WireError and never costs the well-formed events of a batch)."""
 
 from __future__ import annotations
 
-import base64
 import itertools
-import json
 import math
 from collections import Counter, defaultdict
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -35,21 +32,9 @@ from app.wire import (
     lora_key,
 )
 from index import PrefixIndex
+from tests.support.fixtures import session_frames
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
-SESSION = FIXTURES / "vllm-0.32.0-cpu-session.jsonl"
 pack = msgspec.msgpack.encode
-
-
-def load_session() -> list[tuple[str, list[bytes]]]:
-    if not SESSION.is_file():
-        pytest.fail(f"captured vLLM session missing: expected {SESSION} (shared/fixtures beside "
-                    "the repository checkout)")
-    frames = []
-    for line in SESSION.read_text().splitlines():
-        record = json.loads(line)
-        frames.append((record["kind"], [base64.b64decode(f) for f in record["frames"]]))
-    return frames
 
 
 def comparable(event: Any) -> tuple[str, dict[str, Any]]:
@@ -81,7 +66,7 @@ class Recorder:
 
 
 def test_every_captured_frame_decodes_cleanly():
-    session = load_session()
+    session = session_frames()
     live = [frames for kind, frames in session if kind == "live"]
     replay = [frames for kind, frames in session if kind == "replay"]
     assert len(live) == 20 and len(replay) == 21
@@ -117,7 +102,7 @@ def test_every_captured_frame_decodes_cleanly():
 def test_captured_session_applied_to_the_index_holds_what_the_engine_held():
     """Brute-force model: the engine holds each hash stored and not yet removed since the
     last AllBlocksCleared. The index must hold exactly those, and match the final prompt."""
-    session = load_session()
+    session = session_frames()
     index = PrefixIndex()
     worker = ("vllm-cpu", 0)
     held: Counter[int] = Counter()

@@ -10,6 +10,7 @@ import zmq
 
 from app.sim.publisher import EventPublisher
 from app.wire import END_SEQ, AllBlocksCleared, BlockStored, decode_batch, encode_seq
+from tests.conftest import scaled
 
 
 @pytest.fixture
@@ -47,7 +48,7 @@ def replay(ctx: zmq.Context, pub: EventPublisher, start: int) -> list[list[bytes
 def recv_live(sub: zmq.Socket, pub: EventPublisher, n: int) -> list[list[bytes]]:
     """Collect n live messages (bounded in time)."""
     got: list[list[bytes]] = []
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(30)
     while len(got) < n and time.monotonic() < deadline:
         if sub.poll(50):
             got.append(sub.recv_multipart())
@@ -77,7 +78,7 @@ def test_live_frames_topic_seq_payload_and_drops_restart(ctx):
         sub = subscribe(ctx, pub, b"kv-events")
         other = subscribe(ctx, pub, b"other-topic")
         try:
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + scaled(30)
             while not sub.poll(50) and time.monotonic() < deadline:  # until subscribed
                 pub.publish([AllBlocksCleared()])
             first_seq = int.from_bytes(sub.recv_multipart()[1], "big")

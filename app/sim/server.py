@@ -233,9 +233,12 @@ class SimInstance:
 
     def _start_ranks(self) -> None:
         n = self.config.dp_size
-        for _attempt in range(20):
-            # One rank binds port 0 (no race); several need consecutive ports, as vLLM uses.
-            base, replay = (0, 0) if n == 1 else (free_port_range(n), free_port_range(n))
+        rng = random.Random()
+        for _attempt in range(50):
+            # One rank binds port 0; several need consecutive ports, as vLLM uses: bind at a
+            # random base, and take another base if any of them is taken.
+            base, replay = ((0, 0) if n == 1 else
+                            (rng.randrange(20000, 40000 - n), rng.randrange(40000, 60000 - n)))
             ranks = [
                 SimRank(self.config, r, f"tcp://{HOST}:{base + r}", f"tcp://{HOST}:{replay + r}")
                 for r in range(n)
@@ -255,7 +258,7 @@ class SimInstance:
             self.kv_port = int(ranks[0].endpoint.rsplit(":", 1)[1])
             self.replay_port = int(ranks[0].replay_endpoint.rsplit(":", 1)[1])
             return
-        raise RuntimeError("could not bind KV-event ports on loopback after 20 attempts")
+        raise RuntimeError("could not bind KV-event ports on loopback after 50 attempts")
 
     def _start_http(self) -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -633,26 +636,3 @@ class _MetricsCollector:
                 queries.add_metric(key, eng.prefix_cache_queries)
             info.add_metric([str(cfg.block_size), str(cfg.num_blocks), "True", str(rank.rank)], 1)
         yield from (running, waiting, usage, hits, queries, info)
-
-
-# --- ports ----------------------------------------------------------------------------------------
-
-
-def free_port_range(n: int, attempts: int = 50) -> int:
-    """A base port such that ``base .. base+n-1`` are free on loopback right now."""
-    rng = random.Random()
-    for _ in range(attempts):
-        base = rng.randrange(20000, 60000 - n)
-        socks: list[socket.socket] = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.bind((HOST, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports found on loopback")
