@@ -20,12 +20,16 @@ out=stress-out
 mkdir -p "$out"
 
 burner_pids=()
-stop_burners() {
+run_pid=""
+stop_all() {
+    [ -n "$run_pid" ] && kill "$run_pid" 2>/dev/null
     for pid in "${burner_pids[@]}"; do kill "$pid" 2>/dev/null; done
-    for pid in "${burner_pids[@]}"; do wait "$pid" 2>/dev/null; done
+    for pid in "${burner_pids[@]}" $run_pid; do wait "$pid" 2>/dev/null; done
     burner_pids=()
+    run_pid=""
 }
-trap stop_burners EXIT INT TERM
+trap stop_all EXIT
+trap 'stop_all; echo "stress: interrupted"; exit 130' INT TERM
 
 for _ in $(seq 1 "$burners"); do
     "$python" -c 'while True: pass' &
@@ -37,8 +41,13 @@ failed=0
 for i in $(seq 1 "$runs"); do
     log="$out/run-$i.log"
     start=$(date +%s)
-    timeout --kill-after=30 "$limit" "$python" -m pytest -q -p no:cacheprovider "$@" >"$log" 2>&1
+    # In the background and waited for, so that Ctrl-C or TERM stops the run at once.
+    timeout --kill-after=30 "$limit" "$python" -m pytest -q -p no:cacheprovider "$@" \
+        >"$log" 2>&1 &
+    run_pid=$!
+    wait "$run_pid"
     status=$?
+    run_pid=""
     took=$(( $(date +%s) - start ))
     if [ "$status" -eq 0 ]; then
         passed=$((passed + 1))
@@ -49,7 +58,7 @@ for i in $(seq 1 "$runs"); do
         grep -E '^(FAILED|ERROR) ' "$log" | sed 's/^/    /'
     fi
 done
-stop_burners
+stop_all
 echo "stress: $runs runs with $burners burners"
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
