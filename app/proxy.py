@@ -16,10 +16,12 @@ instances' models. Invariants:
   established in time), i.e. before any byte of the request was sent; the next choice
   excludes every worker that failed, at most `MAX_CONNECT_ATTEMPTS` connections in all,
   then 503. Never after the upstream accepted the connection: generation is not idempotent.
-- `service.inflight[worker.key]` counts this proxy's requests to a worker whose response has
-  not ended: +1 before connecting, -1 exactly once when the connection fails, when the
-  upstream fails before answering, or when the relayed response ends however it ends
-  (complete, client gone, upstream broken). A key at zero is deleted.
+- Every forwarded request holds a ticket in `service.inflight` (see `app.inflight`) from
+  before it connects until its response has ended: closed when the connection fails, when
+  the upstream fails before answering, or when the relayed response ends however it ends
+  (complete, client gone, upstream broken, the ASGI task cancelled). The ticket is closed
+  before anything else is awaited, so no cancellation can skip it. Its prefill tokens stop
+  counting as queued when the answer's first byte arrives.
 - A client that goes away closes the upstream response and its connection, which is how
   vLLM learns to abort the request. This holds while the response is relayed; a client that
   leaves while a non-streamed request is still waiting for its answer is noticed too: the
@@ -36,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import httpx
@@ -45,6 +47,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from app.api import read_body
+from app.inflight import Ticket
 from app.registry import Worker
 from app.service import ApiError, RouteRequest, Service
 
@@ -133,23 +136,33 @@ def _relayed_headers(upstream: httpx.Response, worker: Worker,
     return headers
 
 
+async def _marking_start(chunks: AsyncIterator[bytes], ticket: Ticket) -> AsyncIterator[bytes]:
+    async for chunk in chunks:
+        ticket.started()
+        yield chunk
+
+
 class _Relay(StreamingResponse):
-    """The upstream response, relayed raw. `close` runs once, however the relay ends: a
-    Starlette stream cancelled while its generator waits at `yield` would otherwise leave
-    the upstream connection open until garbage collection."""
+    """The upstream response, relayed raw. However the relay ends, the ticket is closed
+    first and then the upstream response: a Starlette stream cancelled while its generator
+    waits at `yield` would otherwise leave the upstream connection open until garbage
+    collection."""
 
     def __init__(self, upstream: httpx.Response, headers: list[tuple[str, str]],
-                 close: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(upstream.aiter_raw(), status_code=upstream.status_code)
+                 ticket: Ticket) -> None:
+        super().__init__(_marking_start(upstream.aiter_raw(), ticket),
+                         status_code=upstream.status_code)
         self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
                             for k, v in headers]
-        self._close = close
+        self._upstream = upstream
+        self._ticket = ticket
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self._close()
+            self._ticket.close()  # never awaits: nothing can cancel it half-way
+            await self._upstream.aclose()
 
 
 class Proxy:
@@ -172,12 +185,6 @@ class Proxy:
         if not any(instance.serves(model) for instance in self.service.registry):
             raise ApiError(404, f"model {model!r} is not served by any registered instance",
                            "model")
-
-    def _release(self, key: tuple[str, int]) -> None:
-        inflight = self.service.inflight
-        inflight[key] -= 1
-        if inflight[key] <= 0:
-            del inflight[key]
 
     async def forward(self, request: Request, path: str) -> Response:
         body = await read_body(request, self.service.settings.max_body_bytes)
@@ -203,7 +210,10 @@ class Proxy:
                                                    token_ids=decision.tokens)
             if not worker.instance.url:
                 continue  # configured with event endpoints only: nowhere to send requests
-            response = await self._attempt(request, path, body, worker, len(refused) + 1)
+            uncached = (len(decision.tokens) - decision.best.matched_tokens
+                        if decision.tokens is not None else 0)
+            response = await self._attempt(request, path, body, worker, len(refused) + 1,
+                                           uncached)
             if response is not None:
                 return response
             self.service.retract(decision)
@@ -213,41 +223,34 @@ class Proxy:
                                f"{len(refused)} attempts: {', '.join(refused)}")
 
     async def _attempt(self, request: Request, path: str, body: bytes, worker: Worker,
-                       attempt: int) -> Response | None:
+                       attempt: int, uncached_tokens: int) -> Response | None:
         """The relayed response, or None when the worker refused the connection."""
         url = f"{worker.instance.url}{path}"
         upstream_request = self.client.build_request(
             "POST", url, content=body, params=request.url.query or None,
             headers=_forwarded_headers(request, worker.endpoint.dp_rank))
-        key = worker.key
-        self.service.inflight[key] += 1
+        ticket = self.service.inflight.open(worker.key, uncached_tokens)
+        relayed = False
         try:
             upstream = await _unless_client_leaves(
                 request, self.client.send(upstream_request, stream=True))
+            try:
+                relay = _Relay(upstream, _relayed_headers(upstream, worker, attempt), ticket)
+            except BaseException:
+                await upstream.aclose()
+                raise
+            relayed = True
+            return relay
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            self._release(key)
             log.warning("%s refused the connection (%r); choosing another worker", url, exc)
             return None
         except _ClientGone:
-            self._release(key)
             return Response(status_code=499)  # nobody reads it; nginx's "client closed"
         except httpx.HTTPError as exc:
-            self._release(key)
             raise ApiError(502, f"{url} failed before answering: {exc!r}") from None
-        except BaseException:
-            self._release(key)
-            raise
-
-        closed = False
-
-        async def close() -> None:
-            nonlocal closed
-            if not closed:
-                closed = True
-                await upstream.aclose()
-                self._release(key)
-
-        return _Relay(upstream, _relayed_headers(upstream, worker, attempt), close)
+        finally:
+            if not relayed:  # from here on the relay owns the ticket
+                ticket.close()
 
     def models(self) -> dict[str, Any]:
         """vLLM's model list shape; a model served by several instances is listed once."""

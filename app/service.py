@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -24,6 +23,7 @@ import msgspec
 from fastapi.responses import JSONResponse
 
 from app.config import Settings
+from app.inflight import InFlight
 from app.load import LoadMonitor
 from app.metrics import ServiceMetrics
 from app.registry import Instance, Registry, Worker
@@ -137,7 +137,7 @@ class Service:
             overload_kv_usage=settings.overload_kv_usage)
         self.load = LoadMonitor(self.registry, self.client, interval=settings.load_interval)
         # Requests the proxy has sent to each worker and not yet seen finish.
-        self.inflight: Counter[tuple[str, int]] = Counter()
+        self.inflight = InFlight()
         self.started_at = time.monotonic()
         self._configured: list[Instance] = []
         self._ready = False
@@ -298,7 +298,7 @@ class Service:
         return WorkerView(
             key=worker.key, block_size=worker.instance.block_size, state=worker.state,
             running=load.running if load else None, waiting=load.waiting if load else None,
-            kv_usage=load.kv_usage if load else None, inflight=self.inflight.get(worker.key, 0))
+            kv_usage=load.kv_usage if load else None, inflight=self.inflight.count(worker.key))
 
     async def route(self, body: bytes) -> tuple[str, dict[str, Any]]:
         """(input kind, answer) for a POST /v1/route body; raises ApiError."""

@@ -1,0 +1,107 @@
+"""The proxy's own requests in flight, per worker, as work the engine still has to do.
+
+Ownership and invariants:
+
+- The proxy opens a `Ticket` for a request before it connects to the worker and holds it
+  until the response has ended, however it ends (complete, client gone, upstream error,
+  cancellation anywhere in the ASGI server). `Ticket.close()` is idempotent and never
+  awaits, so a `finally` that calls it first cannot be interrupted before it has run:
+  every opened ticket is closed exactly once, and a worker with nothing open has no entry.
+- A ticket carries the prompt tokens the chosen worker must compute (its uncached prefill,
+  in tokens, as priced when it was chosen). They count as *queued prefill* until the first
+  byte of the answer arrives (`started()`): for a streamed answer that is the first token,
+  so the prefill is done; a non-streamed answer arrives whole, so its prefill counts until
+  the end. After that the request counts only as *running* (decode pressure).
+- Nothing here reads a clock or does I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["InFlight", "Ticket", "WorkerLoad"]
+
+WorkerKey = tuple[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """What the proxy's own open requests ask of one worker."""
+
+    requests: int = 0
+    queued_prefill_tokens: int = 0
+
+
+class Ticket:
+    """One forwarded request; see the module invariants."""
+
+    __slots__ = ("_ledger", "key", "prefill_tokens", "_prefilling", "_open")
+
+    def __init__(self, ledger: InFlight, key: WorkerKey, prefill_tokens: int) -> None:
+        self._ledger = ledger
+        self.key = key
+        self.prefill_tokens = prefill_tokens
+        self._prefilling = True
+        self._open = True
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    def started(self) -> None:
+        """The first byte of the answer arrived: the prefill is no longer queued."""
+        if self._open and self._prefilling:
+            self._prefilling = False
+            self._ledger._add(self.key, 0, -self.prefill_tokens)
+
+    def close(self) -> None:
+        """The response ended. Idempotent; never awaits."""
+        if not self._open:
+            return
+        self._open = False
+        queued = self.prefill_tokens if self._prefilling else 0
+        self._prefilling = False
+        self._ledger._add(self.key, -1, -queued)
+
+
+class InFlight:
+    """Per worker: open tickets and the prefill tokens queued among them."""
+
+    __slots__ = ("_requests", "_queued")
+
+    def __init__(self) -> None:
+        self._requests: dict[WorkerKey, int] = {}
+        self._queued: dict[WorkerKey, int] = {}
+
+    def open(self, key: WorkerKey, prefill_tokens: int = 0) -> Ticket:
+        ticket = Ticket(self, key, max(0, prefill_tokens))
+        self._add(key, 1, ticket.prefill_tokens)
+        return ticket
+
+    def get(self, key: WorkerKey) -> WorkerLoad:
+        return WorkerLoad(self._requests.get(key, 0), self._queued.get(key, 0))
+
+    def count(self, key: WorkerKey) -> int:
+        return self._requests.get(key, 0)
+
+    def total(self) -> int:
+        return sum(self._requests.values())
+
+    def __len__(self) -> int:
+        """Workers with at least one open request."""
+        return len(self._requests)
+
+    def _add(self, key: WorkerKey, requests: int, queued: int) -> None:
+        count = self._requests.get(key, 0) + requests
+        tokens = self._queued.get(key, 0) + queued
+        if count < 0 or tokens < 0:  # a bug in the callers: say so, never go negative
+            raise AssertionError(f"in-flight accounting for {key} went negative")
+        if count == 0:
+            self._requests.pop(key, None)
+            self._queued.pop(key, None)
+            return
+        self._requests[key] = count
+        if tokens:
+            self._queued[key] = tokens
+        else:
+            self._queued.pop(key, None)

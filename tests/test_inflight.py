@@ -1,0 +1,63 @@
+"""The proxy's in-flight ledger: every ticket closes exactly once and leaves no trace."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from app.inflight import InFlight, WorkerLoad
+
+A, B = ("a", 0), ("b", 1)
+
+
+def test_a_ticket_counts_until_closed_and_its_prefill_until_the_answer_starts():
+    ledger = InFlight()
+    first = ledger.open(A, prefill_tokens=480)
+    second = ledger.open(A, prefill_tokens=60)
+    assert ledger.get(A) == WorkerLoad(requests=2, queued_prefill_tokens=540)
+    first.started()
+    first.started()  # a second chunk changes nothing
+    assert ledger.get(A) == WorkerLoad(requests=2, queued_prefill_tokens=60)
+    first.close()
+    first.close()  # idempotent
+    assert ledger.get(A) == WorkerLoad(requests=1, queued_prefill_tokens=60)
+    second.close()  # closed before it started: its prefill leaves with it
+    second.started()  # too late: nothing to take back
+    assert ledger.get(A) == WorkerLoad() and len(ledger) == 0 and ledger.total() == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["open", "start", "close"]), st.integers(0, 7),
+                          st.sampled_from([A, B]), st.integers(-3, 1000)), max_size=60))
+def test_the_ledger_always_equals_its_open_tickets(steps):
+    """Model: each ticket is open or closed, prefilling until started or closed."""
+    ledger = InFlight()
+    tickets = []
+    model: list[dict] = []
+    for action, pick, key, tokens in steps:
+        if action == "open" or not tickets:
+            tickets.append(ledger.open(key, tokens))
+            model.append({"key": key, "tokens": max(tokens, 0), "open": True, "prefill": True})
+        else:
+            i = pick % len(tickets)
+            if action == "start":
+                tickets[i].started()
+                model[i]["prefill"] = False
+            else:
+                tickets[i].close()
+                model[i]["open"] = model[i]["prefill"] = False
+        for worker in (A, B):
+            mine = [m for m in model if m["key"] == worker and m["open"]]
+            queued = sum(m["tokens"] for m in mine if m["prefill"])
+            assert ledger.get(worker) == WorkerLoad(len(mine), queued)
+    for ticket in tickets:
+        ticket.close()
+    assert len(ledger) == 0 and ledger.get(A) == ledger.get(B) == WorkerLoad()
+
+
+def test_negative_prefill_is_taken_as_none():
+    ledger = InFlight()
+    ledger.open(B, prefill_tokens=-5).close()
+    with pytest.raises(AssertionError):
+        ledger._add(B, -1, 0)  # accounting that would go negative is a bug, said loudly
