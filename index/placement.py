@@ -15,6 +15,10 @@ Invariants:
   real events decide, so a later eviction is seen at once. A worker's extent for
   a query therefore walks keys that are guessed *or* really held, and stops at the
   first that is neither.
+- A guess is never renewed by another guess: placing a key that is already guessed
+  keeps the first guess's expiry. Routing answers that follow a guess would otherwise
+  keep it alive forever; only the worker's real events (or a fresh guess after the old
+  one ran out) say anything new.
 - A guess that reaches its expiry is removed entirely; after `expire(now)`
   nothing of an expired guess remains.
 - Time is passed in by the caller; this module never reads a clock.
@@ -69,14 +73,15 @@ class Placements:
 
     def place(self, worker: Hashable, keys: Sequence[bytes], expires: float) -> None:
         """Guess that `worker` will hold `keys` (a chain continuing what it holds) until
-        `expires`."""
-        if not keys:
-            return
+        `expires`; keys it is guessed to hold already keep their expiry."""
         held = self._guessed.setdefault(worker, {})
-        for key in keys:
-            if held.get(key, expires - 1.0) < expires:
-                held[key] = expires
-        self._expiry.add((expires, next(self._order), worker, tuple(keys)))
+        new = [key for key in keys if key not in held]
+        for key in new:
+            held[key] = expires
+        if new:
+            self._expiry.add((expires, next(self._order), worker, tuple(new)))
+        elif not held:
+            del self._guessed[worker]
 
     def confirm(self, worker: Hashable, keys: Sequence[bytes]) -> None:
         """The worker really stored `keys`: they are no longer guesses."""
@@ -101,7 +106,7 @@ class Placements:
             if held is None:
                 continue
             for key in keys:
-                # A later guess of the same key keeps it alive until its own expiry.
+                # Confirmed and guessed anew since: that later guess has its own expiry.
                 if held.get(key) == expires:
                     del held[key]
             if not held:

@@ -45,7 +45,8 @@ ops = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(ops)
 def test_guesses_follow_a_brute_force_model(operations):
-    """Model: per worker, key -> latest expiry; confirm and expiry delete keys."""
+    """Model: per worker, key -> expiry of the guess that placed it (a guess of a key
+    already guessed changes nothing); confirm and expiry delete keys."""
     chains = {p: chain_keys(list(range(p * 100, p * 100 + 24)), 4) for p in range(3)}
     placements = Placements()
     model: dict[str, dict[bytes, float]] = {}
@@ -57,7 +58,7 @@ def test_guesses_follow_a_brute_force_model(operations):
             placements.place(worker, keys, now + ttl)
             held = model.setdefault(worker, {})
             for key in keys:
-                held[key] = max(held.get(key, 0.0), now + ttl)
+                held.setdefault(key, now + ttl)
         elif op == "confirm":
             keys = chains[prompt][:n]
             placements.confirm(worker, keys)
@@ -122,3 +123,20 @@ def test_index_answers_with_guesses_until_they_expire_or_are_replaced():
     assert len(index.placements) == 0
     assert index.place("new", tokens, expires=50.0) == 0  # no block size known: no guess
     assert index.stats().workers == 0
+
+
+def test_a_guess_is_not_kept_alive_by_answers_that_follow_it():
+    """Routing answers that follow a guess place it again; that must not renew it, or a
+    worker that never stores the prompt would keep attracting it forever."""
+    index = PrefixIndex()
+    tokens = list(range(1, 33))
+    index.apply_stored("b", [1], None, tokens[:8], 8)  # b's block size is known
+    assert index.place("b", tokens, expires=2.0) == 3
+    assert index.place("b", tokens, expires=3.0) == 3  # the same blocks, guessed again
+    assert index.place("b", tokens + list(range(40, 48)), expires=3.5) == 4  # one more block
+    assert index.match(tokens, now=1.9)["b"].blocks == 4
+    assert index.match(tokens, now=2.0)["b"].blocks == 1  # the first guess ran out
+    longer = index.match(tokens + list(range(40, 48)), now=2.0)["b"]
+    assert longer.blocks == 1  # the newer block hangs off expired guesses: unreachable
+    assert index.match(tokens + list(range(40, 48)), now=3.5)["b"].blocks == 1
+    assert len(index.placements) == 0
