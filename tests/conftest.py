@@ -109,16 +109,23 @@ def run_async(scenario: Callable[[], Awaitable[None]], timeout: float = 90.0) ->
 
 
 @contextmanager
-def refusing_urls(n: int) -> Iterator[list[str]]:
-    """`n` http:// URLs on loopback where nothing answers: each port is bound (so no other
-    process can take it while they are in use) but never listens, so connections are
-    refused at once."""
+def refusing_ports(n: int) -> Iterator[list[int]]:
+    """`n` loopback ports where nothing answers: each is bound (so no other process can
+    take it while the block runs) but never listens, so connections are refused at once.
+    Unlike a socket that listened and was closed, nothing can still accept on them."""
     with ExitStack() as held:
         socks = [held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
                  for _ in range(n)]
         for sock in socks:
             sock.bind(("127.0.0.1", 0))
-        yield [f"http://127.0.0.1:{sock.getsockname()[1]}" for sock in socks]
+        yield [sock.getsockname()[1] for sock in socks]
+
+
+@contextmanager
+def refusing_urls(n: int) -> Iterator[list[str]]:
+    """`refusing_ports` as http:// URLs."""
+    with refusing_ports(n) as ports:
+        yield [f"http://127.0.0.1:{port}" for port in ports]
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ in test_subscriber_index.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import random
 from collections import defaultdict
@@ -29,7 +30,7 @@ from app.wire import (
     encode_batch,
     encode_seq,
 )
-from tests.conftest import wait_until
+from tests.conftest import refusing_ports, wait_until
 from tests.support.events import (
     TEST_OPTIONS,
     EventSource,
@@ -360,17 +361,19 @@ def test_disconnect_marks_down_then_reconnect_rebuilds_from_a_replay():
 
 def test_unreachable_endpoint_is_down_until_the_publisher_appears():
     async def scenario(ctx):
-        probe = zmq.Context.instance().socket(zmq.PUB)
-        port = probe.bind_to_random_port("tcp://127.0.0.1")
-        replay_port = probe.bind_to_random_port("tcp://127.0.0.1")
-        probe.close(0)  # two ports nobody listens on (for now)
+        refusing = contextlib.ExitStack()
+        # Two ports nobody listens on, for now.
+        port, replay_port = refusing.enter_context(refusing_ports(2))
         endpoint = WorkerEndpoint("late", 0, f"tcp://127.0.0.1:{port}",
                                   f"tcp://127.0.0.1:{replay_port}")
         index = OpLog()
         sub = Subscriber(endpoint, index, ctx=ctx, options=TEST_OPTIONS)
         async with Running(sub):
-            await wait_until(lambda: sub.status.state == "down", "down")
-            assert "cannot connect" in (sub.status.last_error or "")
+            try:
+                await wait_until(lambda: sub.status.state == "down", "down")
+                assert "cannot connect" in (sub.status.last_error or "")
+            finally:
+                refusing.close()  # the engine comes up on those ports
             with EventPublisher(endpoint.endpoint, endpoint.replay_endpoint) as pub:
                 ledger, source = Ledger(pub), EventSource(14)
                 for _ in range(4):
