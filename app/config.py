@@ -82,11 +82,11 @@ class Settings:
     log_level: str = "info"
     # Also serve OpenAI-compatible endpoints that forward each request to the chosen worker.
     proxy: bool = False
-    # Routing cost weights, in prefill-token equivalents (see app/routing.py).
+    # Routing cost weights, in prefill tokens (see app/routing.py).
     cost_miss_token: float = 1.0
     cost_cpu_hit_token: float = 0.25
     cost_storage_hit_token: float = 0.5
-    cost_queued_request: float = 256.0
+    cost_running_request: float = 32.0
     overload_waiting: int = 64
     overload_kv_usage: float = 0.98
     # Seconds between scrapes of each instance's /metrics for load; 0 turns scraping off.
@@ -99,7 +99,7 @@ class Settings:
 _INT_SETTINGS = {"port", "max_prompt_tokens", "max_block_hashes", "max_prompt_chars",
                  "max_body_bytes", "overload_waiting"}
 _FLOAT_SETTINGS = {"ready_grace_seconds", "cost_miss_token", "cost_cpu_hit_token",
-                   "cost_storage_hit_token", "cost_queued_request", "overload_kv_usage",
+                   "cost_storage_hit_token", "cost_running_request", "overload_kv_usage",
                    "load_interval", "placement_ttl"}
 _STR_SETTINGS = {"host", "tokenizer", "log_level"}
 _BOOL_SETTINGS = {"proxy"}

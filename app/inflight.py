@@ -12,14 +12,19 @@ Ownership and invariants:
   byte of the answer arrives (`started()`): for a streamed answer that is the first token,
   so the prefill is done; a non-streamed answer arrives whole, so its prefill counts until
   the end. After that the request counts only as *running* (decode pressure).
-- Nothing here reads a clock or does I/O.
+- In route mode kvroute never sees a request end. `RecentAnswers` counts each answer as a
+  ticket until a reading of the instance's /metrics taken after it (which then shows the
+  request itself) or `max_age` has passed, whichever comes first.
+- Nothing here reads a clock or does I/O: times are passed in.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["InFlight", "Ticket", "WorkerLoad"]
+__all__ = ["InFlight", "RecentAnswers", "Ticket", "WorkerLoad"]
 
 WorkerKey = tuple[str, int]
 
@@ -105,3 +110,41 @@ class InFlight:
             self._queued[key] = tokens
         else:
             self._queued.pop(key, None)
+
+
+class RecentAnswers:
+    """Route-mode answers as tickets of their own ledger, until the instance's metrics cover
+    them. Kept apart from the proxy's tickets: an answer may never be followed."""
+
+    __slots__ = ("_ledger", "_max_age", "_margin", "_open")
+
+    def __init__(self, max_age: float, margin: float = 0.05) -> None:
+        self._ledger = InFlight()
+        self._max_age = max_age
+        # A caller forwards the request a moment after the answer; a reading taken within
+        # this margin of the answer may not show it yet.
+        self._margin = margin
+        self._open: dict[WorkerKey, deque[tuple[float, Ticket]]] = {}
+
+    def get(self, key: WorkerKey) -> WorkerLoad:
+        return self._ledger.get(key)
+
+    def add(self, key: WorkerKey, prefill_tokens: int, now: float) -> None:
+        ticket = self._ledger.open(key, prefill_tokens)
+        self._open.setdefault(key, deque()).append((now, ticket))
+
+    def settle(self, now: float, reading_taken: Callable[[WorkerKey], float | None]) -> None:
+        """Close the answers that a later metrics reading covers or that are too old;
+        `reading_taken(key)` is when the worker's current reading was taken, if any."""
+        for key in list(self._open):
+            answers = self._open[key]
+            taken = reading_taken(key)
+            while answers and (now - answers[0][0] >= self._max_age or (
+                    taken is not None and taken >= answers[0][0] + self._margin)):
+                answers.popleft()[1].close()
+            if not answers:
+                del self._open[key]
+
+    def forget(self, key: WorkerKey) -> None:
+        for _, ticket in self._open.pop(key, ()):
+            ticket.close()

@@ -43,7 +43,7 @@ class Load:
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
-    read_at: float = 0.0  # time.monotonic() of the scrape
+    read_at: float = 0.0  # time.monotonic() when the scrape was sent
 
 
 def parse_load(text: str, read_at: float) -> dict[int, Load]:
@@ -101,11 +101,12 @@ class LoadMonitor:
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
 
     async def _scrape(self, instance: Instance) -> None:
+        sent = time.monotonic()  # the reading shows every request the instance had by then
         try:
             response = await self._client.get(f"{instance.url}/metrics",
                                               timeout=max(0.2, self.interval))
             response.raise_for_status()
-            readings = parse_load(response.text, time.monotonic())
+            readings = parse_load(response.text, sent)
         except (httpx.HTTPError, ValueError) as exc:
             log.debug("instance %s: load not read: %r", instance.id, exc)
             for worker in instance.workers:

@@ -1,24 +1,37 @@
 """Choosing a worker: cache reuse weighed against queued work.
 
-Each eligible worker gets a cost in *prefill-token equivalents*:
+Each eligible worker gets a cost in *prefill tokens*, the unit an engine spends:
 
-    prefill = miss_token * uncached tokens
+    prefill = miss_token * uncached tokens of this prompt
             + cpu_hit_token * tokens whose fastest cached tier is CPU
             + storage_hit_token * tokens whose fastest cached tier is STORAGE
               (tokens cached on GPU cost nothing)
-    queue   = queued_request * queued requests
+    queue   = miss_token * prefill tokens queued ahead of it
+            + running_request * requests running there (decode pressure)
     cost    = prefill + queue
 
-`queued requests` is the larger of the worker's own count (running + waiting,
-scraped from its /metrics) and the requests kvroute's proxy has in flight to it;
-with neither known it is 0. A worker is *overloaded* when its waiting queue or
-its KV-cache usage reaches the configured limit; overloaded workers are skipped
-unless every worker is. The lowest cost wins; equal costs rotate among the tied
-workers, so a cold prefix nobody holds does not always land on the same worker.
+So "the prefix is cached on the busy worker" and "the idle worker must compute the
+whole prompt" are compared in the same unit: the busy worker wins while the work queued
+ahead of it is smaller than the prefill it saves.
 
-With the default weights and an idle fleet, the lowest cost is simply the most
-matched tokens, since block sizes differ between instances and blocks are not
-comparable.
+What kvroute knows of a worker's queue, and which of it counts:
+- its own requests in flight (`inflight`, `queued_prefill`): in proxy mode the requests it
+  forwarded and has not seen end, each with its uncached tokens until the answer's first
+  byte; in route mode the answers it gave in the last moments (a caller follows them
+  before the instance's /metrics can show them);
+- the instance's /metrics (`running`, `waiting`), each waiting request priced like this
+  prompt's full length, since nothing says how much of it is cached.
+The larger of the two views counts, queued tokens and running requests each, so work
+seen both ways is not counted twice. Queued prefill that computes this prompt's own prefix
+(blocks the worker is only guessed to hold, because an answer just sent that prefix there)
+is not counted against it: that work is done once, and this request reuses it. So a burst
+of a cold prefix follows the first answer instead of spreading over the fleet.
+
+A worker is *overloaded* when its waiting queue or its KV-cache usage reaches the
+configured limit; overloaded workers are skipped unless every worker is. The lowest
+cost wins; equal costs rotate among the tied workers, so a cold prefix nobody holds
+does not always land on the same worker. With an idle fleet the lowest cost is simply
+the most matched tokens (block sizes differ between instances; blocks are not comparable).
 """
 
 from __future__ import annotations
@@ -39,9 +52,8 @@ class CostWeights:
     miss_token: float = 1.0
     cpu_hit_token: float = 0.25
     storage_hit_token: float = 0.5
-    # Found on the simulated fleet (benchmarks/hitrate.py): 256 spreads hot prefixes
-    # without giving up their hits; 1024 already loses the chat workload's gain.
-    queued_request: float = 256.0
+    # Decode pressure of one running request, in prefill tokens.
+    running_request: float = 32.0
     overload_waiting: int = 64
     overload_kv_usage: float = 0.98
 
@@ -56,7 +68,9 @@ class WorkerView:
     running: float | None = None  # None: no fresh reading of the instance's metrics
     waiting: float | None = None
     kv_usage: float | None = None
-    inflight: int = 0
+    inflight: int = 0  # requests kvroute's proxy forwarded and has not seen end
+    answered: int = 0  # route answers naming it that its /metrics do not show yet
+    queued_prefill: int = 0  # uncached prompt tokens of both, not yet computed
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +84,8 @@ class Score:
     state: str
     prefill_cost: float
     queue_cost: float
-    queued: float
+    queued_prefill: float
+    running: float
     overloaded: bool
     load: dict[str, float | int | None]
     pending_blocks: int = 0
@@ -92,7 +107,8 @@ class Score:
             "cost": round(self.cost, 3),
             "cost_terms": {"prefill": round(self.prefill_cost, 3),
                            "queue": round(self.queue_cost, 3)},
-            "queued_requests": self.queued,
+            "queued_prefill_tokens": self.queued_prefill,
+            "running_requests": self.running,
             "overloaded": self.overloaded,
             "load": self.load,
         }
@@ -127,18 +143,21 @@ def score_workers(
         prefill = (weights.miss_token * max(total - tokens, 0)
                    + weights.cpu_hit_token * by_medium["CPU"] * size
                    + weights.storage_hit_token * by_medium["STORAGE"] * size)
-        reported = (None if view.running is None
-                    else view.running + (view.waiting or 0.0))
-        queued = max(float(view.inflight), reported or 0.0)
+        total_prompt = prompt_tokens if prompt_tokens is not None else total
+        queued = max(float(view.queued_prefill), (view.waiting or 0.0) * total_prompt)
+        queued = max(0.0, queued - pending * size)  # the prefix being computed for us
+        running = max(float(view.inflight + view.answered), view.running or 0.0)
         overloaded = ((view.waiting or 0.0) >= weights.overload_waiting
                       or (view.kv_usage or 0.0) >= weights.overload_kv_usage)
         scores.append(Score(
             instance=view.key[0], dp_rank=view.key[1], matched_blocks=blocks,
             matched_tokens=tokens, block_size=block_size, by_medium=by_medium,
             state=view.state, prefill_cost=prefill,
-            queue_cost=weights.queued_request * queued, queued=queued, overloaded=overloaded,
+            queue_cost=weights.miss_token * queued + weights.running_request * running,
+            queued_prefill=queued, running=running, overloaded=overloaded,
             load={"running": view.running, "waiting": view.waiting,
-                  "kv_usage": view.kv_usage, "inflight": view.inflight},
+                  "kv_usage": view.kv_usage, "inflight": view.inflight,
+                  "answered": view.answered, "queued_prefill": view.queued_prefill},
             pending_blocks=pending,
         ))
     return scores

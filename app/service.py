@@ -23,7 +23,7 @@ import msgspec
 from fastapi.responses import JSONResponse
 
 from app.config import Settings
-from app.inflight import InFlight
+from app.inflight import InFlight, RecentAnswers
 from app.load import LoadMonitor
 from app.metrics import ServiceMetrics
 from app.registry import Instance, Registry, Worker
@@ -59,6 +59,9 @@ class RouteRequest(msgspec.Struct, forbid_unknown_fields=True):
     model: str | None = None
     lora_name: str | None = None
     candidates: list[str] | None = None
+    # The caller only asks what kvroute would do and will not send the request: the answer
+    # leaves no placement guess and does not count as load on the chosen worker.
+    probe: bool = False
 
 
 def decode_route_request(body: bytes) -> RouteRequest:
@@ -132,12 +135,14 @@ class Service:
         self.weights = CostWeights(
             miss_token=settings.cost_miss_token, cpu_hit_token=settings.cost_cpu_hit_token,
             storage_hit_token=settings.cost_storage_hit_token,
-            queued_request=settings.cost_queued_request,
+            running_request=settings.cost_running_request,
             overload_waiting=settings.overload_waiting,
             overload_kv_usage=settings.overload_kv_usage)
         self.load = LoadMonitor(self.registry, self.client, interval=settings.load_interval)
         # Requests the proxy has sent to each worker and not yet seen finish.
         self.inflight = InFlight()
+        # Route answers, until the instance's own metrics show them (no metrics: not kept).
+        self.answers = RecentAnswers(max_age=3 * settings.load_interval)
         self.started_at = time.monotonic()
         self._configured: list[Instance] = []
         self._ready = False
@@ -245,6 +250,7 @@ class Service:
                            + (f" (got {', '.join(given)})" if given else ""),
                            given[1] if len(given) > 1 else "token_ids")
         self._check_sizes(request)
+        self.answers.settle(time.monotonic(), self._reading_taken)
         eligible = [w for w in self._eligible(request) if w.key not in exclude]
         if not eligible:
             reason = "no registered instance" if not len(self.registry) else (
@@ -278,7 +284,7 @@ class Service:
             prompt_blocks=len(request.block_hashes or ()))
         best = best_of(scores, self.ties)
         worker = next(w for w in eligible if w.key == (best.instance, best.dp_rank))
-        if tokens and self.settings.placement_ttl > 0:
+        if tokens and self.settings.placement_ttl > 0 and not request.probe:
             # Until its events arrive, the chosen worker counts as holding this prompt, so
             # a burst sharing a new prefix follows the first request instead of spreading.
             self.index.place(worker.key, tokens, block_size=worker.instance.block_size,
@@ -293,18 +299,32 @@ class Service:
         placement guesses will not come true."""
         self.index.placements.forget(decision.worker.key)
 
+    def _reading_taken(self, key: tuple[str, int]) -> float | None:
+        load = self.load.get(key)
+        return load.read_at if load else None
+
     def _view(self, worker: Worker) -> WorkerView:
         load = self.load.get(worker.key)
+        forwarded = self.inflight.get(worker.key)
+        answered = self.answers.get(worker.key)
         return WorkerView(
             key=worker.key, block_size=worker.instance.block_size, state=worker.state,
             running=load.running if load else None, waiting=load.waiting if load else None,
-            kv_usage=load.kv_usage if load else None, inflight=self.inflight.count(worker.key))
+            kv_usage=load.kv_usage if load else None, inflight=forwarded.requests,
+            answered=answered.requests,
+            queued_prefill=forwarded.queued_prefill_tokens + answered.queued_prefill_tokens)
 
     async def route(self, body: bytes) -> tuple[str, dict[str, Any]]:
         """(input kind, answer) for a POST /v1/route body; raises ApiError."""
         request = decode_route_request(body)
         decision = await self.decide(request)
         best = decision.best
+        if (decision.tokens is not None and self.settings.load_interval > 0
+                and not request.probe and not self.settings.proxy):
+            # A caller follows the answer before the instance's metrics can show it. (In
+            # proxy mode the proxy counts the requests it forwards itself, exactly.)
+            self.answers.add(decision.worker.key, len(decision.tokens) - best.matched_tokens,
+                             time.monotonic())
         return decision.kind, {
             "instance": best.instance,
             "url": decision.worker.instance.url,

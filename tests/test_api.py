@@ -65,7 +65,8 @@ def complete(url: str, tokens: list[int]) -> dict:
 
 
 def route(client: httpx.Client, **body: object) -> httpx.Response:
-    return client.post("/v1/route", json=body)
+    """Ask what kvroute would do, as a probe: these tests do not send the prompts."""
+    return client.post("/v1/route", json={"probe": True, **body})
 
 
 def route_until(client: httpx.Client, matched_tokens: int, what: str, **body: object) -> dict:
@@ -409,3 +410,36 @@ def test_a_model_naming_a_lora_adapter_matches_that_adapters_blocks():
                                  lora_name="sql-lora").json()["matched_tokens"] == 2 * BLOCK
             finally:
                 server.stop()
+
+
+def test_a_followed_answer_counts_as_load_until_the_instances_metrics_do_and_a_probe_never(
+        cluster: SimCluster):
+    """Route mode: the caller sends the request where the answer said, before the instance's
+    /metrics can show it, so kvroute counts its own answer meanwhile. A probe is not sent:
+    it leaves neither a placement guess nor load."""
+    server = start_service(placement_ttl=30.0, load_interval=0.2)
+    try:
+        with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as client:
+            for url in cluster.urls:
+                register(client, url)
+            prompt = unique_tokens(900, 4 * BLOCK + 1)
+            route(client, token_ids=prompt)  # a probe
+            probed = route(client, token_ids=prompt).json()
+            assert probed["matched_tokens"] == 0
+            assert all(s["load"]["answered"] == 0 for s in probed["scores"])
+
+            followed = client.post("/v1/route", json={"token_ids": prompt}).json()
+            after = route(client, token_ids=prompt).json()
+            chosen = next(s for s in after["scores"] if s["instance"] == followed["instance"])
+            assert chosen["load"]["answered"] == 1 and chosen["pending_blocks"] == 4
+            # Its prefill is being computed for this very prefix: not held against it.
+            assert chosen["load"]["queued_prefill"] == len(prompt)
+            assert chosen["queued_prefill_tokens"] == 1
+            assert after["instance"] == followed["instance"]
+            # Nothing was sent, so the instance's next reading shows nothing: the answer
+            # stops counting once a reading taken after it arrives.
+            wait_for(lambda: all(s["load"]["answered"] == 0 for s in
+                                 route(client, token_ids=prompt).json()["scores"]),
+                     "the answer to stop counting once the instance's metrics are read")
+    finally:
+        server.stop()

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.inflight import InFlight, WorkerLoad
+from app.inflight import InFlight, RecentAnswers, WorkerLoad
 
 A, B = ("a", 0), ("b", 1)
 
@@ -61,3 +61,25 @@ def test_negative_prefill_is_taken_as_none():
     ledger.open(B, prefill_tokens=-5).close()
     with pytest.raises(AssertionError):
         ledger._add(B, -1, 0)  # accounting that would go negative is a bug, said loudly
+
+
+def test_route_answers_count_until_a_later_metrics_reading_or_their_age_says_otherwise():
+    answers = RecentAnswers(max_age=3.0, margin=0.05)
+    answers.add(A, 500, now=10.0)
+    answers.add(A, 100, now=10.5)
+    answers.add(B, 70, now=10.0)
+    readings = {A: 10.2}  # A's metrics were read after the first answer only; B's never
+    answers.settle(11.0, readings.get)
+    assert answers.get(A) == WorkerLoad(requests=1, queued_prefill_tokens=100)
+    assert answers.get(B) == WorkerLoad(requests=1, queued_prefill_tokens=70)
+    answers.settle(13.0, readings.get)  # B's answer is 3 s old: no longer trusted
+    assert answers.get(B) == WorkerLoad()
+    readings[A] = 10.52  # within the margin: the request may not have arrived yet
+    answers.settle(13.0, readings.get)
+    assert answers.get(A).requests == 1
+    readings[A] = 10.6
+    answers.settle(13.0, readings.get)
+    assert answers.get(A) == WorkerLoad()
+    answers.add(A, 5, now=20.0)
+    answers.forget(A)
+    assert answers.get(A) == WorkerLoad()

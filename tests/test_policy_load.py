@@ -72,7 +72,7 @@ def test_hot_prefix_spreads_when_its_holder_is_busy_and_returns_when_load_falls(
             sim.complete(0, hot, max_tokens=1)
 
             def best() -> dict:
-                return client.post("/v1/route", json={"token_ids": hot}).json()
+                return client.post("/v1/route", json={"token_ids": hot, "probe": True}).json()
 
             wait_for(lambda: (a := best())["instance"] == holder
                      and a["matched_tokens"] == 20 * BLOCK, "the holder to be known")

@@ -59,7 +59,7 @@ class Fleet:
         """Route until `instance_id` wins with a non-zero match (events are asynchronous)."""
 
         def check() -> dict | None:
-            answer = self.http.post("/v1/route", json=body).json()
+            answer = self.http.post("/v1/route", json={**body, "probe": True}).json()
             won = answer.get("instance") == instance_id and answer.get("matched_tokens")
             return answer if won else None
 
@@ -67,7 +67,7 @@ class Fleet:
 
     def inflight(self) -> dict[tuple[str, int], int]:
         """Every worker's in-flight count, as the routing scores report it."""
-        answer = self.http.post("/v1/route", json={"token_ids": [1, 2, 3]}).json()
+        answer = self.http.post("/v1/route", json={"token_ids": [1, 2, 3], "probe": True}).json()
         return {(s["instance"], s["dp_rank"]): s["load"]["inflight"] for s in answer["scores"]}
 
     def assert_nothing_in_flight(self) -> None:

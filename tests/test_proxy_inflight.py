@@ -41,7 +41,7 @@ def proxy_settings() -> Settings:
 
 
 def scores_inflight(client: httpx.Client) -> dict[str, int]:
-    answer = client.post("/v1/route", json={"token_ids": [1, 2, 3]}).json()
+    answer = client.post("/v1/route", json={"token_ids": [1, 2, 3], "probe": True}).json()
     return {s["instance"]: s["load"]["inflight"] for s in answer["scores"]}
 
 

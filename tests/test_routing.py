@@ -45,16 +45,39 @@ def test_queued_work_outweighs_a_small_hit():
     best, scores = pick([busy, idle], {("busy", 0): match(4)})
     assert best.instance == "idle"
     busy_score = next(s for s in scores if s.instance == "busy")
-    assert busy_score.queued == 6 and busy_score.queue_cost == 6 * W.queued_request
-    # A long enough hit is still worth the queue.
-    best, _ = pick([busy, idle], {("busy", 0): match(200)}, prompt_tokens=8192)
+    # Each waiting request is priced like this prompt's full length (1024 tokens).
+    assert busy_score.queued_prefill == 2 * 1024 and busy_score.running == 4
+    assert busy_score.queue_cost == 2 * 1024 + 4 * W.running_request
+    # A long enough hit is still worth running requests (decode pressure).
+    running = view("busy", running=4, waiting=0)
+    best, _ = pick([running, idle], {("busy", 0): match(400)}, prompt_tokens=8192)
     assert best.instance == "busy"
 
 
-def test_inflight_counts_when_it_exceeds_the_scraped_queue():
-    stale, fresh = view("stale", inflight=3), view("fresh", running=1, waiting=0, inflight=0)
-    _, scores = pick([stale, fresh], {})
-    assert {s.instance: s.queued for s in scores} == {"stale": 3.0, "fresh": 1.0}
+def test_a_cached_prefix_on_a_busy_worker_and_an_idle_worker_compare_in_prefill_tokens():
+    """480 cached tokens of a 540-token prompt: the holder wins while the prefill queued
+    ahead of it is smaller than what it saves, and the prompt spreads once it is not."""
+    hit = {("holder", 0): Match(blocks=30, tokens=480, block_size=16,
+                                by_medium={"GPU": 30, "CPU": 0, "STORAGE": 0})}
+    holder = view("holder", inflight=2, queued_prefill=60)
+    best, scores = pick([holder, view("idle")], hit, prompt_tokens=540)
+    cost = {s.instance: s.as_json()["cost_terms"] for s in scores}
+    assert cost == {"holder": {"prefill": 60.0, "queue": 60 + 2 * W.running_request},
+                    "idle": {"prefill": 540.0, "queue": 0.0}}
+    assert best.instance == "holder"
+    saturated = view("holder", inflight=8, queued_prefill=8 * 60)
+    best, _ = pick([saturated, view("idle")], hit, prompt_tokens=540)
+    assert best.instance == "idle"
+
+
+def test_own_and_scraped_views_of_a_queue_are_not_added_up():
+    both = view("both", running=3, waiting=1, inflight=2, answered=1, queued_prefill=100)
+    _, (score,) = pick([both], {}, prompt_tokens=64)
+    assert score.running == 3  # max(2 forwarded + 1 answered, 3 scraped)
+    assert score.queued_prefill == 100  # max(100 own, 1 waiting x 64)
+    own_only = view("own", inflight=3)  # no reading of the instance's metrics
+    _, (score,) = pick([own_only], {}, prompt_tokens=64)
+    assert score.running == 3 and score.queue_cost == 3 * W.running_request
 
 
 def test_overloaded_workers_are_skipped_unless_all_are():
@@ -96,3 +119,14 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 100.0
     loads = parse_load(text, read_at=1.0)
     assert loads[0].running == 3 and loads[0].waiting == 7 and loads[0].kv_usage == 0.5
     assert loads[1].running == 1 and loads[1].waiting == 0
+
+
+def test_queued_prefill_that_builds_this_prompts_prefix_is_not_held_against_it():
+    """An answer just sent a cold 512-token prompt to `first` (guessed, not yet stored): a
+    second request for it reuses that work there instead of computing it elsewhere."""
+    guessed = {("first", 0): Match(blocks=32, tokens=512, block_size=16,
+                                   by_medium={"GPU": 0, "CPU": 0, "STORAGE": 0}, pending=32)}
+    first = view("first", answered=1, queued_prefill=512)
+    best, scores = pick([first, view("other")], guessed, prompt_tokens=520)
+    assert best.instance == "first"
+    assert {s.instance: s.queued_prefill for s in scores} == {"first": 0.0, "other": 0.0}
