@@ -6,6 +6,12 @@ vLLM exports, per engine (the `engine` label is the data-parallel rank):
 scrapes every registered instance's `/metrics` on an interval and keeps the last
 reading per worker.
 
+vLLM sets those gauges from each engine step's scheduler stats, so an engine that has
+gone idle keeps reporting its last step's values (often one request running) until its
+next request. Its `vllm:prompt_tokens` and `vllm:generation_tokens` counters move on every
+step that does work: when neither moved for two scrape intervals (longer than any one
+step), the engine is idle, and the reading says nothing runs or waits there.
+
 Invariants:
 - A reading older than `stale_after` intervals is not trusted: `get` returns None
   for it, and the policy then uses only what kvroute itself knows (its in-flight
@@ -20,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -35,6 +41,8 @@ _FAMILIES = {
     "vllm:num_requests_running": "running",
     "vllm:num_requests_waiting": "waiting",
     "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:prompt_tokens": "work",  # counters: prefill and generated tokens, summed
+    "vllm:generation_tokens": "work",
 }
 
 
@@ -44,6 +52,8 @@ class Load:
     waiting: float = 0.0
     kv_usage: float = 0.0
     read_at: float = 0.0  # time.monotonic() when the scrape was sent
+    work: float | None = None  # tokens the engine has processed; None: not exported
+    work_since: float = 0.0  # read_at of the first reading with this `work`
 
 
 def parse_load(text: str, read_at: float) -> dict[int, Load]:
@@ -54,6 +64,8 @@ def parse_load(text: str, read_at: float) -> dict[int, Load]:
         if field is None:
             continue
         for sample in family.samples:
+            if field == "work" and not sample.name.endswith("_total"):
+                continue  # a counter's _created sample
             engine = sample.labels.get("engine", "0")
             rank = int(engine) if engine.isdigit() else 0
             per_rank = values.setdefault(rank, {})
@@ -116,5 +128,13 @@ class LoadMonitor:
             reading = readings.get(worker.endpoint.dp_rank)
             if reading is None:
                 self._loads.pop(worker.key, None)
-            else:
-                self._loads[worker.key] = reading
+                continue
+            previous = self._loads.get(worker.key)
+            since = reading.read_at
+            if previous is not None and reading.work is not None and reading.work == previous.work:
+                since = previous.work_since
+            reading = replace(reading, work_since=since)
+            if reading.read_at - since >= 2 * self.interval:
+                # No step for that long: the gauges are the last step's leftovers.
+                reading = replace(reading, running=0.0, waiting=0.0)
+            self._loads[worker.key] = reading

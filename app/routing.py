@@ -15,14 +15,15 @@ whole prompt" are compared in the same unit: the busy worker wins while the work
 ahead of it is smaller than the prefill it saves.
 
 What kvroute knows of a worker's queue, and which of it counts:
-- its own requests in flight (`inflight`, `queued_prefill`): in proxy mode the requests it
-  forwarded and has not seen end, each with its uncached tokens until the answer's first
-  byte; in route mode the answers it gave in the last moments (a caller follows them
-  before the instance's /metrics can show them);
-- the instance's /metrics (`running`, `waiting`), each waiting request priced like this
-  prompt's full length, since nothing says how much of it is cached.
-The larger of the two views counts, queued tokens and running requests each, so work
-seen both ways is not counted twice. Queued prefill that computes this prompt's own prefix
+- in proxy mode, exactly the requests it forwarded and has not seen end (`inflight`), each
+  with its uncached tokens until the answer's first byte (`queued_prefill`); the caller
+  leaves `running` and `waiting` unset;
+- in route mode, the answers it gave in the last moments (`answered`: a caller follows
+  them before the instance's /metrics can show them) and the instance's /metrics
+  (`running`, `waiting`, each waiting request priced like this prompt's full length,
+  since nothing says how much of it is cached). The larger of the two views counts,
+  queued tokens and running requests each, so work seen both ways is not counted twice.
+Queued prefill that computes this prompt's own prefix
 (blocks the worker is only guessed to hold, because an answer just sent that prefix there)
 is not counted against it: that work is done once, and this request reuses it. So a burst
 of a cold prefix follows the first answer instead of spreading over the fleet.

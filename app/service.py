@@ -307,9 +307,12 @@ class Service:
         load = self.load.get(worker.key)
         forwarded = self.inflight.get(worker.key)
         answered = self.answers.get(worker.key)
+        # The proxy knows its own requests exactly; an instance's gauges trail them by a
+        # scrape and would only blur that. Route mode has nothing better than the gauges.
+        queue = load if load and not self.settings.proxy else None
         return WorkerView(
             key=worker.key, block_size=worker.instance.block_size, state=worker.state,
-            running=load.running if load else None, waiting=load.waiting if load else None,
+            running=queue.running if queue else None, waiting=queue.waiting if queue else None,
             kv_usage=load.kv_usage if load else None, inflight=forwarded.requests,
             answered=answered.requests,
             queued_prefill=forwarded.queued_prefill_tokens + answered.queued_prefill_tokens)

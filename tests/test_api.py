@@ -443,3 +443,28 @@ def test_a_followed_answer_counts_as_load_until_the_instances_metrics_do_and_a_p
                      "the answer to stop counting once the instance's metrics are read")
     finally:
         server.stop()
+
+
+def test_an_idle_instances_leftover_gauges_do_not_count_as_load(cluster: SimCluster):
+    """vLLM's running/waiting gauges keep the last step's counts while the engine idles
+    (the simulator reports them the same way); its token counters stop moving. Once they
+    have not moved for two scrape intervals, kvroute reads the instance as idle."""
+    server = start_service(load_interval=0.1)
+    try:
+        with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as client:
+            instance = register(client, cluster.urls[1])
+            complete(cluster.urls[1], unique_tokens(950, 2 * BLOCK))
+            metrics = httpx.get(f"{cluster.urls[1]}/metrics", timeout=HTTP_TIMEOUT).text
+            assert 'vllm:num_requests_running{engine="0",model_name="sim-model"} 1.0' in metrics
+
+            def running() -> float | None:
+                scores = route(client, token_ids=[1, 2, 3]).json()["scores"]
+                return next(s["load"]["running"] for s in scores
+                            if s["instance"] == instance["id"])
+
+            wait_for(lambda: running() == 0.0, "the idle instance to read as idle",
+                     detail=running)
+            assert httpx.get(f"{cluster.urls[1]}/metrics", timeout=HTTP_TIMEOUT).text.count(
+                'vllm:num_requests_running{engine="0",model_name="sim-model"} 1.0') == 1
+    finally:
+        server.stop()

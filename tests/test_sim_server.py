@@ -88,7 +88,9 @@ def test_models_tokenize_health_and_metrics_answer_like_vllm(instance):
     assert 'vllm:cache_config_info{block_size="16"' in text
     assert 'vllm:prefix_cache_queries_total{engine="0",model_name="sim-model"} 80.0' in text
     assert 'vllm:prefix_cache_hits_total{engine="0",model_name="sim-model"} 32.0' in text
-    assert 'vllm:num_requests_running{engine="0",model_name="sim-model"} 0.0' in text
+    # As in vLLM, the gauges are the last step's: the last request was still running then.
+    assert 'vllm:num_requests_running{engine="0",model_name="sim-model"} 1.0' in text
+    assert 'vllm:generation_tokens_total{engine="0",model_name="sim-model"} 4.0' in text
     assert "vllm:kv_cache_usage_perc" in text and "vllm:num_requests_waiting" in text
 
 

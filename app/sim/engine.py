@@ -178,6 +178,14 @@ class Engine:
         self.clock = 0.0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # vLLM's vllm:prompt_tokens / vllm:generation_tokens counters: they move on every
+        # step that does work, and only then.
+        self.prompt_tokens_computed = 0
+        self.generation_tokens = 0
+        # vLLM's gauges: the scheduler's counts at the last step, kept while the engine idles.
+        self.reported_running = 0
+        self.reported_waiting = 0
+        self.reported_kv_usage = 0.0
 
     # --- hashing ------------------------------------------------------------------------------
 
@@ -310,9 +318,12 @@ class Engine:
         """Schedule and run one step starting at ``max(clock, now)``; advance the clock."""
         start = self.clock if now is None else max(self.clock, now)
         scheduled = self._schedule()
+        self.reported_running, self.reported_waiting = len(self._running), len(self._waiting)
+        self.reported_kv_usage = self.kv_cache_usage
         prefill_tokens = sum(n for req, n in scheduled if req.num_computed < len(req.prompt))
         decode_seqs = sum(1 for req, _ in scheduled if req.num_computed >= len(req.prompt))
         end = start + self.time_model.step_seconds(prefill_tokens, decode_seqs)
+        self.prompt_tokens_computed += prefill_tokens
         first: list[str] = []
         finished: list[RequestOutcome] = []
         for req, num_new in scheduled:
@@ -320,6 +331,7 @@ class Engine:
             if req.num_computed < len(req.tokens):
                 continue  # a prefill chunk: nothing sampled yet
             self._sample(req)
+            self.generation_tokens += 1
             if req.first_token_time is None:
                 req.first_token_time = end
                 first.append(req.request_id)

@@ -621,6 +621,10 @@ class _MetricsCollector:
                                    labels=labels)
         queries = CounterMetricFamily("vllm:prefix_cache_queries", "Prefix-cache queried tokens",
                                       labels=labels)
+        prompt = CounterMetricFamily("vllm:prompt_tokens", "Prefill tokens computed",
+                                     labels=labels)
+        generation = CounterMetricFamily("vllm:generation_tokens", "Generated tokens",
+                                         labels=labels)
         info = GaugeMetricFamily(
             "vllm:cache_config_info", "Cache configuration",
             labels=["block_size", "num_gpu_blocks", "enable_prefix_caching", "engine"],
@@ -629,10 +633,12 @@ class _MetricsCollector:
             eng = rank.engine
             key = [cfg.model, str(rank.rank)]
             with rank.lock:
-                running.add_metric(key, eng.num_running)
-                waiting.add_metric(key, eng.num_waiting)
-                usage.add_metric(key, eng.kv_cache_usage)
+                running.add_metric(key, eng.reported_running)
+                waiting.add_metric(key, eng.reported_waiting)
+                usage.add_metric(key, eng.reported_kv_usage)
                 hits.add_metric(key, eng.prefix_cache_hits)
                 queries.add_metric(key, eng.prefix_cache_queries)
+                prompt.add_metric(key, eng.prompt_tokens_computed)
+                generation.add_metric(key, eng.generation_tokens)
             info.add_metric([str(cfg.block_size), str(cfg.num_blocks), "True", str(rank.rank)], 1)
-        yield from (running, waiting, usage, hits, queries, info)
+        yield from (running, waiting, usage, hits, queries, prompt, generation, info)
