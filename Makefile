@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench bench-full lint e2e clean
+.PHONY: run test bench bench-full bench-real lint e2e clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ bench-full: $(STAMP)
 # kvroute against two real vLLM engines (CPU build, installed into .e2e/ on first use).
 e2e: $(STAMP)
 	$(BIN)/python -m e2e.run
+
+# Hit rate per router on real vLLM engines (CPU build, installed into .e2e/ on first use).
+# Long: BENCH_REAL_ARGS=--quick for the short version; output in bench-out/real/.
+BENCH_REAL_ARGS ?=
+bench-real: $(STAMP)
+	$(BIN)/python -m benchmarks.real_hitrate $(BENCH_REAL_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info bench-out

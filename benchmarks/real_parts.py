@@ -1,0 +1,418 @@
+"""The pure parts of ``benchmarks.real_hitrate``: workloads, the client driver, metric
+deltas, statistics, the table. Nothing here starts a process or talks to a network, so the
+unit tests (tests/test_real_hitrate_parts.py) run them without vLLM.
+
+Workloads are token-id prompts (the engines run with ``--skip-tokenizer-init``), seeded so
+every run and every router sends exactly the same requests in the same order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from e2e.workloads import random_tokens
+
+SHARED = "shared-system-prompts"
+CHAT = "multi-turn-chat"
+WORKLOADS = (SHARED, CHAT)
+ROUTERS = ("round-robin", "partition", "kvroute-route", "kvroute-proxy")
+
+
+# --- workloads ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    index: int
+    prompt: list[int]
+    group: int  # system prompt id or chat session id: the static partition's key
+    after: int | None = None  # a request that must have finished first (the previous turn)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    requests: list[Request]
+    description: str
+    groups: int
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(r.prompt) for r in self.requests)
+
+    def summary(self) -> dict[str, Any]:
+        lengths = [len(r.prompt) for r in self.requests]
+        return {"requests": len(self.requests), "groups": self.groups,
+                "prompt_tokens": sum(lengths), "min_prompt": min(lengths, default=0),
+                "max_prompt": max(lengths, default=0), "description": self.description}
+
+
+def shared_system_prompts(seed: int, requests: int = 120, systems: int = 6,
+                          system_tokens: int = 480, question: tuple[int, int] = (60, 120)
+                          ) -> Workload:
+    """Each request: one of ``systems`` system prompts (chosen uniformly) + a fresh question."""
+    rng = random.Random(f"{seed}/{SHARED}")
+    heads = [random_tokens(rng, system_tokens) for _ in range(systems)]
+    out = []
+    for i in range(requests):
+        group = rng.randrange(systems)
+        out.append(Request(i, heads[group] + random_tokens(rng, rng.randint(*question)), group))
+    return Workload(SHARED, out, f"{systems} system prompts of {system_tokens} tokens, "
+                    f"questions of {question[0]}-{question[1]} tokens", systems)
+
+
+def multi_turn_chat(seed: int, requests: int = 120, active: int = 8,
+                    opening: tuple[int, int] = (64, 160), user: tuple[int, int] = (30, 90),
+                    reply: tuple[int, int] = (20, 60), max_turns: int = 8,
+                    max_prompt: int = 896) -> Workload:
+    """Chat sessions, ``active`` of them open at a time; the next request is a turn of a
+    random open session. Every turn resends the whole conversation so far (the session's
+    opening, each user turn and a seeded stand-in for each assistant reply) plus a new user
+    turn, and waits for the session's previous turn to finish (``after``). A session ends
+    after ``max_turns`` or when its next prompt could pass ``max_prompt`` tokens, and a new
+    one opens in its place. The stand-in replies are not what the engine generated, so the
+    cacheable part of a turn is the previous turn's prompt (its full blocks), as in a chat
+    whose client re-renders the assistant's answer."""
+    if opening[1] + user[1] > max_prompt:
+        raise ValueError("a first turn could exceed max_prompt")
+    rng = random.Random(f"{seed}/{CHAT}")
+    sessions = 0
+    # per open session: [session id, conversation so far, turns sent, last request index]
+    slots: list[list[Any]] = []
+
+    def open_session() -> list[Any]:
+        nonlocal sessions
+        sessions += 1
+        return [sessions - 1, random_tokens(rng, rng.randint(*opening)), 0, None]
+
+    slots = [open_session() for _ in range(active)]
+    out: list[Request] = []
+    while len(out) < requests:
+        slot = rng.randrange(active)
+        sid, history, turns, last = slots[slot]
+        prompt = history + random_tokens(rng, rng.randint(*user))
+        out.append(Request(len(out), prompt, sid, last))
+        history = prompt + random_tokens(rng, rng.randint(*reply))
+        turns += 1
+        if turns >= max_turns or len(history) + user[1] > max_prompt:
+            slots[slot] = open_session()
+        else:
+            slots[slot] = [sid, history, turns, len(out) - 1]
+    return Workload(CHAT, out, f"{active} open sessions at a time, every turn resends the "
+                    f"conversation, prompts <= {max_prompt} tokens", sessions)
+
+
+def make_workload(name: str, seed: int, requests: int) -> Workload:
+    if name == SHARED:
+        return shared_system_prompts(seed, requests)
+    if name == CHAT:
+        return multi_turn_chat(seed, requests)
+    raise ValueError(f"unknown workload {name!r}")
+
+
+# --- the client driver --------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    index: int
+    prompt_tokens: int
+    engine: str | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    route_s: float | None = None
+    error: str | None = None
+    abandoned: bool = False
+    waited_s: float = 0.0  # time spent waiting for the previous turn (not part of TTFT)
+
+
+async def drive(requests: Sequence[Request], concurrency: int,
+                send: Callable[[Request], Awaitable[Outcome]], timeout: float,
+                on_done: Callable[[Outcome], None] | None = None) -> tuple[list[Outcome], bool]:
+    """``concurrency`` clients take requests from the list in order; a request whose
+    ``after`` has not finished waits for it first. Returns the outcomes in request order
+    (a request cut off by ``timeout`` gets an error) and whether the deadline cut the run."""
+    done = {r.index: asyncio.Event() for r in requests}
+    outcomes: dict[int, Outcome] = {}
+    cursor = iter(requests)
+
+    async def client() -> None:
+        for req in cursor:  # shared iterator: each request is taken by exactly one client
+            started = time.monotonic()
+            try:
+                if req.after is not None and req.after in done:
+                    await done[req.after].wait()
+                waited = time.monotonic() - started
+                try:
+                    outcome = await send(req)
+                except Exception as exc:  # a router bug must not stop the other clients
+                    outcome = Outcome(req.index, len(req.prompt),
+                                      error=f"{type(exc).__name__}: {exc}"[:300])
+                outcome.waited_s = waited
+                outcomes[req.index] = outcome
+                if on_done is not None:
+                    on_done(outcome)
+            finally:
+                done[req.index].set()
+
+    tasks = [asyncio.create_task(client()) for _ in range(max(1, concurrency))]
+    _, pending = await asyncio.wait(tasks, timeout=timeout)
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.wait(pending, timeout=30.0)
+    for task in tasks:
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            raise task.exception()  # type: ignore[misc]
+    result = [outcomes.get(r.index) or Outcome(r.index, len(r.prompt),
+                                                error="not finished before the run deadline")
+              for r in requests]
+    return result, bool(pending)
+
+
+def parse_sse_line(line: str) -> str | None:
+    """The payload of an SSE ``data:`` line, else None."""
+    if not line.startswith("data:"):
+        return None
+    return line[len("data:"):].strip()
+
+
+def cached_of(usage: dict[str, Any] | None) -> int | None:
+    if not usage:
+        return None
+    details = usage.get("prompt_tokens_details") or {}
+    value = details.get("cached_tokens")
+    return int(value) if value is not None else None
+
+
+# --- engine metrics -----------------------------------------------------------------------------
+
+#: What is read from each engine's /metrics, each with the sample names it may appear under
+#: (the first present wins), summed over label sets.
+ENGINE_METRICS: dict[str, tuple[str, ...]] = {
+    "hits": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+    "queries": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+    "prompt_tokens": ("vllm:prompt_tokens_total",),
+    "requests_ok": ("vllm:request_success_total",),
+    "preemptions": ("vllm:num_preemptions_total",),
+    "running": ("vllm:num_requests_running",),
+    "waiting": ("vllm:num_requests_waiting",),
+}
+COUNTERS = ("hits", "queries", "prompt_tokens", "requests_ok", "preemptions")
+
+
+def parse_engine_metrics(text: str) -> dict[str, float]:
+    """The ENGINE_METRICS readings of one Prometheus text exposition (absent ones: 0)."""
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
+    out: dict[str, float] = {}
+    for key, names in ENGINE_METRICS.items():
+        out[key] = next((sums[n] for n in names if n in sums), 0.0)
+    return out
+
+
+def metric_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Counter increases between two readings of one engine. A counter that went down means
+    the engine restarted in between: that is an error, not a delta."""
+    out = {}
+    for key in COUNTERS:
+        change = after.get(key, 0.0) - before.get(key, 0.0)
+        if change < 0:
+            raise ValueError(f"counter {key} went down ({before.get(key)} -> {after.get(key)}): "
+                             "did the engine restart?")
+        out[key] = change
+    return out
+
+
+def hit_rate(deltas: Iterable[dict[str, float]]) -> float | None:
+    """Prefix-cache hits / queries summed over engines; None when nothing was queried."""
+    rows = list(deltas)
+    queries = sum(d["queries"] for d in rows)
+    return sum(d["hits"] for d in rows) / queries if queries else None
+
+
+# --- statistics and the report ------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], p: float) -> float | None:
+    """Nearest-rank percentile; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(p / 100 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+@dataclass
+class RunRecord:
+    """One (workload, router, concurrency) run, as the report keeps it."""
+
+    workload: str
+    router: str
+    concurrency: int
+    engines: list[str]
+    outcomes: list[Outcome]
+    deltas: dict[str, dict[str, float]]  # per engine name
+    wall_s: float
+    timed_out: bool = False
+    inflight: dict[str, Any] | None = None  # kvroute runs: the leak check
+    notes: list[str] = field(default_factory=list)
+
+
+def summarize(run: RunRecord) -> dict[str, Any]:
+    ok = [o for o in run.outcomes if o.error is None]
+    errors = [o for o in run.outcomes if o.error is not None]
+    ttft = [o.ttft_s for o in ok if o.ttft_s is not None]
+    latency = [o.latency_s for o in ok if o.latency_s is not None and not o.abandoned]
+    route = [o.route_s for o in run.outcomes if o.route_s is not None]
+    sent_tokens = {e: 0 for e in run.engines}
+    sent_requests = {e: 0 for e in run.engines}
+    for o in run.outcomes:
+        if o.engine is not None:
+            sent_tokens[o.engine] = sent_tokens.get(o.engine, 0) + o.prompt_tokens
+            sent_requests[o.engine] = sent_requests.get(o.engine, 0) + 1
+    reported = [o for o in ok if o.cached_tokens is not None]
+    usage_prompt = sum(o.prompt_tokens for o in reported)
+
+    def ms(value: float | None) -> float | None:
+        return None if value is None else round(1000 * value, 1)
+
+    out: dict[str, Any] = {
+        "workload": run.workload,
+        "router": run.router,
+        "concurrency": run.concurrency,
+        "requests": len(run.outcomes),
+        "errors": len(errors),
+        "error_samples": sorted({o.error for o in errors if o.error})[:5],
+        "abandoned": sum(o.abandoned for o in run.outcomes),
+        "hit_rate": hit_rate(run.deltas.values()),
+        "hit_rate_usage": (sum(o.cached_tokens or 0 for o in reported) / usage_prompt
+                           if usage_prompt else None),
+        "engine_hits": {e: d["hits"] for e, d in run.deltas.items()},
+        "engine_queries": {e: d["queries"] for e, d in run.deltas.items()},
+        "engine_prompt_tokens": {e: d["prompt_tokens"] for e, d in run.deltas.items()},
+        "engine_preemptions": {e: d["preemptions"] for e, d in run.deltas.items()},
+        "sent_prompt_tokens": sent_tokens,
+        "sent_requests": sent_requests,
+        "ttft_p50_ms": ms(percentile(ttft, 50)),
+        "ttft_p90_ms": ms(percentile(ttft, 90)),
+        "latency_p50_ms": ms(percentile(latency, 50)),
+        "route_p50_ms": ms(percentile(route, 50)),
+        "route_p99_ms": ms(percentile(route, 99)),
+        "wall_s": round(run.wall_s, 2),
+        "timed_out": run.timed_out,
+        "notes": run.notes,
+    }
+    if run.inflight is not None:
+        out["inflight"] = run.inflight
+    return out
+
+
+def failed_row(workload: str, router: str, concurrency: int, engines: list[str],
+               error: str) -> dict[str, Any]:
+    """The report's row for a run that could not be measured."""
+    zero = {"hits": 0.0, "queries": 0.0, "prompt_tokens": 0.0, "requests_ok": 0.0,
+            "preemptions": 0.0}
+    row = summarize(RunRecord(workload, router, concurrency, engines, [],
+                              {e: dict(zero) for e in engines}, 0.0))
+    row["failed"] = error[:2000]
+    return row
+
+
+def add_partition_share(rows: list[dict[str, Any]]) -> None:
+    """Each row's hit rate as a share of the static partition's on the same workload and
+    concurrency (the upper bound these workloads allow), in place."""
+    bound = {(r["workload"], r["concurrency"]): r["hit_rate"]
+             for r in rows if r["router"] == "partition"}
+    for r in rows:
+        b = bound.get((r["workload"], r["concurrency"]))
+        r["share_of_partition"] = (r["hit_rate"] / b if b and r["hit_rate"] is not None
+                                   else None)
+
+
+def inflight_leaks(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per kvroute run whose in-flight counts did not return to 0 (or could not be
+    read)."""
+    out = []
+    for r in rows:
+        check = r.get("inflight")
+        if check and check.get("error"):
+            out.append(f"{r['workload']} x{r['concurrency']} {r['router']}: the check itself "
+                       f"failed: {check['error']}")
+        elif check and check.get("leak"):
+            out.append(f"{r['workload']} x{r['concurrency']} {r['router']}: inflight "
+                       f"{check.get('settled')} still after {check.get('waited_s')}s "
+                       f"(right after the run: {check.get('after_run')})")
+    return out
+
+
+def _pct(value: float | None) -> str:
+    return "   -  " if value is None else f"{100 * value:5.1f}%"
+
+
+def _ms(value: float | None) -> str:
+    return "     -" if value is None else f"{value:6.0f}"
+
+
+def _tokens(by_engine: dict[str, float]) -> str:
+    return "/".join(f"{v / 1000:.1f}k" for v in by_engine.values())
+
+
+def _inflight(check: dict[str, Any] | None) -> str:
+    if not check:
+        return "-"
+    after, settled = check.get("after_run"), check.get("settled")
+    if check.get("error"):
+        return "ERROR"
+    text = ",".join(str(v) for v in (settled or []))
+    if check.get("leak"):
+        return f"LEAK {text}"
+    if after != settled:
+        return f"{','.join(str(v) for v in after or [])}->{text}"
+    return text
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'workload':<22} {'conc':>4} {'router':<14} {'hit':>6} {'usage':>6} "
+            f"{'of part':>7} {'TTFT50':>6} {'TTFT90':>6} {'err':>3} {'wall':>6}  "
+            f"{'tokens sent/engine':<20} {'inflight':<10}")
+    lines = [head, "-" * len(head)]
+    previous = None
+    for r in rows:
+        key = (r["workload"], r["concurrency"])
+        if previous is not None and key != previous:
+            lines.append("")
+        previous = key
+        if r.get("failed"):
+            lines.append(f"{r['workload']:<22} {r['concurrency']:>4} {r['router']:<14} "
+                         f"FAILED: {r['failed'].splitlines()[0][:120]}")
+            continue
+        lines.append(
+            f"{r['workload']:<22} {r['concurrency']:>4} {r['router']:<14} "
+            f"{_pct(r['hit_rate'])} {_pct(r['hit_rate_usage'])} "
+            f"{_pct(r.get('share_of_partition')):>7} {_ms(r['ttft_p50_ms'])} "
+            f"{_ms(r['ttft_p90_ms'])} {r['errors']:>3} {r['wall_s']:5.0f}s  "
+            f"{_tokens(r['sent_prompt_tokens']):<20} {_inflight(r.get('inflight')):<10}")
+    lines.append("")
+    lines += [
+        "hit: vllm:prefix_cache_hits / queries (the engines' /metrics, deltas over the run, "
+        "summed)",
+        "usage: cached_tokens / prompt_tokens as each response reported them; of part: hit / "
+        "the static partition's hit",
+        "TTFT: ms at the client to the first SSE event, routing included; tokens sent/engine: "
+        "prompt tokens the client sent to each engine",
+        "inflight: kvroute's load.inflight per worker after the run (a->b: right after -> "
+        "settled); anything but 0 is a leak",
+    ]
+    return "\n".join(line.rstrip() for line in lines)
