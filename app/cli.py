@@ -36,6 +36,8 @@ def _serve(args: argparse.Namespace) -> int:
              "log_level": args.log_level, "proxy": args.proxy,
              "instances": [{"url": url} for url in args.instance] or None}
     settings = load_settings(args.config, flags=flags)
+    # log_level governs kvroute's own loggers too (debug: every proxy decision's scores).
+    logging.getLogger("kvroute").setLevel(settings.log_level.upper())
     return serve_forever(settings)
 
 

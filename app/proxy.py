@@ -204,6 +204,9 @@ class Proxy:
                 raise
             worker = decision.worker
             failed.add(worker.key)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("chose %s rank %d; scores %s", worker.instance.id,
+                          worker.endpoint.dp_rank, [s.as_json() for s in decision.scores])
             if decision.tokens is not None and question.token_ids is None:
                 # A retry routes the same tokens without asking a tokenizer again.
                 question = msgspec.structs.replace(question, prompt=None, messages=None,
