@@ -20,7 +20,10 @@ import json
 import random
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+import httpx
 
 from e2e.engines import Engine, wait_ready
 from e2e.service import Kvroute, KvrouteError
@@ -456,6 +459,69 @@ def check_proxy(cl: Cluster, rng: random.Random) -> CheckResult:
                f"{len(chunks)} SSE events) agree; {sum(s.cached > 0 for s in steps)} hits; "
                f"forwarded {per_engine}")
     return CheckResult("7 proxy", not details, summary, details=details)
+
+
+def check_concurrent_proxy(cl: Cluster, rng: random.Random, clients: int = 4) -> CheckResult:
+    """9. Overlapping requests through the proxy (kvroute's defaults, proxy on): several
+    clients at once, streamed and not. Every answer is vLLM's own, every in-flight count
+    is back at zero afterwards, kvroute's holdings still equal each engine's event stream,
+    and the shared prefixes are hits."""
+    details: list[str] = []
+    cl.kvroute.stop()
+    cl.say(f"  restarting kvroute in proxy mode with its defaults; {clients} clients at once")
+    cl.kvroute.start({"KVROUTE_PROXY": "true"})
+    cl.ids.clear()
+    cl.register_all()
+    model = str(next(iter(cl.engines.values())).spec.model_dir)
+    prompts = shared_prefix_workload(rng, 32)
+
+    def send(job: tuple[int, Prompt]) -> tuple[str, int, int, str | None]:
+        i, prompt = job
+        body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0.0}
+        url = f"{cl.kvroute.url}/v1/completions"
+        with httpx.Client(timeout=120.0) as http:
+            if i % 2:
+                body |= {"stream": True, "stream_options": {"include_usage": True}}
+                with http.stream("POST", url, json=body) as response:
+                    lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+                    status, iid = response.status_code, response.headers.get("x-kvroute-instance")
+                usage = [json.loads(line[6:]).get("usage") for line in lines
+                         if line != "data: [DONE]"]
+                cached = _cached_of(next((u for u in reversed(usage) if u), {}))
+                ended = bool(lines) and lines[-1] == "data: [DONE]"
+                error = None if status == 200 and ended else f"stream {status}, {lines[-1:]}"
+            else:
+                response = http.post(url, json=body)
+                status, iid = response.status_code, response.headers.get("x-kvroute-instance")
+                cached = _cached_of(response.json().get("usage", {})) if status == 200 else 0
+                error = None if status == 200 else f"{status}: {response.text[:200]}"
+        return str(iid), len(prompt), cached, error
+
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(send, enumerate(prompts)))
+    details += [f"request {i}: {error}" for i, (_, _, _, error) in enumerate(results) if error]
+    deadline = time.monotonic() + 30.0
+    open_ = cl.kvroute.inflight()
+    while any(open_.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        open_ = cl.kvroute.inflight()
+    if any(open_.values()):
+        details.append(f"in-flight counts not back at zero 30 s after the last answer: {open_}")
+    for name in cl.engines:
+        cl.taps[name].wait_quiet(0.2, 5.0)
+        cl.sync(name)
+    details += cl.holdings_disagree()
+    prompt_tokens = sum(n for _, n, _, _ in results)
+    cached = sum(c for _, _, c, _ in results)
+    if not cached:
+        details.append("no proxied request was a prefix-cache hit")
+    per_engine = {name: sum(n for iid, n, _, _ in results if iid == cl.ids[name])
+                  for name in cl.engines}
+    summary = (f"{len(results)} requests, {clients} at a time: "
+               f"{sum(e is None for *_, e in results)} answered, hit rate "
+               f"{cached / max(prompt_tokens, 1):.1%} ({cached}/{prompt_tokens} prompt tokens), "
+               f"prompt tokens per engine {per_engine}, in-flight afterwards {open_}")
+    return CheckResult("9 concurrent proxy", not details, summary, details=details)
 
 
 def _proxied_step(cl: Cluster, iid: str, prompt: Prompt, predicted: dict[str, int],

@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 cluster, names[1], rng, args.boot_timeout)),
             ("7 proxy", lambda: checks.check_proxy(cluster, rng)),
             ("8 placement guesses", lambda: checks.check_placement(cluster, rng)),
+            ("9 concurrent proxy", lambda: checks.check_concurrent_proxy(cluster, rng)),
         ]
         for name, fn in plan:
             results.append(run_check(clock, name, fn))

@@ -86,8 +86,9 @@ class Kvroute:
         """Blocks the index holds for the instance's rank-0 worker, all media together."""
         return sum(int(v) for v in self.worker(instance_id).get("holdings", {}).values())
 
-    def route(self, token_ids: list[int]) -> dict[str, Any]:
-        response = self.http.post("/v1/route", json={"token_ids": token_ids})
+    def route(self, token_ids: list[int], *, probe: bool = False) -> dict[str, Any]:
+        """kvroute's answer; a probe is a question only (the prompt will not be sent)."""
+        response = self.http.post("/v1/route", json={"token_ids": token_ids, "probe": probe})
         if response.status_code != 200:
             raise KvrouteError(f"POST /v1/route -> {response.status_code}: {response.text}")
         return response.json()
@@ -96,7 +97,7 @@ class Kvroute:
         """matched_tokens per instance id (rank 0) for this prompt."""
         return {
             score["instance"]: int(score["matched_tokens"])
-            for score in self.route(token_ids)["scores"]
+            for score in self.route(token_ids, probe=True)["scores"]
             if score.get("dp_rank", 0) == 0
         }
 
@@ -113,6 +114,11 @@ class Kvroute:
             raise KvrouteError(
                 f"proxied POST /v1/completions -> {response.status_code}: {response.text}")
         return response.headers.get("x-kvroute-instance", ""), response.json()
+
+    def inflight(self) -> dict[str, int]:
+        """The proxy's open requests per instance id, as the routing scores report them."""
+        scores = self.route([3, 4, 5], probe=True)["scores"]
+        return {score["instance"]: int(score["load"]["inflight"]) for score in scores}
 
     def proxied_stream(self, body: dict[str, Any]) -> tuple[str, list[str]]:
         """A streamed completion through the proxy: (instance id, the SSE data payloads)."""
