@@ -86,9 +86,6 @@ class InFlight:
     def get(self, key: WorkerKey) -> WorkerLoad:
         return WorkerLoad(self._requests.get(key, 0), self._queued.get(key, 0))
 
-    def count(self, key: WorkerKey) -> int:
-        return self._requests.get(key, 0)
-
     def total(self) -> int:
         return sum(self._requests.values())
 
@@ -144,7 +141,3 @@ class RecentAnswers:
                 answers.popleft()[1].close()
             if not answers:
                 del self._open[key]
-
-    def forget(self, key: WorkerKey) -> None:
-        for _, ticket in self._open.pop(key, ()):
-            ticket.close()

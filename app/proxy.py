@@ -213,10 +213,8 @@ class Proxy:
                                                    token_ids=decision.tokens)
             if not worker.instance.url:
                 continue  # configured with event endpoints only: nowhere to send requests
-            uncached = (len(decision.tokens) - decision.best.matched_tokens
-                        if decision.tokens is not None else 0)
             response = await self._attempt(request, path, body, worker, len(refused) + 1,
-                                           uncached)
+                                           decision.uncached_tokens)
             if response is not None:
                 return response
             self.service.retract(decision)

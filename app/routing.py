@@ -144,8 +144,7 @@ def score_workers(
         prefill = (weights.miss_token * max(total - tokens, 0)
                    + weights.cpu_hit_token * by_medium["CPU"] * size
                    + weights.storage_hit_token * by_medium["STORAGE"] * size)
-        total_prompt = prompt_tokens if prompt_tokens is not None else total
-        queued = max(float(view.queued_prefill), (view.waiting or 0.0) * total_prompt)
+        queued = max(float(view.queued_prefill), (view.waiting or 0.0) * total)
         queued = max(0.0, queued - pending * size)  # the prefix being computed for us
         running = max(float(view.inflight + view.answered), view.running or 0.0)
         overloaded = ((view.waiting or 0.0) >= weights.overload_waiting

@@ -84,6 +84,11 @@ class Decision:
     scores: list[Score]
     tokens: list[int] | None
 
+    @property
+    def uncached_tokens(self) -> int:
+        """Prompt tokens the chosen worker still has to compute (0 for a block-hash query)."""
+        return 0 if self.tokens is None else len(self.tokens) - self.best.matched_tokens
+
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, field: str | None = None,
@@ -326,8 +331,7 @@ class Service:
                 and not request.probe and not self.settings.proxy):
             # A caller follows the answer before the instance's metrics can show it. (In
             # proxy mode the proxy counts the requests it forwards itself, exactly.)
-            self.answers.add(decision.worker.key, len(decision.tokens) - best.matched_tokens,
-                             time.monotonic())
+            self.answers.add(decision.worker.key, decision.uncached_tokens, time.monotonic())
         return decision.kind, {
             "instance": best.instance,
             "url": decision.worker.instance.url,

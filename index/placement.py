@@ -74,14 +74,14 @@ class Placements:
     def place(self, worker: Hashable, keys: Sequence[bytes], expires: float) -> None:
         """Guess that `worker` will hold `keys` (a chain continuing what it holds) until
         `expires`; keys it is guessed to hold already keep their expiry."""
-        held = self._guessed.setdefault(worker, {})
+        held = self._guessed.get(worker, {})
         new = [key for key in keys if key not in held]
+        if not new:
+            return
+        self._guessed[worker] = held
         for key in new:
             held[key] = expires
-        if new:
-            self._expiry.add((expires, next(self._order), worker, tuple(new)))
-        elif not held:
-            del self._guessed[worker]
+        self._expiry.add((expires, next(self._order), worker, tuple(new)))
 
     def confirm(self, worker: Hashable, keys: Sequence[bytes]) -> None:
         """The worker really stored `keys`: they are no longer guesses."""

@@ -80,6 +80,3 @@ def test_route_answers_count_until_a_later_metrics_reading_or_their_age_says_oth
     readings[A] = 10.6
     answers.settle(13.0, readings.get)
     assert answers.get(A) == WorkerLoad()
-    answers.add(A, 5, now=20.0)
-    answers.forget(A)
-    assert answers.get(A) == WorkerLoad()

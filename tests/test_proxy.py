@@ -26,6 +26,7 @@ from app.server import BackgroundServer
 from app.sim.cluster import SimCluster
 from app.sim.server import InstanceConfig, SimInstance
 from tests.conftest import HTTP_TIMEOUT, refusing_urls, scaled, wait_for
+from tests.support.scores import inflight_counts
 from tests.support.tokens import unique_tokens
 
 BLOCK = 16
@@ -66,9 +67,7 @@ class Fleet:
         return wait_for(check, f"kvroute to learn {instance_id}'s prefix")
 
     def inflight(self) -> dict[tuple[str, int], int]:
-        """Every worker's in-flight count, as the routing scores report it."""
-        answer = self.http.post("/v1/route", json={"token_ids": [1, 2, 3], "probe": True}).json()
-        return {(s["instance"], s["dp_rank"]): s["load"]["inflight"] for s in answer["scores"]}
+        return inflight_counts(self.http)
 
     def assert_nothing_in_flight(self) -> None:
         wait_for(lambda: not any(self.inflight().values()), "in-flight counts back to zero")

@@ -22,6 +22,7 @@ from app.config import Settings
 from app.server import BackgroundServer
 from app.sim.cluster import SimCluster
 from tests.conftest import HTTP_TIMEOUT, run_async, scaled, wait_for, wait_until
+from tests.support.scores import inflight_counts
 from tests.support.tokens import unique_tokens
 
 BLOCK = 16
@@ -40,11 +41,6 @@ def proxy_settings() -> Settings:
                     placement_ttl=0.0, load_interval=0.0)
 
 
-def scores_inflight(client: httpx.Client) -> dict[str, int]:
-    answer = client.post("/v1/route", json={"token_ids": [1, 2, 3], "probe": True}).json()
-    return {s["instance"]: s["load"]["inflight"] for s in answer["scores"]}
-
-
 def test_overlapping_requests_that_end_every_way_are_all_released(cluster: SimCluster):
     """Streamed and non-streamed, complete, abandoned mid-stream and abandoned before the
     answer, 16 at a time: afterwards every worker's count is back at zero."""
@@ -55,10 +51,8 @@ def test_overlapping_requests_that_end_every_way_are_all_released(cluster: SimCl
                              for i in ids), "both instances live")
         rng = random.Random(17)
         outcomes: dict[str, int] = {}
-        peak = 0
 
         async def one(client: httpx.AsyncClient, i: int) -> None:
-            nonlocal peak
             stream = i % 2 == 0
             ending = rng.choice(["complete", "complete", "leave-early", "leave-mid-stream"])
             body = {"model": "sim-model", "prompt": unique_tokens(i % 6, 12 * BLOCK)
@@ -78,7 +72,6 @@ def test_overlapping_requests_that_end_every_way_are_all_released(cluster: SimCl
             except httpx.TimeoutException:
                 pass
             outcomes[ending] = outcomes.get(ending, 0) + 1
-            peak = max(peak, sum(scores_inflight(http).values()))
 
         async def traffic() -> None:
             limits = httpx.Limits(max_connections=16)
@@ -94,8 +87,8 @@ def test_overlapping_requests_that_end_every_way_are_all_released(cluster: SimCl
 
         run_async(traffic, timeout=240)
         assert set(outcomes) == {"complete", "leave-early", "leave-mid-stream"}
-        wait_for(lambda: not any(scores_inflight(http).values()),
-                 "every in-flight count back at zero", detail=lambda: scores_inflight(http))
+        wait_for(lambda: not any(inflight_counts(http).values()),
+                 "every in-flight count back at zero", detail=lambda: inflight_counts(http))
 
 
 @pytest.mark.parametrize("cancel", ["anyio cancel scope", "asyncio task cancelled twice"])
