@@ -69,6 +69,10 @@ class EngineSpec:
             VLLM_CPU_KVCACHE_SPACE="1",
             VLLM_SERVER_DEV_MODE="1",  # enables POST /reset_prefix_cache
             OMP_NUM_THREADS="1",  # two engines share 2 cores
+            # vLLM's CPU build pins its OpenMP thread to a core it picks ("auto"): every
+            # engine on this machine picks the same one, and then each request to all but
+            # one engine waits about a second for that core. The kernel places them better.
+            VLLM_CPU_OMP_THREADS_BIND="nobind",
             VLLM_NO_USAGE_STATS="1",
             DO_NOT_TRACK="1",
             HF_HUB_OFFLINE="1",
