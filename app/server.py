@@ -16,6 +16,7 @@ import uvicorn
 
 from app.api import create_app
 from app.config import Settings
+from app.service import Service
 
 __all__ = ["BackgroundServer", "serve_forever"]
 
@@ -66,7 +67,8 @@ class BackgroundServer:
         self.settings = settings
         self._socket = _bind(settings.host, settings.port)
         self.port: int = self._socket.getsockname()[1]
-        self._server = uvicorn.Server(_config(settings))
+        self._config = _config(settings)
+        self._server = uvicorn.Server(self._config)
         # A thread may not install signal handlers; the owner stops us instead.
         self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
@@ -76,6 +78,12 @@ class BackgroundServer:
     def url(self) -> str:
         host = self.settings.host
         return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+    @property
+    def service(self) -> Service:
+        """The running service, for in-process callers (benchmarks, tests) that drive it
+        from their own thread while no request of theirs is in flight."""
+        return self._config.app.state.service  # type: ignore[union-attr]
 
     def start(self, timeout: float = 20.0) -> BackgroundServer:
         self._thread.start()

@@ -48,7 +48,9 @@ from app.wire import Event
 from benchmarks.policies import (
     ApproximateTreePolicy,
     ConsistentHashPolicy,
+    FollowsRequests,
     KvroutePolicy,
+    KvrouteProxyPolicy,
     LeastLoadedPolicy,
     OraclePolicy,
     Policy,
@@ -59,8 +61,9 @@ from benchmarks.policies import (
 )
 
 POLICIES = ("random", "round-robin", "least-loaded", "consistent-hash", "approx-tree",
-            "approx-tree/2r", "kvroute", "oracle", "approx-tree+load", "kvroute+load",
-            "oracle+load")
+            "approx-tree/2r", "kvroute", "kvroute-proxy", "oracle", "approx-tree+load",
+            "kvroute+load", "oracle+load")
+KVROUTE_POLICIES = ("kvroute", "kvroute+load", "kvroute-proxy")
 #: Pairs compared for index fidelity: same decision rule, kvroute's view vs the true caches.
 PAIRS = (("kvroute", "oracle", "approx-tree"),
          ("kvroute+load", "oracle+load", "approx-tree+load"))
@@ -159,15 +162,30 @@ class KvrouteFeed:
 
 
 def simulate(sessions: Sequence[Session], workers: list[Worker], policy: Policy, *,
-             lag_s: float, feed: KvrouteFeed | None = None,
+             lag_s: float, feed: KvrouteFeed | None = None, clients: int | None = None,
              progress: tqdm | None = None) -> RunResult:
-    """Discrete-event run: arrivals are routed at their virtual time; each engine steps
-    back to back while it has work; a chat's next turn arrives after its think time."""
+    """Discrete-event run: each engine steps back to back while it has work; a chat's next
+    turn arrives after its think time.
+
+    Open loop (``clients`` None): each session starts at its own ``start``. Closed loop
+    (``clients`` C): the sessions' start times are ignored; C clients each run one session
+    after another, the next starting when the previous one's last turn finished, so exactly
+    C sessions overlap, like C concurrent users.
+
+    A policy that follows its requests (``FollowsRequests``, as kvroute's proxy does) hears
+    of each request's first token and end at the virtual time the engine produced them."""
     res = RunResult(per_worker=[0] * len(workers))
     order = itertools.count()
+    follows = policy if isinstance(policy, FollowsRequests) else None
     heap: list[tuple[float, int, int, str, Any]] = []
-    for s, session in enumerate(sessions):
-        heapq.heappush(heap, (session.start, 0, next(order), "arrive", (s, 0)))
+    if clients is None:
+        for s, session in enumerate(sessions):
+            heapq.heappush(heap, (session.start, 0, next(order), "arrive", (s, 0)))
+        unstarted = len(sessions)
+    else:
+        for s in range(min(clients, len(sessions))):
+            heapq.heappush(heap, (0.0, 0, next(order), "arrive", (s, 0)))
+        unstarted = min(clients, len(sessions))
     stepping = [False] * len(workers)
     origin: dict[str, tuple[int, int]] = {}
     while heap:
@@ -185,16 +203,30 @@ def simulate(sessions: Sequence[Session], workers: list[Worker], policy: Policy,
             engine = workers[w].engine
             rid = f"s{s}t{k}"
             origin[rid] = (s, k)
+            if follows is not None:
+                follows.placed(rid)
             engine.add_request(rid, turn.prompt, turn.output, arrival_time=now)
             if not stepping[w]:
                 stepping[w] = True
                 heapq.heappush(heap, (max(now, engine.clock), 1, next(order), "step", w))
+            continue
+        if kind == "observe":
+            assert follows is not None
+            first_tokens, finished = data
+            for rid in first_tokens:
+                follows.first_token(rid)
+            for rid in finished:
+                follows.finished(rid)
             continue
         w = data
         engine = workers[w].engine
         step = engine.step(now=now)
         if feed is not None and step.events:
             feed.add(w, step.end + lag_s, step.events)
+        if follows is not None and (step.first_token_ids or step.finished):
+            # Before any arrival at the same instant: the answer's bytes came first.
+            heapq.heappush(heap, (step.end, -1, next(order), "observe", (
+                list(step.first_token_ids), [o.request_id for o in step.finished])))
         for outcome in step.finished:
             res.outcomes.append(outcome)
             s, k = origin.pop(outcome.request_id)
@@ -203,6 +235,10 @@ def simulate(sessions: Sequence[Session], workers: list[Worker], policy: Policy,
             if k + 1 < len(sessions[s].turns):
                 heapq.heappush(heap, (outcome.finish_time + sessions[s].think_s, 0,
                                       next(order), "arrive", (s, k + 1)))
+            elif clients is not None and unstarted < len(sessions):
+                heapq.heappush(heap, (outcome.finish_time, 0, next(order), "arrive",
+                                      (unstarted, 0)))
+                unstarted += 1
         if engine.has_work():
             heapq.heappush(heap, (step.end, 1, next(order), "step", w))
         else:
@@ -225,21 +261,25 @@ def engine_fleet(n: int, num_blocks: int, seed: int) -> list[Worker]:
 
 
 def run_kvroute(sessions: Sequence[Session], n: int, num_blocks: int, seed: int, lag_s: float,
-                load_tokens: int | None,
-                progress: tqdm | None) -> tuple[RunResult, dict[str, float]]:
+                load_tokens: int | None, progress: tqdm | None, *, proxy: bool = False,
+                clients: int | None = None) -> tuple[RunResult, dict[str, float]]:
     """The fleet as real simulated vLLM servers, kvroute as a real service registering them by
-    URL; returns the run and the HTTP floor (GET /healthz round trip) measured alongside."""
+    URL; returns the run and the HTTP floor (GET /healthz round trip) measured alongside.
+
+    Three ways to use kvroute: its own pick (``kvroute``); its scores through the caller's
+    ``cheapest`` rule (``load_tokens`` given: ``kvroute+load``); or as its proxy decides
+    (``proxy``: ``kvroute-proxy``), with the proxy's in-flight ledger."""
     from app.config import Settings  # the service is only needed for this policy
     from app.server import BackgroundServer
 
     with SimCluster(n=n, block_size=BLOCK_SIZE, num_blocks=num_blocks, seed=seed) as cluster:
         # The fleet runs in virtual time, so the service's own /metrics scrapes (real time)
-        # would read it at arbitrary moments: kvroute answers on cache alone here, and the
-        # "+load" variant prices the exact queues itself from the answer's scores. A caller
-        # that overrides kvroute's choice must turn placement guesses off: they assume the
-        # answer is followed.
+        # would read it at arbitrary moments: kvroute answers without them here. The "+load"
+        # variant prices the exact queues itself from the answer's scores; the proxy variant
+        # has the proxy's own exact view of what it forwarded. A caller that overrides
+        # kvroute's choice must turn placement guesses off: they assume the answer is followed.
         settings = Settings(host="127.0.0.1", port=0, log_level="warning",
-                            ready_grace_seconds=5, load_interval=0.0,
+                            ready_grace_seconds=5, load_interval=0.0, proxy=proxy,
                             placement_ttl=0.0 if load_tokens is not None else 2.0)
         with BackgroundServer(settings) as server, httpx.Client(timeout=30) as client:
             ids = []
@@ -253,12 +293,20 @@ def run_kvroute(sessions: Sequence[Session], n: int, num_blocks: int, seed: int,
             workers = [Worker(i, inst, rank.rank, rank.engine)
                        for i, (inst, rank) in enumerate(cluster.ranks)]
             keys = [(ids[inst], rank.rank) for inst, rank in cluster.ranks]
-            policy = KvroutePolicy(client, server.url, {k: i for i, k in enumerate(keys)},
-                                   workers, load_tokens)
+            worker_of = {k: i for i, k in enumerate(keys)}
+            policy: Policy
+            if proxy:
+                policy = KvrouteProxyPolicy(client, server.url, worker_of,
+                                            server.service.inflight)
+            else:
+                policy = KvroutePolicy(client, server.url, worker_of, workers, load_tokens)
             feed = KvrouteFeed(ranks, client, server.url, keys)
             floor = _http_floor(client, server.url)
             result = simulate(sessions, workers, policy, lag_s=lag_s, feed=feed,
-                              progress=progress)
+                              clients=clients, progress=progress)
+            if proxy and server.service.inflight.total():
+                raise RuntimeError(f"in-flight accounting leaked: "
+                                   f"{server.service.inflight.total()} requests still open")
             result.kvroute_url = server.url
             floor_after = _http_floor(client, server.url)
     return result, {k: min(floor[k], floor_after[k]) for k in floor}
@@ -316,15 +364,16 @@ def summarize(res: RunResult) -> dict[str, Any]:
 
 
 def verdicts(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    """The issue's targets, checked against this run's own numbers, for each kvroute variant
-    against the oracle that applies the same decision rule to the true caches."""
+    """The targets, checked against this run's own numbers: each kvroute variant against the
+    oracle that applies the same decision rule to the true caches, and every kvroute variant
+    against round-robin (never below it; at least twice it on shared prompts)."""
     out: dict[str, Any] = {}
     for wl, by_policy in results.items():
         for kv_name, oracle_name, tree_name in PAIRS:
             kv = by_policy.get(kv_name)
             if kv is None:
                 continue
-            checks: dict[str, Any] = {}
+            checks: dict[str, Any] = out.setdefault(wl, {}).setdefault(kv_name, {})
             if oracle_name in by_policy:
                 gap = by_policy[oracle_name]["hit_rate"] - kv["hit_rate"]
                 checks[f"gap_to_{oracle_name}_points"] = round(100 * gap, 2)
@@ -336,22 +385,27 @@ def verdicts(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
                     checks[f"ahead_of_{tree_variant}"] = kv["hit_rate"] > tree
                     checks[f"points_over_{tree_variant}"] = round(
                         100 * (kv["hit_rate"] - tree), 2)
-            if wl == "shared-system-prompts" and "round-robin" in by_policy:
-                rr = by_policy["round-robin"]["hit_rate"]
-                checks["x_round_robin"] = round(kv["hit_rate"] / rr, 2) if rr else None
-                checks["at_least_2x_round_robin"] = kv["hit_rate"] >= 2 * rr
-            out.setdefault(wl, {})[kv_name] = checks
+        rr = by_policy.get("round-robin", {}).get("hit_rate")
+        for kv_name in KVROUTE_POLICIES:
+            if kv_name not in by_policy or rr is None:
+                continue
+            hit = by_policy[kv_name]["hit_rate"]
+            checks = out.setdefault(wl, {}).setdefault(kv_name, {})
+            checks["x_round_robin"] = round(hit / rr, 2) if rr else None
+            checks["at_least_round_robin"] = hit >= rr
+            if wl.startswith("shared-system-prompts"):
+                checks["at_least_2x_round_robin"] = hit >= 2 * rr
     return out
 
 
 def table(results: dict[str, dict[str, dict[str, Any]]], floor: dict[str, float]) -> str:
-    head = (f"{'workload':<22} {'policy':<16} {'hit rate':>8} {'recomputed':>11} "
+    head = (f"{'workload':<26} {'policy':<16} {'hit rate':>8} {'recomputed':>11} "
             f"{'imbal':>6} {'TTFT p50':>9} {'TTFT p90':>9} {'route p50':>10} {'route p99':>10}")
     lines = [head, "-" * len(head)]
     for wl, by_policy in results.items():
         for name, r in by_policy.items():
             lines.append(
-                f"{wl:<22} {name:<16} {100 * r['hit_rate']:7.1f}% {r['recomputed_tokens']:>11,} "
+                f"{wl:<26} {name:<16} {100 * r['hit_rate']:7.1f}% {r['recomputed_tokens']:>11,} "
                 f"{r['load_imbalance']:6.2f} {r['ttft_p50_ms']:7.0f}ms {r['ttft_p90_ms']:7.0f}ms "
                 f"{r['route_p50_us']:8.0f}us {r['route_p99_us']:8.0f}us")
         lines.append("")
@@ -434,7 +488,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help="comma-separated subset of " + ",".join(POLICIES))
     parser.add_argument("--workloads", default=None, help="comma-separated subset of workloads")
+    parser.add_argument("--clients", default=None,
+                        help="comma-separated counts of concurrent clients (closed loop: each "
+                             "sends its next session when the last one finished); default: "
+                             "open loop, every session at its own arrival time")
     args = parser.parse_args(argv)
+    try:
+        levels: list[int | None] = ([int(c) for c in args.clients.split(",") if c.strip()]
+                                    if args.clients else [None])
+    except ValueError:
+        parser.error(f"--clients: not a comma-separated list of integers: {args.clients!r}")
+    if not levels or any(c is not None and c < 1 for c in levels):
+        parser.error("--clients: every count must be at least 1")
     chosen = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = sorted(set(chosen) - set(POLICIES))
     if unknown:
@@ -451,27 +516,31 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     started = time.monotonic()
     sessions = {spec.name: spec.sessions(args.seed) for spec in specs}
-    total = sum(len(s.turns) for ss in sessions.values() for s in ss) * len(chosen)
+    total = (sum(len(s.turns) for ss in sessions.values() for s in ss) * len(chosen)
+             * len(levels))
     results: dict[str, dict[str, dict[str, Any]]] = {}
     floor: dict[str, float] = {}
     lag_s = args.event_lag_ms / 1000
     with tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True) as progress:
         for spec in specs:
-            results[spec.name] = {}
-            for name in chosen:
-                progress.set_description(f"{spec.name}: {name}")
-                if name.startswith("kvroute"):
-                    load = args.load_tokens if name == "kvroute+load" else None
-                    run, run_floor = run_kvroute(sessions[spec.name], args.instances,
-                                                 spec.num_blocks, args.seed, lag_s, load,
-                                                 progress)
-                    floor = {k: min(v, floor.get(k, v)) for k, v in run_floor.items()}
-                else:
-                    workers = engine_fleet(args.instances, spec.num_blocks, args.seed)
-                    policy = make_policy(name, workers, args.seed, args.load_tokens)
-                    run = simulate(sessions[spec.name], workers, policy, lag_s=lag_s,
-                                   progress=progress)
-                results[spec.name][name] = summarize(run)
+            for clients in levels:
+                label = spec.name if clients is None else f"{spec.name} x{clients}"
+                results[label] = {}
+                for name in chosen:
+                    progress.set_description(f"{label}: {name}")
+                    if name.startswith("kvroute"):
+                        load = args.load_tokens if name == "kvroute+load" else None
+                        run, run_floor = run_kvroute(
+                            sessions[spec.name], args.instances, spec.num_blocks, args.seed,
+                            lag_s, load, progress, proxy=name == "kvroute-proxy",
+                            clients=clients)
+                        floor = {k: min(v, floor.get(k, v)) for k, v in run_floor.items()}
+                    else:
+                        workers = engine_fleet(args.instances, spec.num_blocks, args.seed)
+                        policy = make_policy(name, workers, args.seed, args.load_tokens)
+                        run = simulate(sessions[spec.name], workers, policy, lag_s=lag_s,
+                                       clients=clients, progress=progress)
+                    results[label][name] = summarize(run)
     report = {
         "benchmark": "hitrate",
         "mode": "full" if args.full else "quick",
@@ -480,6 +549,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "event_lag_ms": args.event_lag_ms,
         "load_tokens": args.load_tokens,
         "seed": args.seed,
+        "clients": levels,
         "time_model": TimeModel().__dict__ if hasattr(TimeModel(), "__dict__") else {
             f: getattr(TimeModel(), f) for f in TimeModel.__slots__},
         "workloads": {s.name: {"requests": sum(len(x.turns) for x in sessions[s.name]),

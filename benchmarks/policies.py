@@ -3,6 +3,8 @@
 Each policy picks a worker (an index into the fleet) for a prompt at routing time. The ones
 that look at load read the engines' queue lengths directly (a real router scrapes them); the
 oracle reads every engine's cache directly; kvroute asks the real service over HTTP.
+kvroute's proxy is kvroute's own choice plus what the proxy knows that a caller does not:
+the requests it forwarded, each from its first byte to its end (``FollowsRequests``).
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import random
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import httpx
 
+from app.inflight import InFlight, Ticket
 from app.sim.engine import Engine
 
 
@@ -36,6 +39,18 @@ class Policy(Protocol):
     name: str
 
     def choose(self, prompt: Sequence[int]) -> int: ...
+
+
+@runtime_checkable
+class FollowsRequests(Protocol):
+    """A policy that sees the requests it placed as a proxy does: ``placed`` right after
+    ``choose`` placed request ``request_id``, then its first token and its end."""
+
+    def placed(self, request_id: str) -> None: ...
+
+    def first_token(self, request_id: str) -> None: ...
+
+    def finished(self, request_id: str) -> None: ...
 
 
 def _least_loaded(workers: Sequence[Worker], among: Sequence[int] | None = None) -> int:
@@ -224,6 +239,53 @@ class KvroutePolicy:
             matched[self._worker_of[(score["instance"], int(score["dp_rank"]))]] = int(
                 score["matched_tokens"])
         return cheapest(self._workers, matched, len(prompt), self._load_tokens)
+
+
+class KvrouteProxyPolicy:
+    """kvroute in proxy mode: the service's own pick (``POST /v1/route`` on a service
+    started with ``proxy = true``), its in-flight ledger fed the way the proxy feeds it: a
+    ticket with the chosen worker's uncached tokens opened when the request is placed,
+    ``started()`` at its first token, ``close()`` at its end.
+
+    ``inflight`` is the running service's own ledger. The simulation drives it from its own
+    thread, but only between its HTTP calls: the service reads the ledger only while it
+    answers one of them, so the two never touch it at the same time."""
+
+    name = "kvroute-proxy"
+
+    def __init__(self, client: httpx.Client, base_url: str,
+                 worker_of: dict[tuple[str, int], int], inflight: InFlight) -> None:
+        self._client = client
+        self._url = f"{base_url}/v1/route"
+        self._worker_of = worker_of
+        self._inflight = inflight
+        self._chosen: tuple[tuple[str, int], int] | None = None
+        self._tickets: dict[str, Ticket] = {}
+
+    def choose(self, prompt: Sequence[int]) -> int:
+        resp = self._client.post(self._url, json={"token_ids": list(prompt)})
+        if resp.status_code != 200:
+            raise RuntimeError(f"kvroute answered {resp.status_code}: {resp.text[:300]}")
+        answer: dict[str, Any] = resp.json()
+        key = (answer["instance"], int(answer["dp_rank"]))
+        self._chosen = (key, len(prompt) - int(answer["matched_tokens"]))
+        return self._worker_of[key]
+
+    def placed(self, request_id: str) -> None:
+        assert self._chosen is not None, "placed() follows choose()"
+        key, uncached = self._chosen
+        self._chosen = None
+        self._tickets[request_id] = self._inflight.open(key, uncached)
+
+    def first_token(self, request_id: str) -> None:
+        self._tickets[request_id].started()
+
+    def finished(self, request_id: str) -> None:
+        self._tickets.pop(request_id).close()
+
+    @property
+    def open_tickets(self) -> int:
+        return len(self._tickets)
 
 
 def _h64(data: bytes) -> int:
