@@ -86,6 +86,7 @@ class Settings:
     cost_miss_token: float = 1.0
     cost_cpu_hit_token: float = 0.25
     cost_storage_hit_token: float = 0.5
+    cost_queued_prefill_token: float = 0.25
     cost_running_request: float = 32.0
     overload_waiting: int = 64
     overload_kv_usage: float = 0.98
@@ -99,7 +100,8 @@ class Settings:
 _INT_SETTINGS = {"port", "max_prompt_tokens", "max_block_hashes", "max_prompt_chars",
                  "max_body_bytes", "overload_waiting"}
 _FLOAT_SETTINGS = {"ready_grace_seconds", "cost_miss_token", "cost_cpu_hit_token",
-                   "cost_storage_hit_token", "cost_running_request", "overload_kv_usage",
+                   "cost_storage_hit_token", "cost_queued_prefill_token",
+                   "cost_running_request", "overload_kv_usage",
                    "load_interval", "placement_ttl"}
 _STR_SETTINGS = {"host", "tokenizer", "log_level"}
 _BOOL_SETTINGS = {"proxy"}

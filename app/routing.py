@@ -6,13 +6,19 @@ Each eligible worker gets a cost in *prefill tokens*, the unit an engine spends:
             + cpu_hit_token * tokens whose fastest cached tier is CPU
             + storage_hit_token * tokens whose fastest cached tier is STORAGE
               (tokens cached on GPU cost nothing)
-    queue   = miss_token * prefill tokens queued ahead of it
+    queue   = queued_prefill_token * prefill tokens queued ahead of it
             + running_request * requests running there (decode pressure)
     cost    = prefill + queue
 
 So "the prefix is cached on the busy worker" and "the idle worker must compute the
-whole prompt" are compared in the same unit: the busy worker wins while the work queued
-ahead of it is smaller than the prefill it saves.
+whole prompt" are compared in the same unit. A queued token weighs less than a token to
+compute (a quarter by default) because the two are not the same price: the wait for the
+busy worker is paid once, by this request, while computing the prefix on another worker
+also stores a second copy of it there, evicting other prefixes whose next requests then
+miss. Priced one for one, each request decides for its own first token alone, copies of
+hot prefixes crowd the caches, and under concurrent traffic the fleet loses both hits
+and time to first token (benchmarks/hitrate.py --clients shows it). So the busy worker
+keeps its prefix until the work queued ahead of it is several times the prefill it saves.
 
 What kvroute knows of a worker's queue, and which of it counts:
 - in proxy mode, exactly the requests it forwarded and has not seen end (`inflight`), each
@@ -53,6 +59,8 @@ class CostWeights:
     miss_token: float = 1.0
     cpu_hit_token: float = 0.25
     storage_hit_token: float = 0.5
+    # One token of prefill queued ahead, relative to a token of this prompt to compute.
+    queued_prefill_token: float = 0.25
     # Decode pressure of one running request, in prefill tokens.
     running_request: float = 32.0
     overload_waiting: int = 64
@@ -153,7 +161,8 @@ def score_workers(
             instance=view.key[0], dp_rank=view.key[1], matched_blocks=blocks,
             matched_tokens=tokens, block_size=block_size, by_medium=by_medium,
             state=view.state, prefill_cost=prefill,
-            queue_cost=weights.miss_token * queued + weights.running_request * running,
+            queue_cost=(weights.queued_prefill_token * queued
+                        + weights.running_request * running),
             queued_prefill=queued, running=running, overloaded=overloaded,
             load={"running": view.running, "waiting": view.waiting,
                   "kv_usage": view.kv_usage, "inflight": view.inflight,

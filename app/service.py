@@ -140,6 +140,7 @@ class Service:
         self.weights = CostWeights(
             miss_token=settings.cost_miss_token, cpu_hit_token=settings.cost_cpu_hit_token,
             storage_hit_token=settings.cost_storage_hit_token,
+            queued_prefill_token=settings.cost_queued_prefill_token,
             running_request=settings.cost_running_request,
             overload_waiting=settings.overload_waiting,
             overload_kv_usage=settings.overload_kv_usage)

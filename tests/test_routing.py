@@ -47,7 +47,7 @@ def test_queued_work_outweighs_a_small_hit():
     busy_score = next(s for s in scores if s.instance == "busy")
     # Each waiting request is priced like this prompt's full length (1024 tokens).
     assert busy_score.queued_prefill == 2 * 1024 and busy_score.running == 4
-    assert busy_score.queue_cost == 2 * 1024 + 4 * W.running_request
+    assert busy_score.queue_cost == W.queued_prefill_token * 2 * 1024 + 4 * W.running_request
     # A long enough hit is still worth running requests (decode pressure).
     running = view("busy", running=4, waiting=0)
     best, _ = pick([running, idle], {("busy", 0): match(400)}, prompt_tokens=8192)
@@ -55,17 +55,24 @@ def test_queued_work_outweighs_a_small_hit():
 
 
 def test_a_cached_prefix_on_a_busy_worker_and_an_idle_worker_compare_in_prefill_tokens():
-    """480 cached tokens of a 540-token prompt: the holder wins while the prefill queued
-    ahead of it is smaller than what it saves, and the prompt spreads once it is not."""
+    """480 cached tokens of a 540-token prompt: the holder keeps it while the prefill queued
+    ahead of it, at a quarter per token, costs less than the 480 tokens it saves, and the
+    prompt spreads once the holder is saturated."""
     hit = {("holder", 0): Match(blocks=30, tokens=480, block_size=16,
                                 by_medium={"GPU": 30, "CPU": 0, "STORAGE": 0})}
     holder = view("holder", inflight=2, queued_prefill=60)
     best, scores = pick([holder, view("idle")], hit, prompt_tokens=540)
     cost = {s.instance: s.as_json()["cost_terms"] for s in scores}
-    assert cost == {"holder": {"prefill": 60.0, "queue": 60 + 2 * W.running_request},
+    assert cost == {"holder": {"prefill": 60.0,
+                               "queue": W.queued_prefill_token * 60 + 2 * W.running_request},
                     "idle": {"prefill": 540.0, "queue": 0.0}}
     assert best.instance == "holder"
-    saturated = view("holder", inflight=8, queued_prefill=8 * 60)
+    # Two cold 540-token prompts queued ahead (1,080 tokens, twice the saving): kept.
+    busy = view("holder", inflight=2, queued_prefill=2 * 540)
+    best, _ = pick([busy, view("idle")], hit, prompt_tokens=540)
+    assert best.instance == "holder"
+    # Four of them: the idle worker computes the prompt much sooner, a copy is worth it.
+    saturated = view("holder", inflight=4, queued_prefill=4 * 540)
     best, _ = pick([saturated, view("idle")], hit, prompt_tokens=540)
     assert best.instance == "idle"
 
