@@ -25,11 +25,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from dataclasses import dataclass, replace
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from app.registry import Instance, Registry
 
@@ -37,13 +37,18 @@ __all__ = ["Load", "LoadMonitor", "parse_load"]
 
 log = logging.getLogger("kvroute.load")
 
-_FAMILIES = {
+_SAMPLES = {
     "vllm:num_requests_running": "running",
     "vllm:num_requests_waiting": "waiting",
     "vllm:kv_cache_usage_perc": "kv_usage",
-    "vllm:prompt_tokens": "work",  # counters: prefill and generated tokens, summed
-    "vllm:generation_tokens": "work",
+    "vllm:prompt_tokens_total": "work",  # counters: prefill and generated tokens, summed
+    "vllm:generation_tokens_total": "work",
 }
+_PREFIXES = tuple(_SAMPLES)
+# One sample line of the Prometheus text format: name, optional {labels}, value, optional
+# timestamp. Label values are quoted strings in which \\, \" and \n are escaped.
+_SAMPLE = re.compile(r'([^{\s]+)(?:\{((?:[^"}]|"(?:[^"\\]|\\.)*")*)\})?\s+(\S+)(?:\s+\S+)?\s*')
+_LABEL = re.compile(r'([a-zA-Z_]\w*)\s*=\s*"((?:[^"\\]|\\.)*)"')
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,19 +62,31 @@ class Load:
 
 
 def parse_load(text: str, read_at: float) -> dict[int, Load]:
-    """Readings per data-parallel rank from a /metrics page (rank 0 when unlabelled)."""
+    """Readings per data-parallel rank from a /metrics page (rank 0 when unlabelled).
+
+    Only the few samples above are read, by their names at the start of a line: a full
+    parse of vLLM's page (about 50 KB of histograms) costs ~10 ms of the event loop per
+    instance and scrape, this ~0.1 ms. Lines that do not parse are skipped."""
     values: dict[int, dict[str, float]] = {}
-    for family in text_string_to_metric_families(text):
-        field = _FAMILIES.get(family.name)
+    for line in text.splitlines():
+        if not line.startswith(_PREFIXES):
+            continue
+        sample = _SAMPLE.fullmatch(line)
+        if sample is None:
+            continue
+        name, labels, value = sample.groups()
+        field = _SAMPLES.get(name)
         if field is None:
             continue
-        for sample in family.samples:
-            if field == "work" and not sample.name.endswith("_total"):
-                continue  # a counter's _created sample
-            engine = sample.labels.get("engine", "0")
-            rank = int(engine) if engine.isdigit() else 0
-            per_rank = values.setdefault(rank, {})
-            per_rank[field] = per_rank.get(field, 0.0) + sample.value
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        engine = next((value for key, value in _LABEL.findall(labels or "")
+                       if key == "engine"), "0")
+        rank = int(engine) if engine.isdigit() else 0
+        per_rank = values.setdefault(rank, {})
+        per_rank[field] = per_rank.get(field, 0.0) + number
     return {rank: Load(read_at=read_at, **fields) for rank, fields in values.items()}
 
 
