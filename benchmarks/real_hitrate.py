@@ -54,6 +54,7 @@ from benchmarks.real_parts import (
     failed_row,
     inflight_leaks,
     make_workload,
+    merge,
     metric_delta,
     parse_engine_metrics,
     parse_sse_line,
@@ -379,9 +380,9 @@ async def client_phase(workload: Workload, concurrency: int, sender_args: dict[s
 
 
 def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
-            concurrency: int, args: argparse.Namespace, log_dir: Path, clock: Clock
-            ) -> dict[str, Any]:
-    label = f"{workload.name} x{concurrency} {router}"
+            concurrency: int, args: argparse.Namespace, log_dir: Path, clock: Clock,
+            repeat: int = 0) -> RunRecord:
+    label = f"{workload.name} x{concurrency} {router}" + (f" #{repeat + 1}" if repeat else "")
     clock.say(f"run {label}: resetting the engines' prefix caches")
     notes = fleet.prepare()
     kv: Kvroute | None = None
@@ -421,13 +422,15 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
     fleet.wait_idle()
     after = fleet.settled_metrics()
     deltas = {name: metric_delta(before[name], after[name]) for name in fleet.names}
+    for outcome in outcomes:
+        outcome.repeat = repeat
     record = RunRecord(workload.name, router, concurrency, fleet.names, outcomes, deltas, wall,
                        timed_out, inflight, notes)
     row = summarize(record)
     clock.say(f"  {label}: hit rate {_fmt(row['hit_rate'])} (usage {_fmt(row['hit_rate_usage'])})"
               f", TTFT p50 {row['ttft_p50_ms']} ms p90 {row['ttft_p90_ms']} ms, "
               f"{row['errors']} errors, {wall:.0f}s, prompt tokens {row['engine_prompt_tokens']}")
-    return row
+    return record
 
 
 def _fmt(value: float | None) -> str:
@@ -493,6 +496,11 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[str]:
 # --- main ---------------------------------------------------------------------------------------
 
 
+def _rotated(items: list[str], by: int) -> list[str]:
+    k = by % len(items)
+    return items[k:] + items[:k]
+
+
 def _csv(text: str, cast: Callable[[str], Any] = str) -> list[Any]:
     return [cast(x.strip()) for x in text.split(",") if x.strip()]
 
@@ -521,6 +529,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="comma-separated subset of " + ",".join(ROUTERS))
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help="comma-separated subset of " + ",".join(WORKLOADS))
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run every cell this many times (routers in a rotating order) and "
+                             "pool the requests: these engines share two cores, so one short "
+                             "run is noisy")
     parser.add_argument("--seed", type=int, default=20261123)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--num-blocks", type=int, default=64, help="KV blocks per engine")
@@ -544,8 +556,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         unknown = sorted(set(given) - set(known))
         if unknown or not given:
             parser.error(f"unknown or no {what}: {', '.join(unknown)}")
-    if args.engines < 1 or args.requests < 1 or not args.concurrency or min(args.concurrency) < 1:
-        parser.error("--engines, --requests and --concurrency must be positive")
+    if (args.engines < 1 or args.requests < 1 or args.repeat < 1 or not args.concurrency
+            or min(args.concurrency) < 1):
+        parser.error("--engines, --requests, --repeat and --concurrency must be positive")
     return args
 
 
@@ -581,21 +594,36 @@ def main(argv: list[str] | None = None) -> int:
             engines[-1].start()
         wait_ready(engines, args.boot_timeout, clock.say)
         fleet = Fleet(engines, str(model), clock.say)
-        runs = [(w, c, r) for w in args.workloads for c in args.concurrency for r in args.routers]
-        for n, (wname, level, router) in enumerate(runs, 1):
+        # Each repetition visits the routers in a rotated order, so no router always runs
+        # first (or last) in a cell when the machine's load drifts.
+        runs = [(rep, w, c, r) for rep in range(args.repeat) for w in args.workloads
+                for c in args.concurrency for r in _rotated(args.routers, rep)]
+        records: dict[tuple[str, int, str], list[RunRecord]] = {}
+        failures: dict[tuple[str, int, str], str] = {}
+        for n, (rep, wname, level, router) in enumerate(runs, 1):
             clock.say(f"---- run {n}/{len(runs)}")
+            cell = (wname, level, router)
             try:
-                rows.append(run_one(fleet, procs, workloads[wname], router, level, args, logs,
-                                    clock))
+                records.setdefault(cell, []).append(run_one(
+                    fleet, procs, workloads[wname], router, level, args, logs, clock, rep))
             except Exception as exc:  # keep the other runs; an engine that died stops them
                 message = f"{type(exc).__name__}: {exc}"
                 clock.say(f"run {wname} x{level} {router} FAILED: {message}")
-                rows.append(failed_row(wname, router, level, fleet.names, message))
+                failures.setdefault(cell, message)
                 try:
                     fleet.check_alive()
                 except RuntimeError:
                     clock.say("an engine died: no further runs")
                     break
+        for wname in args.workloads:
+            for level in args.concurrency:
+                for router in args.routers:
+                    cell = (wname, level, router)
+                    if cell in failures:
+                        rows.append(failed_row(wname, router, level, fleet.names,
+                                               failures[cell]))
+                    elif cell in records:
+                        rows.append(summarize(merge(records[cell])))
     finally:
         clock.say("stopping everything the benchmark started")
         procs.stop_all()
@@ -618,6 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
         "abandon_every": args.abandon_every,
         "seed": args.seed,
+        "repeat": args.repeat,
         "concurrency": args.concurrency,
         "routers": args.routers,
         "workloads": {name: wl.summary() for name, wl in workloads.items()},
@@ -648,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out / 'real_hitrate.json'}, {out / 'real_hitrate.txt'} and "
           f"{len(report['plots'])} plots; {report['wall_seconds']:.0f}s in all; "
           f"{len(rows) - len(failed)} runs done, {len(failed)} failed", file=sys.stderr)
-    return 1 if failed or len(rows) < planned else 0
+    return 1 if failed or len(rows) < planned else 0  # a missing row: an engine died
 
 
 if __name__ == "__main__":

@@ -133,6 +133,8 @@ class Outcome:
     error: str | None = None
     abandoned: bool = False
     waited_s: float = 0.0  # time spent waiting for the previous turn (not part of TTFT)
+    sent_at: float | None = None  # time.monotonic() when the client started sending it
+    repeat: int = 0  # which repetition of its (workload, router, concurrency) cell
 
 
 async def drive(requests: Sequence[Request], concurrency: int,
@@ -152,12 +154,14 @@ async def drive(requests: Sequence[Request], concurrency: int,
                 if req.after is not None and req.after in done:
                     await done[req.after].wait()
                 waited = time.monotonic() - started
+                sent_at = time.monotonic()
                 try:
                     outcome = await send(req)
                 except Exception as exc:  # a router bug must not stop the other clients
                     outcome = Outcome(req.index, len(req.prompt),
                                       error=f"{type(exc).__name__}: {exc}"[:300])
                 outcome.waited_s = waited
+                outcome.sent_at = sent_at
                 outcomes[req.index] = outcome
                 if on_done is not None:
                     on_done(outcome)
@@ -268,6 +272,28 @@ class RunRecord:
     timed_out: bool = False
     inflight: dict[str, Any] | None = None  # kvroute runs: the leak check
     notes: list[str] = field(default_factory=list)
+    repeat_hit_rates: list[float | None] = field(default_factory=list)  # one per repetition
+
+
+def merge(records: Sequence[RunRecord]) -> RunRecord:
+    """Repetitions of one cell as one record: requests pooled (so TTFT percentiles are over
+    all of them), engine counter deltas summed (so the hit rate is pooled too), the first
+    failed in-flight check kept; each repetition's own hit rate listed."""
+    first = records[0]
+    deltas: dict[str, dict[str, float]] = {}
+    for record in records:
+        for engine, delta in record.deltas.items():
+            total = deltas.setdefault(engine, dict.fromkeys(delta, 0.0))
+            for key, value in delta.items():
+                total[key] = total.get(key, 0.0) + value
+    checks = [r.inflight for r in records if r.inflight is not None]
+    bad = [c for c in checks if c.get("leak") or c.get("error")]
+    return RunRecord(
+        first.workload, first.router, first.concurrency, first.engines,
+        [o for r in records for o in r.outcomes], deltas, sum(r.wall_s for r in records),
+        any(r.timed_out for r in records), (bad or checks or [None])[0],
+        [n for r in records for n in r.notes],
+        [h for r in records for h in (r.repeat_hit_rates or [hit_rate(r.deltas.values())])])
 
 
 def summarize(run: RunRecord) -> dict[str, Any]:
@@ -311,11 +337,27 @@ def summarize(run: RunRecord) -> dict[str, Any]:
         "route_p50_ms": ms(percentile(route, 50)),
         "route_p99_ms": ms(percentile(route, 99)),
         "wall_s": round(run.wall_s, 2),
+        "repeats": max(1, len(run.repeat_hit_rates)),
+        "hit_rate_repeats": run.repeat_hit_rates or [hit_rate(run.deltas.values())],
         "timed_out": run.timed_out,
         "notes": run.notes,
     }
     if run.inflight is not None:
         out["inflight"] = run.inflight
+    origin: dict[int, float] = {}
+    for o in run.outcomes:
+        if o.sent_at is not None:
+            origin[o.repeat] = min(o.sent_at, origin.get(o.repeat, o.sent_at))
+    # One line per request, for looking into a run: where it went, when (from the start of
+    # its repetition), how long routing and its first token took, how much was cached.
+    out["trace"] = {
+        "columns": ["repeat", "index", "engine", "sent_ms", "route_ms", "ttft_ms",
+                    "prompt_tokens", "cached_tokens"],
+        "rows": [[o.repeat, o.index, o.engine,
+                  ms(o.sent_at - origin[o.repeat]) if o.sent_at is not None else None,
+                  ms(o.route_s), ms(o.ttft_s), o.prompt_tokens, o.cached_tokens]
+                 for o in run.outcomes],
+    }
     return out
 
 
@@ -383,8 +425,15 @@ def _inflight(check: dict[str, Any] | None) -> str:
     return text
 
 
+def _spread(values: list[float | None] | None) -> str:
+    known = [v for v in values or [] if v is not None]
+    if len(known) < 2:
+        return "-"
+    return f"{100 * min(known):.0f}-{100 * max(known):.0f}%"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'workload':<22} {'conc':>4} {'router':<14} {'hit':>6} {'usage':>6} "
+    head = (f"{'workload':<22} {'conc':>4} {'router':<14} {'hit':>6} {'runs':>9} {'usage':>6} "
             f"{'of part':>7} {'TTFT50':>6} {'TTFT90':>6} {'err':>3} {'wall':>6}  "
             f"{'tokens sent/engine':<20} {'inflight':<10}")
     lines = [head, "-" * len(head)]
@@ -400,14 +449,15 @@ def table(rows: list[dict[str, Any]]) -> str:
             continue
         lines.append(
             f"{r['workload']:<22} {r['concurrency']:>4} {r['router']:<14} "
-            f"{_pct(r['hit_rate'])} {_pct(r['hit_rate_usage'])} "
+            f"{_pct(r['hit_rate'])} {_spread(r.get('hit_rate_repeats')):>9} "
+            f"{_pct(r['hit_rate_usage'])} "
             f"{_pct(r.get('share_of_partition')):>7} {_ms(r['ttft_p50_ms'])} "
             f"{_ms(r['ttft_p90_ms'])} {r['errors']:>3} {r['wall_s']:5.0f}s  "
             f"{_tokens(r['sent_prompt_tokens']):<20} {_inflight(r.get('inflight')):<10}")
     lines.append("")
     lines += [
         "hit: vllm:prefix_cache_hits / queries (the engines' /metrics, deltas over the run, "
-        "summed)",
+        "summed; over all repetitions); runs: lowest-highest of the repetitions' own hit rates",
         "usage: cached_tokens / prompt_tokens as each response reported them; of part: hit / "
         "the static partition's hit",
         "TTFT: ms at the client to the first SSE event, routing included; tokens sent/engine: "

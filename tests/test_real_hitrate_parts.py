@@ -20,6 +20,7 @@ from benchmarks.real_parts import (
     hit_rate,
     inflight_leaks,
     make_workload,
+    merge,
     metric_delta,
     multi_turn_chat,
     parse_engine_metrics,
@@ -187,7 +188,8 @@ def test_sse_and_usage_helpers() -> None:
     assert percentile([], 50) is None
 
 
-def _row(router: str, hits: float, inflight: dict | None = None) -> dict:
+def _record(router: str, hits: float, inflight: dict | None = None,
+            repeat: int = 0) -> RunRecord:
     outcomes = [Outcome(0, 600, engine="vllm-0", cached_tokens=480, ttft_s=0.1, latency_s=0.2),
                 Outcome(1, 500, engine="vllm-1", cached_tokens=0, ttft_s=0.3, latency_s=0.4),
                 Outcome(2, 500, error="HTTP 500: x")]
@@ -195,9 +197,33 @@ def _row(router: str, hits: float, inflight: dict | None = None) -> dict:
                          "requests_ok": 1.0, "preemptions": 0.0},
               "vllm-1": {"hits": 0.0, "queries": 1000.0, "prompt_tokens": 1000.0,
                          "requests_ok": 2.0, "preemptions": 0.0}}
-    run = RunRecord(SHARED, router, 4, ["vllm-0", "vllm-1"], outcomes, deltas, 12.0,
-                    inflight=inflight)
-    return summarize(run)
+    for outcome in outcomes:
+        outcome.repeat = repeat
+        outcome.sent_at = 100.0 * repeat + outcome.index
+    return RunRecord(SHARED, router, 4, ["vllm-0", "vllm-1"], outcomes, deltas, 12.0,
+                     inflight=inflight)
+
+
+def _row(router: str, hits: float, inflight: dict | None = None) -> dict:
+    return summarize(_record(router, hits, inflight))
+
+
+def test_repetitions_pool_requests_and_counters_and_keep_each_hit_rate() -> None:
+    leak = {"leak": True, "settled": [1, 0]}
+    fine = {"leak": False, "settled": [0, 0]}
+    merged = merge([_record("kvroute-proxy", 800.0, fine, 0),
+                    _record("kvroute-proxy", 200.0, leak, 1)])
+    row = summarize(merged)
+    assert row["requests"] == 6 and row["errors"] == 2 and row["repeats"] == 2
+    assert row["hit_rate"] == pytest.approx(1000 / 4000)  # pooled counters
+    assert row["hit_rate_repeats"] == pytest.approx([0.4, 0.1])
+    assert row["inflight"] is leak  # a leak in any repetition is the one reported
+    assert row["wall_s"] == 24.0
+    trace = row["trace"]
+    assert trace["columns"][:4] == ["repeat", "index", "engine", "sent_ms"]
+    # each repetition's requests timed from that repetition's start
+    assert [r[3] for r in trace["rows"] if r[0] == 1] == [0.0, 1000.0, 2000.0]
+    assert "10-40%" in table([row])
 
 
 def test_summary_share_and_table() -> None:
@@ -232,9 +258,11 @@ def test_arguments() -> None:
     full = parse_args(["--routers", "partition,kvroute-proxy", "--concurrency", "2,8",
                        "--requests", "10", "--engines", "3"])
     assert full.routers == ["partition", "kvroute-proxy"] and full.concurrency == [2, 8]
-    assert full.engines == 3 and full.requests == 10
-    with pytest.raises(SystemExit):
-        parse_args(["--routers", "nope"])
+    assert full.engines == 3 and full.requests == 10 and full.repeat == 1
+    assert parse_args(["--repeat", "3"]).repeat == 3
+    for bad in (["--routers", "nope"], ["--repeat", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
 
 
 def test_a_failed_run_is_a_row_of_its_own() -> None:
