@@ -25,6 +25,9 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.index_bench --quick
 	$(BIN)/python -m benchmarks.hitrate --quick
+	$(BIN)/python -m benchmarks.hitrate --quick --clients 1,4,16 --out bench-out/clients \
+		--policies round-robin,kvroute,kvroute-proxy,oracle+load \
+		--workloads shared-system-prompts,multi-turn-chat
 
 bench-full: $(STAMP)
 	$(BIN)/python -m benchmarks.index_bench

@@ -14,7 +14,13 @@ benchmark waits until kvroute has applied everything published so far, so the in
 as stale as the lag makes it, no more (machine noise) and no less. The oracle reads the engines'
 caches directly, including blocks scheduled in a step that has not finished yet.
 
-Usage: python -m benchmarks.hitrate [--quick | --full] [--out bench-out] [--seed N]
+Closed loop (``--clients 1,4,16``): each workload runs once per client count, C clients each
+sending its next session when the last one ended, so requests overlap in engine time the
+way concurrent users make them; ``kvroute-proxy`` is then kvroute's proxy decision with the
+proxy's in-flight accounting (see ``benchmarks.policies.KvrouteProxyPolicy``).
+
+Usage: python -m benchmarks.hitrate [--quick | --full] [--clients N,...] [--out bench-out]
+       [--seed N] [--policies ...] [--workloads ...]
 """
 
 from __future__ import annotations
