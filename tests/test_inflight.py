@@ -15,47 +15,30 @@ def test_a_ticket_counts_until_closed_and_its_prefill_until_the_answer_starts():
     ledger = InFlight()
     first = ledger.open(A, prefill_tokens=480)
     second = ledger.open(A, prefill_tokens=60)
-    assert ledger.get(A) == WorkerLoad(requests=2, queued_prefill_tokens=540, active_blocks=2)
+    assert ledger.get(A) == WorkerLoad(requests=2, queued_prefill_tokens=540)
     first.started()
     first.started()  # a second chunk changes nothing
-    assert ledger.get(A) == WorkerLoad(requests=2, queued_prefill_tokens=60, active_blocks=2)
+    assert ledger.get(A) == WorkerLoad(requests=2, queued_prefill_tokens=60)
     first.close()
     first.close()  # idempotent
-    assert ledger.get(A) == WorkerLoad(requests=1, queued_prefill_tokens=60, active_blocks=1)
+    assert ledger.get(A) == WorkerLoad(requests=1, queued_prefill_tokens=60)
     second.close()  # closed before it started: its prefill leaves with it
     second.started()  # too late: nothing to take back
     assert ledger.get(A) == WorkerLoad() and len(ledger) == 0 and ledger.total() == 0
 
 
-def test_blocks_shared_by_open_requests_are_active_once():
-    ledger = InFlight()
-    prefix = [b"p1", b"p2", b"p3"]
-    one = ledger.open(A, 0, [*prefix, b"x"])
-    two = ledger.open(A, 0, [*prefix, b"y"])
-    # p1-p3 once, x and y, and one block each for the partial tail and the output
-    assert ledger.get(A).active_blocks == 5 + 2
-    one.close()
-    assert ledger.get(A).active_blocks == 4 + 1  # x went with its request, p1-p3 stay
-    two.close()
-    assert ledger.get(A) == WorkerLoad()
-
-
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["open", "start", "close"]), st.integers(0, 7),
-                          st.sampled_from([A, B]), st.integers(-3, 1000),
-                          st.lists(st.sampled_from([b"k0", b"k1", b"k2", b"k3"]),
-                                   max_size=4)), max_size=60))
+                          st.sampled_from([A, B]), st.integers(-3, 1000)), max_size=60))
 def test_the_ledger_always_equals_its_open_tickets(steps):
-    """Model: each ticket is open or closed, prefilling until started or closed; its
-    blocks active while it is open."""
+    """Model: each ticket is open or closed, prefilling until started or closed."""
     ledger = InFlight()
     tickets = []
     model: list[dict] = []
-    for action, pick, key, tokens, blocks in steps:
+    for action, pick, key, tokens in steps:
         if action == "open" or not tickets:
-            tickets.append(ledger.open(key, tokens, blocks))
-            model.append({"key": key, "tokens": max(tokens, 0), "open": True, "prefill": True,
-                          "blocks": blocks})
+            tickets.append(ledger.open(key, tokens))
+            model.append({"key": key, "tokens": max(tokens, 0), "open": True, "prefill": True})
         else:
             i = pick % len(tickets)
             if action == "start":
@@ -67,8 +50,7 @@ def test_the_ledger_always_equals_its_open_tickets(steps):
         for worker in (A, B):
             mine = [m for m in model if m["key"] == worker and m["open"]]
             queued = sum(m["tokens"] for m in mine if m["prefill"])
-            active = len({b for m in mine for b in m["blocks"]}) + len(mine)
-            assert ledger.get(worker) == WorkerLoad(len(mine), queued, active)
+            assert ledger.get(worker) == WorkerLoad(len(mine), queued)
     for ticket in tickets:
         ticket.close()
     assert len(ledger) == 0 and ledger.get(A) == ledger.get(B) == WorkerLoad()
@@ -88,8 +70,8 @@ def test_route_answers_count_until_a_later_metrics_reading_or_their_age_says_oth
     answers.add(B, 70, now=10.0)
     readings = {A: 10.2}  # A's metrics were read after the first answer only; B's never
     answers.settle(11.0, readings.get)
-    assert answers.get(A) == WorkerLoad(requests=1, queued_prefill_tokens=100, active_blocks=1)
-    assert answers.get(B) == WorkerLoad(requests=1, queued_prefill_tokens=70, active_blocks=1)
+    assert answers.get(A) == WorkerLoad(requests=1, queued_prefill_tokens=100)
+    assert answers.get(B) == WorkerLoad(requests=1, queued_prefill_tokens=70)
     answers.settle(13.0, readings.get)  # B's answer is 3 s old: no longer trusted
     assert answers.get(B) == WorkerLoad()
     readings[A] = 10.52  # within the margin: the request may not have arrived yet

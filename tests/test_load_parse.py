@@ -23,16 +23,12 @@ def reference(text: str) -> dict[int, Load]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             field = FIELDS.get(sample.name)
-            if field is None and sample.name != "vllm:cache_config_info":
+            if field is None:
                 continue
             engine = sample.labels.get("engine", "0")
             rank = int(engine) if engine.isdigit() else 0
             per_rank = values.setdefault(rank, {})
-            if field is not None:
-                per_rank[field] = per_rank.get(field, 0.0) + sample.value
-            elif sample.labels.get("num_gpu_blocks", "").isdigit():
-                per_rank["kv_capacity_tokens"] = float(
-                    int(sample.labels["num_gpu_blocks"]) * int(sample.labels["block_size"]))
+            per_rank[field] = per_rank.get(field, 0.0) + sample.value
     return {rank: Load(read_at=0.0, **fields) for rank, fields in values.items()}
 
 
@@ -40,9 +36,8 @@ def test_a_real_vllm_page_reads_like_the_full_parse():
     text = PAGE.read_text()
     loads = parse_load(text, read_at=0.0)
     assert loads == reference(text)
-    # 20 requests of 300 prompt tokens and 8 generated tokens each, then idle; 64 blocks of 32
-    assert loads == {0: Load(running=0.0, waiting=0.0, kv_usage=0.0, work=6000.0 + 160.0,
-                             kv_capacity_tokens=2048.0)}
+    # 20 requests of 300 prompt tokens and 8 generated tokens each, then idle
+    assert loads == {0: Load(running=0.0, waiting=0.0, kv_usage=0.0, work=6000.0 + 160.0)}
 
 
 def _escape(value: str) -> str:
@@ -50,7 +45,7 @@ def _escape(value: str) -> str:
 
 
 model_names = st.text(alphabet='ab,={}" \\\n/engine09', max_size=16)
-names = st.sampled_from([*FIELDS, "vllm:cache_config_info", "vllm:num_requests_waiting_by_reason",
+names = st.sampled_from([*FIELDS, "vllm:num_requests_waiting_by_reason",
                          "vllm:prompt_tokens_cached_total", "vllm:prompt_tokens_created",
                          "vllm:generation_tokens_created"])
 samples = st.lists(st.tuples(names, st.integers(0, 3), model_names,
@@ -67,8 +62,6 @@ def test_any_page_reads_like_the_full_parse(lines):
     families: dict[str, list[str]] = {}
     for name, engine, model, value, engine_first, stamped in lines:
         labels = [f'engine="{engine}"', f'model_name="{_escape(model)}"']
-        if name == "vllm:cache_config_info":
-            labels += [f'num_gpu_blocks="{int(value) % 5000}"', 'block_size="16"']
         if not engine_first:
             labels.reverse()
         line = f"{name}{{{','.join(labels)}}} {value!r}" + (" 1700000000000" if stamped else "")

@@ -28,8 +28,8 @@ def test_idle_fleet_prefers_the_longest_match():
     best, scores = pick([view("a"), view("b")], {("a", 0): match(10), ("b", 0): match(20)})
     assert best.instance == "b"
     costs = {s.instance: s.as_json()["cost_terms"] for s in scores}
-    assert costs == {"a": {"prefill": 1024 - 160, "queue": 0.0, "memory": 0.0},
-                     "b": {"prefill": 1024 - 320, "queue": 0.0, "memory": 0.0}}
+    assert costs == {"a": {"prefill": 1024 - 160, "queue": 0.0},
+                     "b": {"prefill": 1024 - 320, "queue": 0.0}}
 
 
 def test_a_cpu_hit_costs_more_than_a_gpu_hit_and_less_than_a_miss():
@@ -64,9 +64,8 @@ def test_a_cached_prefix_on_a_busy_worker_and_an_idle_worker_compare_in_prefill_
     best, scores = pick([holder, view("idle")], hit, prompt_tokens=540)
     cost = {s.instance: s.as_json()["cost_terms"] for s in scores}
     assert cost == {"holder": {"prefill": 60.0,
-                               "queue": W.queued_prefill_token * 60 + 2 * W.running_request,
-                               "memory": 0.0},
-                    "idle": {"prefill": 540.0, "queue": 0.0, "memory": 0.0}}
+                               "queue": W.queued_prefill_token * 60 + 2 * W.running_request},
+                    "idle": {"prefill": 540.0, "queue": 0.0}}
     assert best.instance == "holder"
     # Two cold 540-token prompts queued ahead (1,080 tokens, twice the saving): kept.
     busy = view("holder", inflight=2, queued_prefill=2 * 540)
@@ -138,34 +137,3 @@ def test_queued_prefill_that_builds_this_prompts_prefix_is_not_held_against_it()
     best, scores = pick([first, view("other")], guessed, prompt_tokens=520)
     assert best.instance == "first"
     assert {s.instance: s.queued_prefill for s in scores} == {"first": 0.0, "other": 0.0}
-
-
-def test_kv_demand_beyond_the_cache_is_paid_token_for_token():
-    """A 2,048-token KV cache: the holder of a 480-token prefix keeps 1,900 tokens for the
-    requests it runs, so this prompt's 60 new tokens fit and it wins. When the requests
-    sent there need 2,600 tokens (some wait for memory), the prompt would wait behind
-    612 tokens of demand the cache cannot hold: it goes to the worker with room."""
-    hit = {("holder", 0): Match(blocks=30, tokens=480, block_size=16,
-                                by_medium={"GPU": 30, "CPU": 0, "STORAGE": 0})}
-    room = view("room", kv_capacity_tokens=2048)
-    holder = view("holder", inflight=1, active_kv_tokens=1900, kv_capacity_tokens=2048)
-    best, scores = pick([holder, room], hit, prompt_tokens=540)
-    assert best.instance == "holder" and all(s.memory_cost == 0 for s in scores)
-    full = view("holder", inflight=1, active_kv_tokens=2600, kv_capacity_tokens=2048)
-    best, scores = pick([full, room], hit, prompt_tokens=540)
-    assert best.instance == "room"
-    held = next(s for s in scores if s.instance == "holder")
-    assert held.memory_cost == W.kv_overflow_token * (2600 + 60 - 2048)
-    assert held.as_json()["cost_terms"]["memory"] == held.memory_cost
-
-
-def test_active_kv_is_the_larger_of_own_requests_and_the_instances_usage():
-    own = view("w", inflight=2, active_kv_tokens=1000, kv_usage=0.25, kv_capacity_tokens=2048)
-    _, (score,) = pick([own], {}, prompt_tokens=64)
-    assert score.active_kv_tokens == 1000
-    scraped = view("w", inflight=2, active_kv_tokens=100, kv_usage=0.75, kv_capacity_tokens=2048)
-    _, (score,) = pick([scraped], {}, prompt_tokens=64)
-    assert score.active_kv_tokens == 1536
-    unknown = view("w", inflight=2, active_kv_tokens=5000)  # no cache size: no memory term
-    _, (score,) = pick([unknown], {}, prompt_tokens=64)
-    assert score.memory_cost == 0
