@@ -14,6 +14,7 @@ WORKDIR /srv/kvroute
 COPY pyproject.toml README.md ./
 COPY index ./index
 COPY app ./app
+COPY sim ./sim
 RUN pip install --no-cache-dir . \
     && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin kvroute
 

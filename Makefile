@@ -19,7 +19,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check app index tests benchmarks e2e
+	$(BIN)/ruff check app index sim tests benchmarks e2e
 	$(BIN)/hadolint Dockerfile
 
 bench: $(STAMP)

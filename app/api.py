@@ -19,11 +19,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.config import ConfigError, Settings, parse_instance
-from app.discovery import DiscoveryError
-from app.metrics import CONTENT_TYPE
-from app.registry import DuplicateInstance, UnknownInstance
-from app.service import ApiError, Service
+from kvroute.app.config import ConfigError, Settings, parse_instance
+from kvroute.app.discovery import DiscoveryError
+from kvroute.app.metrics import CONTENT_TYPE
+from kvroute.app.registry import DuplicateInstance, UnknownInstance
+from kvroute.app.service import ApiError, Service
 
 __all__ = ["create_app", "read_body"]
 
@@ -143,7 +143,7 @@ def create_app(settings: Settings) -> FastAPI:
         return _json({"deleted": instance.id})
 
     if settings.proxy:
-        from app.proxy import add_proxy_routes
+        from kvroute.app.proxy import add_proxy_routes
 
         add_proxy_routes(app)
 

@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from app.config import ConfigError, load_settings
+from kvroute.app.config import ConfigError, load_settings
 
 __all__ = ["main"]
 
@@ -30,7 +30,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from app.server import serve_forever
+    from kvroute.app.server import serve_forever
 
     flags = {"host": args.host, "port": args.port, "tokenizer": args.tokenizer,
              "log_level": args.log_level, "proxy": args.proxy,
@@ -54,14 +54,14 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from app.demo import run_demo
+    from kvroute.sim.demo import run_demo
 
     return run_demo(port=args.port, instances=args.instances, duration=args.duration,
                     seed=args.seed)
 
 
 def _parser() -> argparse.ArgumentParser:
-    from app import tail
+    from kvroute.app import tail
 
     parser = argparse.ArgumentParser(prog="kvroute",
                                      description="KV-cache-aware routing for vLLM fleets")
@@ -83,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serve(args)
         if args.command == "demo":
             return _demo(args)
-        from app import tail
+        from kvroute.app import tail
 
         return tail.run(args)
     except ConfigError as exc:

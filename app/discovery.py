@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from app.subscriber import WorkerEndpoint
+from kvroute.app.subscriber import WorkerEndpoint
 
 _WILDCARD_HOSTS = {"*", "0.0.0.0", "::", "[::]", ""}
 _BLOCK_SIZE = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import httpx
 
-from app.registry import Instance, Registry
+from kvroute.app.registry import Instance, Registry
 
 __all__ = ["Load", "LoadMonitor", "parse_load"]
 

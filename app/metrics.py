@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from app.registry import Registry
+from kvroute.app.registry import Registry
 
 __all__ = ["ServiceMetrics", "CONTENT_TYPE"]
 

@@ -46,10 +46,10 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from app.api import read_body
-from app.inflight import Ticket
-from app.registry import Worker
-from app.service import ApiError, RouteRequest, Service
+from kvroute.app.api import read_body
+from kvroute.app.inflight import Ticket
+from kvroute.app.registry import Worker
+from kvroute.app.service import ApiError, RouteRequest, Service
 
 __all__ = ["MAX_CONNECT_ATTEMPTS", "add_proxy_routes", "route_request_of"]
 

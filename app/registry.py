@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 import httpx
 import zmq.asyncio
 
-from app.config import InstanceConfig, default_instance_id
-from app.discovery import DiscoveryError, WorkerEndpoint, discover
-from app.subscriber import Subscriber
-from index import PrefixIndex
+from kvroute.app.config import InstanceConfig, default_instance_id
+from kvroute.app.discovery import DiscoveryError, WorkerEndpoint, discover
+from kvroute.app.subscriber import Subscriber
+from kvroute.index import PrefixIndex
 
 __all__ = ["DuplicateInstance", "Instance", "Registry", "UnknownInstance", "Worker"]
 

@@ -47,7 +47,7 @@ import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from index import Match
+from kvroute.index import Match
 
 __all__ = ["CostWeights", "Score", "TieBreaker", "WorkerView", "best_of", "score_workers"]
 

@@ -14,9 +14,9 @@ import time
 
 import uvicorn
 
-from app.api import create_app
-from app.config import Settings
-from app.service import Service
+from kvroute.app.api import create_app
+from kvroute.app.config import Settings
+from kvroute.app.service import Service
 
 __all__ = ["BackgroundServer", "serve_forever"]
 

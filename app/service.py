@@ -22,14 +22,14 @@ import httpx
 import msgspec
 from fastapi.responses import JSONResponse
 
-from app.config import Settings
-from app.inflight import InFlight, RecentAnswers
-from app.load import LoadMonitor
-from app.metrics import ServiceMetrics
-from app.registry import Instance, Registry, Worker
-from app.routing import CostWeights, Score, TieBreaker, WorkerView, best_of, score_workers
-from app.tokenizer import Tokenizer, TokenizerError, make_tokenizer
-from index import PrefixIndex
+from kvroute.app.config import Settings
+from kvroute.app.inflight import InFlight, RecentAnswers
+from kvroute.app.load import LoadMonitor
+from kvroute.app.metrics import ServiceMetrics
+from kvroute.app.registry import Instance, Registry, Worker
+from kvroute.app.routing import CostWeights, Score, TieBreaker, WorkerView, best_of, score_workers
+from kvroute.app.tokenizer import Tokenizer, TokenizerError, make_tokenizer
+from kvroute.index import PrefixIndex
 
 __all__ = ["ApiError", "Decision", "RouteRequest", "Service", "decode_route_request"]
 

@@ -43,7 +43,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from app.wire import (
+from kvroute.app.wire import (
     AllBlocksCleared,
     WireError,
     apply_event,

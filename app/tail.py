@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 import zmq
 
-from app.wire import (
+from kvroute.app.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

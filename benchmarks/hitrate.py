@@ -1,6 +1,6 @@
 """Routing hit-rate benchmark: which router keeps vLLM's prefix caches warm?
 
-For every workload and every policy, a fresh simulated fleet (app/sim) serves the same seeded
+For every workload and every policy, a fresh simulated fleet (kvroute.sim) serves the same seeded
 requests in virtual time; only the routing differs. Reported per (workload, policy):
 prefix-cache hit rate (cached prompt tokens / prompt tokens, as vLLM counts them), recomputed
 prompt tokens, load imbalance (max / mean requests per worker), TTFT p50/p90 from the engine's
@@ -41,16 +41,6 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from app.sim.cluster import SimCluster
-from app.sim.engine import Engine, TimeModel
-from app.sim.server import SimRank
-from app.sim.workloads import (
-    Session,
-    load_mooncake,
-    multi_turn_chat,
-    shared_system_prompts,
-)
-from app.wire import Event
 from benchmarks.policies import (
     ApproximateTreePolicy,
     ConsistentHashPolicy,
@@ -64,6 +54,16 @@ from benchmarks.policies import (
     ReplicatedRouter,
     RoundRobinPolicy,
     Worker,
+)
+from kvroute.app.wire import Event
+from kvroute.sim.cluster import SimCluster
+from kvroute.sim.engine import Engine, TimeModel
+from kvroute.sim.server import SimRank
+from kvroute.sim.workloads import (
+    Session,
+    load_mooncake,
+    multi_turn_chat,
+    shared_system_prompts,
 )
 
 POLICIES = ("random", "round-robin", "least-loaded", "consistent-hash", "approx-tree",
@@ -275,8 +275,8 @@ def run_kvroute(sessions: Sequence[Session], n: int, num_blocks: int, seed: int,
     Three ways to use kvroute: its own pick (``kvroute``); its scores through the caller's
     ``cheapest`` rule (``load_tokens`` given: ``kvroute+load``); or as its proxy decides
     (``proxy``: ``kvroute-proxy``), with the proxy's in-flight ledger."""
-    from app.config import Settings  # the service is only needed for this policy
-    from app.server import BackgroundServer
+    from kvroute.app.config import Settings  # the service is only needed for this policy
+    from kvroute.app.server import BackgroundServer
 
     with SimCluster(n=n, block_size=BLOCK_SIZE, num_blocks=num_blocks, seed=seed) as cluster:
         # The fleet runs in virtual time, so the service's own /metrics scrapes (real time)

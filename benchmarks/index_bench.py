@@ -43,7 +43,7 @@ from typing import Any
 import msgspec
 from xxhash import xxh3_128_digest
 
-from index import PrefixIndex
+from kvroute.index import PrefixIndex
 
 BLOCK = 16
 TARGET_INGEST_BLOCKS_PER_S = 1_000_000
@@ -205,10 +205,10 @@ def bench_apply(index: PrefixIndex, worker: Any, batch: BenchBatch) -> None:
 def service_codec() -> tuple[str, Callable[[bytes], Any], Callable[[PrefixIndex, Any, Any], Any]]:
     """The service's decode + apply (app.wire) if present, else this file's."""
     try:
-        from app.wire import apply_batch, decode_batch
+        from kvroute.app.wire import apply_batch, decode_batch
     except ImportError:
         return "bench msgspec decoder", _bench_decoder.decode, bench_apply
-    return "app.wire", decode_batch, apply_batch
+    return "kvroute.app.wire", decode_batch, apply_batch
 
 
 def best_of(repeats: int, run: Callable[[], float]) -> float:

@@ -20,8 +20,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import httpx
 
-from app.inflight import InFlight, Ticket
-from app.sim.engine import Engine
+from kvroute.app.inflight import InFlight, Ticket
+from kvroute.sim.engine import Engine
 
 
 @dataclass

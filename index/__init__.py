@@ -4,7 +4,7 @@
 medium, and answers how many consecutive blocks of a prompt each worker has cached.
 """
 
-from index.prefix_index import PrefixIndex
-from index.results import IndexStats, Match
+from kvroute.index.prefix_index import PrefixIndex
+from kvroute.index.results import IndexStats, Match
 
 __all__ = ["IndexStats", "Match", "PrefixIndex"]

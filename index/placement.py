@@ -32,7 +32,7 @@ from collections.abc import Callable, Hashable, Sequence
 from sortedcontainers import SortedList
 from xxhash import xxh3_128_digest
 
-from index.keys import TOKEN_BYTES, root_key, token_bytes
+from kvroute.index.keys import TOKEN_BYTES, root_key, token_bytes
 
 __all__ = ["Placements", "chain_keys"]
 

@@ -43,8 +43,8 @@ from typing import Any
 
 from xxhash import xxh3_128_digest
 
-from index.keys import TOKEN_BYTES, block_splitter, extra_suffix, root_key, token_bytes
-from index.mediums import (
+from kvroute.index.keys import TOKEN_BYTES, block_splitter, extra_suffix, root_key, token_bytes
+from kvroute.index.mediums import (
     CPU,
     FIELD_MASK,
     GPU,
@@ -57,8 +57,8 @@ from index.mediums import (
     fastest,
     tier_of,
 )
-from index.placement import Placements, chain_keys
-from index.results import IndexStats, Match
+from kvroute.index.placement import Placements, chain_keys
+from kvroute.index.results import IndexStats, Match
 
 Worker = Hashable
 BlockHash = int | bytes

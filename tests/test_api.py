@@ -8,9 +8,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.config import InstanceConfig, Settings
-from app.server import BackgroundServer
-from app.sim.cluster import SimCluster
+from kvroute.app.config import InstanceConfig, Settings
+from kvroute.app.server import BackgroundServer
+from kvroute.sim.cluster import SimCluster
 from tests.conftest import HTTP_TIMEOUT, wait_for
 from tests.support.tokens import unique_tokens
 
@@ -351,7 +351,7 @@ def test_text_prompts_survive_an_instance_whose_http_server_is_gone(cluster: Sim
                                                                    dead_url: str):
     """Its events still flow (it stays eligible), but its /tokenize is unreachable: the next
     instance tokenizes instead of the request failing."""
-    from app.sim.publisher import EventPublisher
+    from kvroute.sim.publisher import EventPublisher
 
     server = start_service(tokenizer="instance")
     try:
@@ -377,8 +377,8 @@ def test_a_model_naming_a_lora_adapter_matches_that_adapters_blocks():
     adapter's name; a request for that model must match those blocks, not the base's."""
     import json
 
-    from app.sim.publisher import EventPublisher
-    from app.wire import BlockStored
+    from kvroute.app.wire import BlockStored
+    from kvroute.sim.publisher import EventPublisher
     from tests.support.canned_http import canned_http
 
     with EventPublisher() as events:

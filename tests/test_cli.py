@@ -12,11 +12,11 @@ import threading
 import httpx
 import pytest
 
-from app.demo import run_demo
-from app.sim.cluster import SimCluster
+from kvroute.sim.cluster import SimCluster
+from kvroute.sim.demo import run_demo
 from tests.conftest import scaled, wait_for
 
-KVROUTE = [sys.executable, "-m", "app.cli"]
+KVROUTE = [sys.executable, "-m", "kvroute.app.cli"]
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.config import ConfigError, InstanceConfig, default_instance_id, load_settings
+from kvroute.app.config import ConfigError, InstanceConfig, default_instance_id, load_settings
 
 
 def write(tmp_path, text: str):

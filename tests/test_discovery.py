@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.discovery import (
+from kvroute.app.discovery import (
     DiscoveryError,
     discover,
     explicit_workers,
@@ -20,7 +20,7 @@ from app.discovery import (
     rewrite_host,
     workers_from_sources,
 )
-from app.subscriber import WorkerEndpoint
+from kvroute.app.subscriber import WorkerEndpoint
 from tests.conftest import HTTP_TIMEOUT
 from tests.support.canned_http import canned_http
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from app.sim.publisher import EventPublisher
-from app.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from e2e.tap import EventTap
+from kvroute.app.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from kvroute.sim.publisher import EventPublisher
 from tests.conftest import scaled, wait_for
 
 

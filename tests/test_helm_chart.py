@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.config import InstanceConfig, Settings
+from kvroute.app.config import InstanceConfig, Settings
 
 CHART = Path(__file__).resolve().parent.parent / "helm" / "kvroute"
 TEMPLATES = sorted((CHART / "templates").glob("*"))

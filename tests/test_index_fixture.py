@@ -14,7 +14,7 @@ from collections import Counter
 
 import msgspec
 
-from index import PrefixIndex
+from kvroute.index import PrefixIndex
 from tests.support.fixtures import END_SEQ, live_payloads, replay_payloads, session_frames
 
 WORKER = ("vllm-cpu", 0)

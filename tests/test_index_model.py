@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from index import Match, PrefixIndex
+from kvroute.index import Match, PrefixIndex
 from tests.support.index_state import assert_empty
 
 TIERS = ("GPU", "CPU", "STORAGE")
@@ -459,8 +459,8 @@ class IndexMachine(RuleBasedStateMachine):
 
 def check_layout(index: PrefixIndex) -> None:
     """The invariants the index's module docstring states, checked on its private layout."""
-    from index import prefix_index as layout
-    from index.mediums import GPU_ONCE, count_in, fastest
+    from kvroute.index import prefix_index as layout
+    from kvroute.index.mediums import GPU_ONCE, count_in, fastest
 
     nodes, tiered = index._nodes, index._tiered
     for key, value in nodes.items():

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from index import IndexStats, Match, PrefixIndex
+from kvroute.index import IndexStats, Match, PrefixIndex
 from tests.support.index_state import assert_empty
 
 A, B, C = ("a", 0), ("b", 0), ("c", 1)

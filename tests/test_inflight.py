@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.inflight import InFlight, RecentAnswers, WorkerLoad
+from kvroute.app.inflight import InFlight, RecentAnswers, WorkerLoad
 
 A, B = ("a", 0), ("b", 1)
 

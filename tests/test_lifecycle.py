@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from app.config import InstanceConfig, Settings
-from app.service import Service
-from app.sim.cluster import SimCluster
+from kvroute.app.config import InstanceConfig, Settings
+from kvroute.app.service import Service
+from kvroute.sim.cluster import SimCluster
 from tests.conftest import run_async, wait_until
 
 

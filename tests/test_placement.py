@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from index import PrefixIndex
-from index.placement import Placements, chain_keys
+from kvroute.index import PrefixIndex
+from kvroute.index.placement import Placements, chain_keys
 
 WORKERS = ("a", "b")
 

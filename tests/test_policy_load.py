@@ -10,9 +10,9 @@ import threading
 
 import httpx
 
-from app.config import Settings
-from app.server import BackgroundServer
-from app.sim.cluster import SimCluster
+from kvroute.app.config import Settings
+from kvroute.app.server import BackgroundServer
+from kvroute.sim.cluster import SimCluster
 from tests.conftest import HTTP_TIMEOUT, wait_for
 
 BLOCK = 16

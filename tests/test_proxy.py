@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from app.config import Settings
-from app.proxy import MAX_CONNECT_ATTEMPTS
-from app.server import BackgroundServer
-from app.sim.cluster import SimCluster
-from app.sim.server import InstanceConfig, SimInstance
+from kvroute.app.config import Settings
+from kvroute.app.proxy import MAX_CONNECT_ATTEMPTS
+from kvroute.app.server import BackgroundServer
+from kvroute.sim.cluster import SimCluster
+from kvroute.sim.server import InstanceConfig, SimInstance
 from tests.conftest import HTTP_TIMEOUT, refusing_urls, scaled, wait_for
 from tests.support.scores import inflight_counts
 from tests.support.tokens import unique_tokens

@@ -17,10 +17,10 @@ import anyio
 import httpx
 import pytest
 
-from app.api import create_app
-from app.config import Settings
-from app.server import BackgroundServer
-from app.sim.cluster import SimCluster
+from kvroute.app.api import create_app
+from kvroute.app.config import Settings
+from kvroute.app.server import BackgroundServer
+from kvroute.sim.cluster import SimCluster
 from tests.conftest import HTTP_TIMEOUT, run_async, scaled, wait_for, wait_until
 from tests.support.scores import inflight_counts
 from tests.support.tokens import unique_tokens

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from app.load import parse_load
-from app.routing import CostWeights, TieBreaker, WorkerView, best_of, score_workers
-from index import Match
+from kvroute.app.load import parse_load
+from kvroute.app.routing import CostWeights, TieBreaker, WorkerView, best_of, score_workers
+from kvroute.index import Match
 
 W = CostWeights()
 

@@ -7,8 +7,8 @@ import socket
 
 import httpx
 
-from app.config import Settings
-from app.server import BackgroundServer
+from kvroute.app.config import Settings
+from kvroute.app.server import BackgroundServer
 from tests.conftest import HTTP_TIMEOUT
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from app.sim.engine import Engine
-from app.sim.workloads import multi_turn_chat, shared_system_prompts
 from benchmarks import hitrate
 from benchmarks.policies import ApproximateTreePolicy, ConsistentHashPolicy, Worker
+from kvroute.sim.engine import Engine
+from kvroute.sim.workloads import multi_turn_chat, shared_system_prompts
 
 
 def fleet(n: int = 4, num_blocks: int = 48) -> list[Worker]:

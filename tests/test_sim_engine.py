@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.sim.engine import Engine, EngineError
-from app.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from kvroute.app.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from kvroute.sim.engine import Engine, EngineError
 
 Key = tuple[int, ...]
 

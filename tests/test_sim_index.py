@@ -11,9 +11,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.sim.engine import Engine
-from app.wire import apply_batch, decode_batch, encode_batch
-from index import PrefixIndex
+from kvroute.app.wire import apply_batch, decode_batch, encode_batch
+from kvroute.index import PrefixIndex
+from kvroute.sim.engine import Engine
 
 tokens_st = st.lists(st.integers(0, 3), min_size=1, max_size=40)
 

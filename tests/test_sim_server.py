@@ -10,9 +10,9 @@ import httpx
 import pytest
 import zmq
 
-from app.sim.cluster import SimCluster
-from app.sim.server import InstanceConfig, SimInstance
-from app.wire import BlockStored, decode_batch, decode_replay_frame
+from kvroute.app.wire import BlockStored, decode_batch, decode_replay_frame
+from kvroute.sim.cluster import SimCluster
+from kvroute.sim.server import InstanceConfig, SimInstance
 from tests.conftest import HTTP_TIMEOUT, scaled, wait_for
 
 

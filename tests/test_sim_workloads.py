@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.sim.workloads import (
+from kvroute.sim.workloads import (
     MOONCAKE_BLOCK_TOKENS,
     generate_mooncake_trace,
     load_mooncake,

@@ -19,9 +19,8 @@ import msgspec
 import pytest
 import zmq
 
-from app.sim.publisher import EventPublisher
-from app.subscriber import Subscriber, SubscriberHooks, WorkerEndpoint
-from app.wire import (
+from kvroute.app.subscriber import Subscriber, SubscriberHooks, WorkerEndpoint
+from kvroute.app.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -30,6 +29,7 @@ from app.wire import (
     encode_batch,
     encode_seq,
 )
+from kvroute.sim.publisher import EventPublisher
 from tests.conftest import refusing_ports, wait_until
 from tests.support.events import (
     TEST_OPTIONS,

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from app.sim.publisher import EventPublisher
-from app.subscriber import Subscriber
-from app.wire import BlockStored, apply_batch, decode_batch
-from index import PrefixIndex
+from kvroute.app.subscriber import Subscriber
+from kvroute.app.wire import BlockStored, apply_batch, decode_batch
+from kvroute.index import PrefixIndex
+from kvroute.sim.publisher import EventPublisher
 from tests.conftest import wait_until
 from tests.support.events import (
     TEST_OPTIONS,

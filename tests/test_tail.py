@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
-from app import tail
-from app.sim.publisher import EventPublisher
-from app.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from kvroute.app import tail
+from kvroute.app.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from kvroute.sim.publisher import EventPublisher
 from tests.conftest import scaled, wait_for
 
 # tail's own deadline: longer than any wait below, so the test's waits fail first.

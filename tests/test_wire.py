@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from app.wire import (
+from kvroute.app.wire import (
     END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
@@ -31,7 +31,7 @@ from app.wire import (
     encode_seq,
     lora_key,
 )
-from index import PrefixIndex
+from kvroute.index import PrefixIndex
 from tests.support.fixtures import session_frames
 
 pack = msgspec.msgpack.encode

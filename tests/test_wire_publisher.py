@@ -8,8 +8,8 @@ import msgspec
 import pytest
 import zmq
 
-from app.sim.publisher import EventPublisher
-from app.wire import END_SEQ, AllBlocksCleared, BlockStored, decode_batch, encode_seq
+from kvroute.app.wire import END_SEQ, AllBlocksCleared, BlockStored, decode_batch, encode_seq
+from kvroute.sim.publisher import EventPublisher
 from tests.conftest import scaled
 
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import zmq.asyncio
 
-from app.sim.publisher import EventPublisher
-from app.subscriber import Subscriber, SubscriberOptions, WorkerEndpoint
-from app.wire import BlockRemoved, BlockStored, Event, EventBatch, apply_batch
-from index import PrefixIndex
+from kvroute.app.subscriber import Subscriber, SubscriberOptions, WorkerEndpoint
+from kvroute.app.wire import BlockRemoved, BlockStored, Event, EventBatch, apply_batch
+from kvroute.index import PrefixIndex
+from kvroute.sim.publisher import EventPublisher
 from tests.conftest import run_async, scaled
 
 # Subscriber options for tests: quick reconnects, and a replay timeout a loaded event loop

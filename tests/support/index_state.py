@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from index import PrefixIndex
+from kvroute.index import PrefixIndex
 
 
 def assert_empty(index: PrefixIndex) -> None:

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from app.config import Settings
-from app.server import BackgroundServer
-from app.sim.cluster import SimCluster
+from kvroute.app.config import Settings
+from kvroute.app.server import BackgroundServer
+from kvroute.sim.cluster import SimCluster
 
 __all__ = ["run_demo"]
 

@@ -19,7 +19,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from app.sim.engine import RequestOutcome
+from kvroute.sim.engine import RequestOutcome
 
 __all__ = ["chat_prompt", "completion_body", "sse_events", "validate_messages"]
 

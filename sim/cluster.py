@@ -14,8 +14,8 @@ from typing import Any
 
 import httpx
 
-from app.sim.engine import Engine, TimeModel
-from app.sim.server import InstanceConfig, SimInstance, SimRank
+from kvroute.sim.engine import Engine, TimeModel
+from kvroute.sim.server import InstanceConfig, SimInstance, SimRank
 
 
 class SimCluster:

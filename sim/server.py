@@ -16,7 +16,7 @@ Two ways to drive the engines, never mixed on one instance:
   stepping thread only steps while HTTP requests are pending, so it stays out of the way.
 
 Text prompts use a byte tokenizer: one token per UTF-8 byte (ids 0..255); chat messages go
-through the template in ``app.sim.openai`` first, and ``/tokenize`` accepts both, giving the
+through the template in ``kvroute.sim.openai`` first, and ``/tokenize`` accepts both, giving the
 exact tokens the engine sees. Generated tokens are lowercase letters chosen deterministically
 from the prompt, so responses are reproducible. Response ids are ``cmpl-``/``chatcmpl-`` plus the
 ``X-Request-Id`` header when given (as in vLLM), else a random hex.
@@ -54,10 +54,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from app.sim.engine import Engine, EngineError, RequestOutcome, StepResult, TimeModel
-from app.sim.openai import chat_prompt, completion_body, sse_events, validate_messages
-from app.sim.publisher import EventPublisher
-from app.wire import Event
+from kvroute.app.wire import Event
+from kvroute.sim.engine import Engine, EngineError, RequestOutcome, StepResult, TimeModel
+from kvroute.sim.openai import chat_prompt, completion_body, sse_events, validate_messages
+from kvroute.sim.publisher import EventPublisher
 
 HOST = "127.0.0.1"
 _REQUEST_TIMEOUT_S = 60.0

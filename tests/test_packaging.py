@@ -1,0 +1,38 @@
+"""The distribution: one import package, `kvroute`, whatever the folders are called."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_wheel_holds_only_the_kvroute_package(tmp_path: Path) -> None:
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(tmp_path),
+         str(ROOT)], capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-2000:]
+    (wheel,) = tmp_path.glob("kvroute-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {name.split("/", 1)[0] for name in names}
+    assert tops == {"kvroute", next(t for t in tops if t.endswith(".dist-info"))}
+    for module in ("kvroute/app/service.py", "kvroute/index/prefix_index.py",
+                   "kvroute/sim/engine.py", "kvroute/sim/demo.py"):
+        assert module in names
+    assert not any("/tests/" in n or "/benchmarks/" in n for n in names)
+    info = next(t for t in tops if t.endswith(".dist-info"))
+    entry_points = zipfile.ZipFile(wheel).read(f"{info}/entry_points.txt").decode()
+    assert "kvroute = kvroute.app.cli:main" in entry_points
+
+
+def test_the_service_never_imports_the_simulator() -> None:
+    """`kvroute demo` loads the simulator when asked; nothing else in the service does."""
+    code = ("import sys, kvroute.app.api, kvroute.app.cli, kvroute.app.proxy; "
+            "print(sorted(m for m in sys.modules if m.startswith('kvroute.sim')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=ROOT.parent, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
