@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -11,9 +12,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_wheel_holds_only_the_kvroute_package(tmp_path: Path) -> None:
+    # Built from a copy: setuptools leaves a build/ folder beside the sources.
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for folder in ("app", "index", "sim"):
+        shutil.copytree(ROOT / folder, source / folder,
+                        ignore=shutil.ignore_patterns("__pycache__"))
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(tmp_path),
-         str(ROOT)], capture_output=True, text=True, timeout=600)
+         str(source)], capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stderr[-2000:]
     (wheel,) = tmp_path.glob("kvroute-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
