@@ -1,6 +1,6 @@
 """Find a vLLM instance's KV-event endpoints, models and block size from its HTTP URL alone.
 
-What vLLM answers (facts; see also the plan's vllm-facts notes):
+What vLLM answers (facts; docs/wire-protocol.md):
 
 - ``GET /kv_event_sources``, vLLM 0.32.0: a JSON object keyed by data-parallel rank as a
   STRING, each value the rank's resolved KVEventsConfig::

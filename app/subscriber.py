@@ -1,6 +1,6 @@
 """One subscriber per worker endpoint: live KV events in, index updates out, never diverging.
 
-Sequence tracking (DESIGN.md, "Decisions where the protocol leaves room"):
+Sequence tracking (docs/decisions.md):
 
 - ``last_seq`` is the last APPLIED seq. The next live batch must be ``last_seq + 1``.
 - A live seq above that is a gap: the missing batches are fetched from the replay ROUTER

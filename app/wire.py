@@ -1,6 +1,6 @@
 """Decoding and encoding of vLLM's KV-event wire format.
 
-Facts this module relies on (see DESIGN.md, "vLLM wire protocol"):
+Facts this module relies on (docs/wire-protocol.md):
 
 - A payload is a msgpack array ``[ts, events]`` or ``[ts, events, data_parallel_rank]``
   (a map ``{"ts", "events", "data_parallel_rank"}`` is accepted too).

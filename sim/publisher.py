@@ -1,6 +1,6 @@
 """A stand-in for vLLM's ZMQ KV-event publisher, wire-exact, for tests and the simulator.
 
-What it reproduces (facts from vLLM's ZmqEventPublisher, see DESIGN.md):
+What it reproduces (facts from vLLM's ZmqEventPublisher, docs/wire-protocol.md):
 
 - a PUB socket sending ``[topic, seq (8 bytes big-endian, from 0), payload]``;
 - a ROUTER replay socket: a DEALER sends ``[b"", start_seq]`` and gets every buffered batch
