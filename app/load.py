@@ -66,7 +66,7 @@ def parse_load(text: str, read_at: float) -> dict[int, Load]:
 
     Only the few samples above are read, by their names at the start of a line: a full
     parse of vLLM's page (about 50 KB of histograms) costs ~10 ms of the event loop per
-    instance and scrape, this ~0.1 ms. Lines that do not parse are skipped."""
+    instance and scrape, this ~0.2 ms. Lines that do not parse are skipped."""
     values: dict[int, dict[str, float]] = {}
     for line in text.splitlines():
         if not line.startswith(_PREFIXES):
@@ -82,7 +82,7 @@ def parse_load(text: str, read_at: float) -> dict[int, Load]:
             number = float(value)
         except ValueError:
             continue
-        engine = next((value for key, value in _LABEL.findall(labels or "")
+        engine = next((text for key, text in _LABEL.findall(labels or "")
                        if key == "engine"), "0")
         rank = int(engine) if engine.isdigit() else 0
         per_rank = values.setdefault(rank, {})
