@@ -20,7 +20,7 @@ Layout (chosen for CPython: few objects, work batched per event):
   engine hashes for one content happen when the engine hashes something the events do
   not carry).
 
-Invariants (checked by the property tests):
+Invariants (``PrefixIndex._check()`` verifies them; the property tests call it):
 - a node exists iff its holder mask is not empty; a worker's bit is set on a node iff one
   of its handles maps to that key; ``TIERED`` is set iff the node has a ``_tiered`` entry,
   and such an entry is never all zero;
@@ -827,6 +827,55 @@ class PrefixIndex:
             hash_conflicts=self._hash_conflicts,
             estimated_bytes=size,
         )
+
+    # ------------------------------------------------------------------ self-check
+
+    def _check(self) -> None:
+        """Verify the layout invariants stated in this module's docstring; raises
+        ``AssertionError`` naming the first one broken. Walks everything: for tests and
+        debugging, never on a serving path."""
+
+        def require(condition: object, message: str) -> None:
+            if not condition:
+                raise AssertionError(f"prefix index layout: {message}")
+
+        nodes, tiered = self._nodes, self._tiered
+        for key, value in nodes.items():
+            require(value >= HOLDERS_MIN, f"node {key.hex()} has no holder")
+            require(bool(value & TIERED) == (key in tiered),
+                    f"node {key.hex()}: TIERED bit disagrees with the tier table")
+        for key, (cpu_mask, storage_mask) in tiered.items():
+            require(cpu_mask or storage_mask, f"tier entry {key.hex()} is empty")
+            require(not cpu_mask & storage_mask,
+                    f"tier entry {key.hex()} names a worker in two tiers")
+        for w in self._workers.values():
+            name = repr(w.worker)
+            require(self._by_slot[w.slot] is w, f"{name} is not in its slot {w.slot}")
+            keys = set(w.handles.values())
+            require(keys == {k for k, v in nodes.items() if v & w.bit},
+                    f"{name}: holder bits differ from its handles")
+            require(set(w.counts) <= set(w.handles), f"{name}: counts without a handle")
+            require(set(w.node_counts) <= keys, f"{name}: node counts without a handle")
+            require(all(packed and packed != GPU_ONCE for packed in w.counts.values()),
+                    f"{name}: a stored count that should be implicit")
+            for tier in (GPU, CPU, STORAGE):
+                held = sum(1 for h in w.handles if count_in(w.counts.get(h, GPU_ONCE), tier))
+                require(w.held[tier] == held, f"{name}: held[{TIER_NAMES[tier]}] is "
+                        f"{w.held[tier]}, its handles say {held}")
+            summed: dict[bytes, int] = {}
+            for block_hash, key in w.handles.items():
+                summed[key] = summed.get(key, 0) + w.counts.get(block_hash, GPU_ONCE)
+            for key, total in summed.items():
+                require(w.node_counts.get(key, GPU_ONCE) == total,
+                        f"{name}: node count of {key.hex()} is not the sum of its handles")
+                tier = fastest(total)
+                cpu_mask, storage_mask = tiered.get(key, (0, 0))
+                require(bool(cpu_mask & w.bit) == (tier == CPU)
+                        and bool(storage_mask & w.bit) == (tier == STORAGE),
+                        f"{name}: tier masks of {key.hex()} disagree with its counts")
+        require(sorted(self._free_slots)
+                == [slot for slot, w in enumerate(self._by_slot) if w is None],
+                "free slots differ from the empty ones")
 
 
 _NO_SLOW_TIERS = (0, 0)

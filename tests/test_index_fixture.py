@@ -128,6 +128,7 @@ def test_live_stream_leaves_the_engine_state() -> None:
         for event in _events(live[seq]):
             _apply(index, event)
             model.apply(event)
+        index._check()
         holdings = index.stats().holdings[WORKER]
         assert holdings["GPU"] == len(model.refs) <= NUM_GPU_BLOCKS, seq
         assert holdings["CPU"] == holdings["STORAGE"] == 0
@@ -180,6 +181,8 @@ def test_replay_rebuilds_the_same_index() -> None:
         for seq in sorted(payloads):
             for event in _events(payloads[seq]):
                 _apply(index, event)
+    from_live._check()
+    from_replay._check()
     for prompt in _stored_token_runs(live):
         assert from_live.match(prompt) == from_replay.match(prompt)
     assert from_live.stats().holdings == from_replay.stats().holdings

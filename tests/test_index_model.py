@@ -449,46 +449,12 @@ class IndexMachine(RuleBasedStateMachine):
 
     @invariant()
     def internal_layout_is_consistent(self):
-        check_layout(self.index)
+        self.index._check()
 
     def teardown(self):
         for name in SPECS:
             self.index.drop_worker(name)
         assert_empty(self.index)
-
-
-def check_layout(index: PrefixIndex) -> None:
-    """The invariants the index's module docstring states, checked on its private layout."""
-    from kvroute.index import prefix_index as layout
-    from kvroute.index.mediums import GPU_ONCE, count_in, fastest
-
-    nodes, tiered = index._nodes, index._tiered
-    for key, value in nodes.items():
-        assert value >= layout.HOLDERS_MIN, "a node without holders"
-        assert bool(value & layout.TIERED) == (key in tiered)
-    for cpu_mask, storage_mask in tiered.values():
-        assert cpu_mask or storage_mask
-        assert not cpu_mask & storage_mask
-    for w in index._workers.values():
-        assert index._by_slot[w.slot] is w
-        keys = set(w.handles.values())
-        assert keys == {k for k, v in nodes.items() if v & w.bit}
-        assert set(w.counts) <= set(w.handles)
-        assert set(w.node_counts) <= keys
-        assert all(packed != GPU_ONCE and packed for packed in w.counts.values())
-        for tier in range(3):
-            assert w.held[tier] == sum(
-                1 for h in w.handles if count_in(w.counts.get(h, GPU_ONCE), tier))
-        for key in keys:
-            summed = sum(w.counts.get(h, GPU_ONCE) for h, k in w.handles.items() if k == key)
-            assert w.node_counts.get(key, GPU_ONCE) == summed
-            tier = fastest(summed)
-            cpu_mask, storage_mask = tiered.get(key, (0, 0))
-            assert bool(cpu_mask & w.bit) == (tier == 1)
-            assert bool(storage_mask & w.bit) == (tier == 2)
-    assert sorted(index._free_slots) == [
-        slot for slot, w in enumerate(index._by_slot) if w is None]
-
 
 
 IndexMachine.TestCase.settings = settings(

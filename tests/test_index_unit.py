@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -398,3 +399,25 @@ def test_match_values_are_frozen() -> None:
     match = gpu(1, 4)
     with pytest.raises(dataclasses.FrozenInstanceError):
         match.blocks = 2  # type: ignore[misc]
+
+
+def _held_index() -> PrefixIndex:
+    index = PrefixIndex()
+    store(index, "a", [1, 2], None, list(range(8)))
+    store(index, "b", [7], None, list(range(4)), medium="CPU")
+    index._check()
+    return index
+
+
+@pytest.mark.parametrize("corrupt, says", [
+    (lambda ix: ix._nodes.popitem(), "holder bits differ"),
+    (lambda ix: ix._workers["a"].held.__setitem__(0, 5), "held[GPU]"),
+    (lambda ix: ix._tiered.clear(), "TIERED bit"),
+    (lambda ix: ix._free_slots.append(0), "free slots"),
+    (lambda ix: ix._workers["a"].counts.__setitem__(99, 1), "counts without a handle"),
+])
+def test_the_self_check_names_a_broken_invariant(corrupt, says) -> None:
+    index = _held_index()
+    corrupt(index)
+    with pytest.raises(AssertionError, match=re.escape(says)):
+        index._check()
