@@ -87,12 +87,11 @@ def offset_port(endpoint: str, rank: int) -> str:
     return f"{base}:{int(port) + rank}"
 
 
-def workers_from_sources(
-    url: str, payload: Any, *, instance_id: str | None = None, dp_size: int = 1
-) -> list[WorkerEndpoint]:
-    """Turn a ``/kv_event_sources`` answer (any accepted shape) into worker endpoints."""
+def workers_from_sources(url: str, payload: Any, *, dp_size: int = 1) -> list[WorkerEndpoint]:
+    """Turn a ``/kv_event_sources`` answer (any accepted shape) into worker endpoints; a
+    single config for the whole instance stands for ``dp_size`` ranks."""
     host = urlsplit(url).hostname or ""
-    instance = instance_id or instance_id_for(url)
+    instance = instance_id_for(url)
     entries = _entries(url, payload, dp_size)
     workers = []
     for rank, entry in entries:
@@ -151,45 +150,16 @@ def _entries(url: str, payload: Any, dp_size: int) -> list[tuple[int, dict[str, 
                               "expected an object or a list")
 
 
-def explicit_workers(
-    url: str, endpoint: str, replay_endpoint: str | None = None, *, topic: str = "",
-    dp_size: int = 1, instance_id: str | None = None,
-) -> list[WorkerEndpoint]:
-    """Endpoints given by the operator: base ports, offset per rank like vLLM does."""
-    if dp_size < 1:
-        raise DiscoveryError(url, "dp_size must be at least 1")
-    host = urlsplit(url).hostname or ""
-    instance = instance_id or instance_id_for(url)
-    return [
-        WorkerEndpoint(instance, rank, rewrite_host(offset_port(endpoint, rank), host),
-                       rewrite_host(offset_port(replay_endpoint, rank), host)
-                       if replay_endpoint else None, topic)
-        for rank in range(dp_size)
-    ]
-
-
-async def discover(
-    url: str,
-    client: httpx.AsyncClient,
-    *,
-    instance_id: str | None = None,
-    endpoint: str | None = None,
-    replay_endpoint: str | None = None,
-    topic: str = "",
-    dp_size: int = 1,
-    api_key: str | None = None,
-) -> InstanceInfo:
-    """Ask the instance. With ``endpoint`` given, ``/kv_event_sources`` is not consulted."""
+async def discover(url: str, client: httpx.AsyncClient, *,
+                   api_key: str | None = None) -> InstanceInfo:
+    """Ask the instance for its event endpoints, models and block size. (Endpoints an
+    operator configures are used as given, without asking: see ``app.registry``.)"""
     url = url.rstrip("/")
     if not url.startswith(("http://", "https://")):
         raise DiscoveryError(url, "the instance URL must start with http:// or https://")
     notes: list[str] = []
-    if endpoint is not None:
-        workers = explicit_workers(url, endpoint, replay_endpoint, topic=topic,
-                                   dp_size=dp_size, instance_id=instance_id)
-    else:
-        sources = await _get_json(client, url, "/kv_event_sources")
-        workers = workers_from_sources(url, sources, instance_id=instance_id, dp_size=dp_size)
+    sources = await _get_json(client, url, "/kv_event_sources")
+    workers = workers_from_sources(url, sources)
     if any(w.replay_endpoint is None for w in workers):
         notes.append("no replay endpoint: prefixes cached before kvroute connected stay "
                      "unknown and dropped events cannot be recovered")

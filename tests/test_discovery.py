@@ -15,7 +15,6 @@ import pytest
 from kvroute.app.discovery import (
     DiscoveryError,
     discover,
-    explicit_workers,
     offset_port,
     rewrite_host,
     workers_from_sources,
@@ -73,9 +72,9 @@ def test_vllm_0_32_answers_over_real_http(http_instance):
 def test_missing_metrics_leave_the_block_size_unknown_with_a_note(http_instance):
     url, routes = http_instance
     del routes["/metrics"]
-    info = asyncio.run(_discover(url, instance_id="a"))
+    info = asyncio.run(_discover(url))
     assert info.block_size is None and "block size unknown" in info.notes[0]
-    assert info.workers[0].instance_id == "a"
+    assert info.workers[0].instance_id == url.removeprefix("http://")
 
 
 @pytest.mark.parametrize(("path", "status", "body", "reason"), [
@@ -108,17 +107,13 @@ def test_an_unreachable_instance_is_a_discovery_error_naming_the_url():
         asyncio.run(_discover("127.0.0.1:8000"))
 
 
-def test_explicit_endpoints_skip_kv_event_sources(http_instance):
+def test_an_instance_without_a_replay_endpoint_gets_a_note(http_instance):
     url, routes = http_instance
-    del routes["/kv_event_sources"]
-    info = asyncio.run(_discover(url, endpoint="tcp://*:7000", replay_endpoint="tcp://*:7100",
-                                 dp_size=2, topic="t"))
-    assert [(w.dp_rank, w.endpoint, w.replay_endpoint, w.topic) for w in info.workers] == [
-        (0, "tcp://127.0.0.1:7000", "tcp://127.0.0.1:7100", "t"),
-        (1, "tcp://127.0.0.1:7001", "tcp://127.0.0.1:7101", "t"),
-    ]
-    info = asyncio.run(_discover(url, endpoint="tcp://10.1.2.3:7000"))
-    assert info.workers[0].endpoint == "tcp://10.1.2.3:7000"
+    routes["/kv_event_sources"] = (200, json.dumps(
+        {"0": {"endpoint": "tcp://*:7000", "topic": "t"}}))
+    info = asyncio.run(_discover(url))
+    assert [(w.endpoint, w.replay_endpoint, w.topic) for w in info.workers] == [
+        ("tcp://127.0.0.1:7000", None, "t")]
     assert "no replay endpoint" in info.notes[0]
 
 
@@ -184,8 +179,6 @@ def test_endpoint_rules():
     assert offset_port("tcp://*:5557", 3) == "tcp://*:5560"
     assert offset_port("tcp://*:0", 3) == "tcp://*:0"
     assert offset_port("ipc:///tmp/kv", 1) == "ipc:///tmp/kv"
-    with pytest.raises(DiscoveryError, match="dp_size"):
-        explicit_workers("http://h:1", "tcp://*:1", dp_size=0)
 
 
 def test_lora_adapters_are_the_models_with_a_parent(http_instance):
