@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvroute.app.registry import Registry
+from kvroute.app.subscriber import WorkerState
 
 __all__ = ["ServiceMetrics", "CONTENT_TYPE"]
 
@@ -30,7 +31,6 @@ _WORKER_COUNTERS = {
     "degraded_count": ("kvroute_degraded", "times history was lost and the worker was rebuilt"),
     "restarts": ("kvroute_engine_restarts", "engine restarts detected (sequence went back)"),
 }
-_STATES = ("connecting", "replaying", "live", "degraded", "down")
 
 
 class _RegistryCollector(Collector):
@@ -52,8 +52,8 @@ class _RegistryCollector(Collector):
             key = [worker.instance.id, str(worker.endpoint.dp_rank)]
             for attr, family in counters.items():
                 family.add_metric(key, float(getattr(status, attr, 0) or 0))
-            for name in _STATES:
-                state.add_metric([*key, name], 1.0 if worker.state == name else 0.0)
+            for name in WorkerState:
+                state.add_metric([*key, name.value], 1.0 if worker.state == name else 0.0)
             for medium, count in stats.holdings.get(worker.key, {}).items():
                 holdings.add_metric([*key, medium], float(count))
         yield from counters.values()

@@ -27,7 +27,7 @@ import zmq.asyncio
 
 from kvroute.app.config import InstanceConfig, default_instance_id
 from kvroute.app.discovery import DiscoveryError, WorkerEndpoint, discover
-from kvroute.app.subscriber import Subscriber
+from kvroute.app.subscriber import Subscriber, WorkerState
 from kvroute.index import PrefixIndex
 
 __all__ = ["DuplicateInstance", "Instance", "Registry", "UnknownInstance", "Worker"]
@@ -61,8 +61,8 @@ class Worker:
         return (self.instance.id, self.endpoint.dp_rank)
 
     @property
-    def state(self) -> str:
-        return str(self.subscriber.status.state)
+    def state(self) -> WorkerState:
+        return self.subscriber.status.state
 
 
 @dataclass(slots=True, eq=False)

@@ -28,6 +28,7 @@ from kvroute.app.load import LoadMonitor
 from kvroute.app.metrics import ServiceMetrics
 from kvroute.app.registry import Instance, Registry, Worker
 from kvroute.app.routing import CostWeights, Score, TieBreaker, WorkerView, best_of, score_workers
+from kvroute.app.subscriber import WorkerState
 from kvroute.app.tokenizer import Tokenizer, TokenizerError, make_tokenizer
 from kvroute.index import PrefixIndex
 
@@ -41,7 +42,6 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
 EngineHash = int | str
 _HEX = re.compile(r"(?:0x)?([0-9a-fA-F]+)")
 _INPUTS = ("token_ids", "block_hashes", "prompt", "messages")
-_READY_STATES = frozenset({"live", "degraded"})
 # Instances asked in turn to tokenize a text prompt before the request fails.
 TOKENIZE_ATTEMPTS = 3
 
@@ -170,7 +170,7 @@ class Service:
             return True, "ready"
         waiting = [f"{worker.instance.id} rank {worker.endpoint.dp_rank}: {worker.state}"
                    for instance in self._configured for worker in instance.workers
-                   if worker.state not in _READY_STATES]
+                   if not worker.state.serving]
         waiting += [f"{instance.id}: discovering ({instance.discovery_error or 'pending'})"
                     for instance in self._configured if not instance.workers]
         if not waiting:
@@ -196,7 +196,7 @@ class Service:
             for instance in self.registry
             if (wanted is None or instance.id in wanted) and instance.serves(request.model)
             for worker in instance.workers
-            if worker.state != "down"
+            if worker.state != WorkerState.DOWN
         ]
 
     def _check_sizes(self, request: RouteRequest) -> None:
@@ -225,7 +225,7 @@ class Service:
                            "(set `tokenizer`), or send token_ids", field)
         # Live instances first; an instance whose HTTP server fails (502) hands over to the
         # next, so one dead server does not fail text routing while others could answer.
-        ranked = sorted(eligible, key=lambda w: w.state not in _READY_STATES)
+        ranked = sorted(eligible, key=lambda w: not w.state.serving)
         urls = list(dict.fromkeys(w.instance.url for w in ranked if w.instance.url))
         messages = [msgspec.to_builtins(m) for m in request.messages or ()]
         for attempt, url in enumerate(urls[:TOKENIZE_ATTEMPTS] or [None]):
@@ -349,11 +349,11 @@ class Service:
         states = [worker.state for worker in instance.workers]
         if not states:
             state = "discovering"
-        elif all(s in _READY_STATES for s in states):
-            state = "degraded" if "degraded" in states else "live"
+        elif all(s.serving for s in states):
+            state = WorkerState.DEGRADED if WorkerState.DEGRADED in states else WorkerState.LIVE
         else:
-            state = "down" if all(s == "down" for s in states) else next(
-                s for s in states if s not in _READY_STATES)
+            state = WorkerState.DOWN if all(s == WorkerState.DOWN for s in states) else next(
+                s for s in states if not s.serving)
         out: dict[str, Any] = {
             "id": instance.id,
             "url": instance.url,

@@ -37,7 +37,8 @@ import logging
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, Literal
+from enum import StrEnum
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -56,7 +57,23 @@ from kvroute.app.wire import (
 
 log = logging.getLogger(__name__)
 
-State = Literal["connecting", "replaying", "live", "degraded", "down"]
+class WorkerState(StrEnum):
+    """Where a worker's subscriber stands; the only spelling of these states in kvroute."""
+
+    CONNECTING = "connecting"  # no connection yet, or reconnecting: holds nothing
+    REPLAYING = "replaying"  # rebuilding from the publisher's buffer
+    LIVE = "live"  # applying the live stream; its entries are exact
+    DEGRADED = "degraded"  # live, but history was lost: its entries may under-report
+    DOWN = "down"  # disconnected or given up: holds nothing
+
+    @property
+    def serving(self) -> bool:
+        """Whether answers may include a worker in this state."""
+        return self in SERVING
+
+
+SERVING = frozenset({WorkerState.LIVE, WorkerState.DEGRADED})
+
 Worker = tuple[str, int]
 
 #: Counter names passed to ``SubscriberHooks.count``.
@@ -83,7 +100,7 @@ class WorkerEndpoint:
 
 @dataclass(slots=True)
 class WorkerStatus:
-    state: State = "connecting"
+    state: WorkerState = WorkerState.CONNECTING
     last_seq: int | None = None
     batches: int = 0
     events: int = 0
@@ -103,7 +120,7 @@ class WorkerStatus:
     @property
     def serving(self) -> bool:
         """Whether answers may include this worker (it is connected and its state is known)."""
-        return self.state in ("live", "degraded")
+        return self.state.serving
 
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
@@ -115,7 +132,7 @@ class SubscriberHooks:
     def count(self, worker: Worker, name: str, n: int = 1) -> None:
         pass
 
-    def state_changed(self, worker: Worker, state: State) -> None:
+    def state_changed(self, worker: Worker, state: WorkerState) -> None:
         pass
 
 
@@ -241,7 +258,7 @@ class Subscriber:
         if was_connected:
             self._count("disconnects")
             self.status.disconnects += 1
-        if self.status.state != "down":
+        if self.status.state != WorkerState.DOWN:
             self.status.last_error = (
                 f"disconnected from {self.endpoint.endpoint}" if was_connected
                 else f"cannot connect to {self.endpoint.endpoint}"
@@ -249,7 +266,7 @@ class Subscriber:
         self._generation += 1
         self._clear_worker()
         self._needs_rebuild = True
-        self._set_state("down")
+        self._set_state(WorkerState.DOWN)
 
     async def _main_loop(self, sub: zmq.asyncio.Socket) -> None:
         idle_since = time.monotonic()
@@ -350,7 +367,7 @@ class Subscriber:
         """Clear the worker and learn everything the publisher still buffers."""
         self._clear_worker()
         self._degraded = False
-        self._set_state("replaying")
+        self._set_state(WorkerState.REPLAYING)
         if self.endpoint.replay_endpoint is not None:
             if not await self._fill_from(0):
                 self._mark_degraded()  # the engine may hold blocks we could not learn
@@ -499,7 +516,7 @@ class Subscriber:
             self._count("unknown", batch.unknown)
         if exact_again and self._degraded:
             self._degraded = False
-        if status.state in ("live", "degraded"):
+        if status.state.serving:
             self._settle()
 
     # --- bookkeeping --------------------------------------------------------------------------
@@ -518,18 +535,18 @@ class Subscriber:
         self._degraded = True
         self.status.degraded_count += 1
         self._count("degraded")
-        if self.status.state in ("live", "degraded"):
-            self._set_state("degraded")
+        if self.status.state.serving:
+            self._set_state(WorkerState.DEGRADED)
 
     def _settle(self) -> None:
-        self._set_state("degraded" if self._degraded else "live")
+        self._set_state(WorkerState.DEGRADED if self._degraded else WorkerState.LIVE)
 
     def _malformed(self, reason: str) -> None:
         self.status.malformed += 1
         self.status.last_error = reason
         self._count("malformed")
 
-    def _set_state(self, state: State) -> None:
+    def _set_state(self, state: WorkerState) -> None:
         if self.status.state != state:
             self.status.state = state
             self.hooks.state_changed(self.worker, state)
