@@ -15,22 +15,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvroute.app.registry import Registry
-from kvroute.app.subscriber import WorkerState
+from kvroute.app.subscriber import COUNTERS, WorkerState
 
 __all__ = ["ServiceMetrics", "CONTENT_TYPE"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-_WORKER_COUNTERS = {
-    # status attribute -> (metric name, help)
-    "events": ("kvroute_events", "KV events applied to the index"),
-    "blocks": ("kvroute_blocks", "blocks named by applied events"),
-    "gaps": ("kvroute_sequence_gaps", "sequence gaps seen on the live stream"),
-    "replays": ("kvroute_replays", "replay requests sent to the replay endpoint"),
-    "malformed": ("kvroute_malformed_frames", "frames or events that could not be decoded"),
-    "degraded_count": ("kvroute_degraded", "times history was lost and the worker was rebuilt"),
-    "restarts": ("kvroute_engine_restarts", "engine restarts detected (sequence went back)"),
-}
 
 
 class _RegistryCollector(Collector):
@@ -40,7 +30,7 @@ class _RegistryCollector(Collector):
     def collect(self) -> Iterator[object]:
         labels = ["instance", "dp_rank"]
         counters = {attr: CounterMetricFamily(name, text, labels=labels)
-                    for attr, (name, text) in _WORKER_COUNTERS.items()}
+                    for attr, (name, text) in COUNTERS.items()}
         state = GaugeMetricFamily("kvroute_worker_state",
                                   "1 for the state each worker is in", labels=[*labels, "state"])
         holdings = GaugeMetricFamily("kvroute_worker_holdings",
@@ -51,7 +41,7 @@ class _RegistryCollector(Collector):
             status = worker.subscriber.status
             key = [worker.instance.id, str(worker.endpoint.dp_rank)]
             for attr, family in counters.items():
-                family.add_metric(key, float(getattr(status, attr, 0) or 0))
+                family.add_metric(key, float(getattr(status, attr)))
             for name in WorkerState:
                 state.add_metric([*key, name.value], 1.0 if worker.state == name else 0.0)
             for medium, count in stats.holdings.get(worker.key, {}).items():

@@ -76,11 +76,26 @@ SERVING = frozenset({WorkerState.LIVE, WorkerState.DEGRADED})
 
 Worker = tuple[str, int]
 
-#: Counter names passed to ``SubscriberHooks.count``.
-COUNTERS = (
-    "batches", "events", "blocks", "gaps", "replays", "replay_failures", "malformed", "unknown",
-    "duplicates", "degraded", "restarts", "disconnects", "rank_mismatches",
-)
+#: Every counter a subscriber keeps, declared once: the ``WorkerStatus`` field, and the
+#: Prometheus counter (name, help) that /metrics exports it as, per worker.
+COUNTERS: dict[str, tuple[str, str]] = {
+    "batches": ("kvroute_batches", "event batches applied, garbage included"),
+    "events": ("kvroute_events", "KV events applied to the index"),
+    "blocks": ("kvroute_blocks", "blocks named by applied events"),
+    "gaps": ("kvroute_sequence_gaps", "sequence gaps seen on the live stream"),
+    "replays": ("kvroute_replays", "replay requests sent to the replay endpoint"),
+    "replay_failures": ("kvroute_replay_failures",
+                        "replay requests that got no complete answer"),
+    "malformed": ("kvroute_malformed_frames", "frames or events that could not be decoded"),
+    "unknown": ("kvroute_unknown_events", "events of a type kvroute does not know, skipped"),
+    "duplicates": ("kvroute_duplicate_batches",
+                   "live batches a replay had already applied, skipped"),
+    "degraded_count": ("kvroute_degraded", "times history was lost and the worker was rebuilt"),
+    "restarts": ("kvroute_engine_restarts", "engine restarts detected (sequence went back)"),
+    "disconnects": ("kvroute_disconnects", "connections to the publisher lost"),
+    "rank_mismatches": ("kvroute_rank_mismatches",
+                        "batches whose payload named another data-parallel rank"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +129,7 @@ class WorkerStatus:
     degraded_count: int = 0
     restarts: int = 0
     disconnects: int = 0
+    rank_mismatches: int = 0
     last_event_time: float | None = None
     last_error: str | None = None
 
@@ -127,10 +143,7 @@ class WorkerStatus:
 
 
 class SubscriberHooks:
-    """Override to export metrics; called on the event loop, must not block."""
-
-    def count(self, worker: Worker, name: str, n: int = 1) -> None:
-        pass
+    """Override to follow state changes; called on the event loop, must not block."""
 
     def state_changed(self, worker: Worker, state: WorkerState) -> None:
         pass
@@ -257,7 +270,6 @@ class Subscriber:
         self._connected.clear()
         if was_connected:
             self._count("disconnects")
-            self.status.disconnects += 1
         if self.status.state != WorkerState.DOWN:
             self.status.last_error = (
                 f"disconnected from {self.endpoint.endpoint}" if was_connected
@@ -330,13 +342,11 @@ class Subscriber:
             known = self._replayed.get(seq)
             if known is None or known == _fingerprint(payload):
                 self._count("duplicates")
-                self.status.duplicates += 1
                 return
             restarted = True  # same seq, other content: a new engine counting from 0 again
         if restarted:
             log.warning("%s: seq went back to %d: the engine restarted", self.worker, seq)
             self._count("restarts")
-            self.status.restarts += 1
             await self._rebuild()
             last = self.status.last_seq
             if last is not None and seq <= last:
@@ -344,7 +354,6 @@ class Subscriber:
         expected = 0 if last is None else last + 1
         if seq > expected:
             self._count("gaps")
-            self.status.gaps += 1
             await self._fill_from(expected)
             last = self.status.last_seq
             if last is not None and seq <= last:
@@ -389,7 +398,6 @@ class Subscriber:
         """One request. Returns "complete", "hole" (ask again from last_seq + 1) or "failed"."""
         assert self.endpoint.replay_endpoint is not None
         self._count("replays")
-        self.status.replays += 1
         delay = self.options.retry_backoff
         for attempt in range(self.options.replay_retries):
             dealer = self._ctx.socket(zmq.DEALER)
@@ -411,7 +419,6 @@ class Subscriber:
             self._check_connection()
             delay *= 2
         self._count("replay_failures")
-        self.status.replay_failures += 1
         log.warning("%s: %s", self.worker, self.status.last_error)
         return "failed"
 
@@ -501,19 +508,12 @@ class Subscriber:
                 exact_again = True
         n_events = len(batch.events)
         status.last_seq = seq
-        status.batches += 1
-        status.events += n_events
-        status.blocks += blocks
         status.last_event_time = time.time()
         self._count("batches")
         self._count("events", n_events)
         self._count("blocks", blocks)
-        if batch.malformed:
-            status.malformed += batch.malformed
-            self._count("malformed", batch.malformed)
-        if batch.unknown:
-            status.unknown += batch.unknown
-            self._count("unknown", batch.unknown)
+        self._count("malformed", batch.malformed)
+        self._count("unknown", batch.unknown)
         if exact_again and self._degraded:
             self._degraded = False
         if status.state.serving:
@@ -533,8 +533,7 @@ class Subscriber:
 
     def _mark_degraded(self) -> None:
         self._degraded = True
-        self.status.degraded_count += 1
-        self._count("degraded")
+        self._count("degraded_count")
         if self.status.state.serving:
             self._set_state(WorkerState.DEGRADED)
 
@@ -542,7 +541,6 @@ class Subscriber:
         self._set_state(WorkerState.DEGRADED if self._degraded else WorkerState.LIVE)
 
     def _malformed(self, reason: str) -> None:
-        self.status.malformed += 1
         self.status.last_error = reason
         self._count("malformed")
 
@@ -552,5 +550,5 @@ class Subscriber:
             self.hooks.state_changed(self.worker, state)
 
     def _count(self, name: str, n: int = 1) -> None:
-        if n:
-            self.hooks.count(self.worker, name, n)
+        """Add to one of the ``COUNTERS`` in this worker's status."""
+        setattr(self.status, name, getattr(self.status, name) + n)

@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.app.config import InstanceConfig, Settings
 from kvroute.app.server import BackgroundServer
+from kvroute.app.subscriber import COUNTERS
 from kvroute.sim.cluster import SimCluster
 from tests.conftest import HTTP_TIMEOUT, wait_for
 from tests.support.tokens import unique_tokens
@@ -244,9 +245,13 @@ def test_metrics_expose_counters(cluster: SimCluster, client: httpx.Client):
         for sample in family.samples
     }
     worker = (("dp_rank", "0"), ("instance", a["id"]))
-    for name in ("kvroute_events_total", "kvroute_blocks_total", "kvroute_sequence_gaps_total",
-                 "kvroute_replays_total", "kvroute_malformed_frames_total",
-                 "kvroute_degraded_total", "kvroute_engine_restarts_total"):
+    # Every counter a subscriber keeps, including the names dashboards already use.
+    names = [f"{name}_total" for name, _ in COUNTERS.values()]
+    assert {"kvroute_events_total", "kvroute_sequence_gaps_total", "kvroute_replays_total",
+            "kvroute_malformed_frames_total", "kvroute_degraded_total",
+            "kvroute_engine_restarts_total", "kvroute_duplicate_batches_total",
+            "kvroute_disconnects_total", "kvroute_rank_mismatches_total"} <= set(names)
+    for name in names:
         assert (name, worker) in samples, name
     assert samples[("kvroute_events_total", worker)] >= 1
     assert samples[("kvroute_blocks_total", worker)] >= 2
