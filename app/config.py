@@ -34,6 +34,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvroute.app.routing import CostWeights
+
+_COSTS = CostWeights()  # the one place the cost defaults are written
+
 __all__ = [
     "ConfigError", "InstanceConfig", "Settings", "default_instance_id", "load_settings",
     "parse_instance",
@@ -82,14 +86,14 @@ class Settings:
     log_level: str = "info"
     # Also serve OpenAI-compatible endpoints that forward each request to the chosen worker.
     proxy: bool = False
-    # Routing cost weights, in prefill tokens (see app/routing.py).
-    cost_miss_token: float = 1.0
-    cost_cpu_hit_token: float = 0.25
-    cost_storage_hit_token: float = 0.5
-    cost_queued_prefill_token: float = 0.25
-    cost_running_request: float = 32.0
-    overload_waiting: int = 64
-    overload_kv_usage: float = 0.98
+    # Routing cost weights, in prefill tokens; their defaults are app.routing.CostWeights'.
+    cost_miss_token: float = _COSTS.miss_token
+    cost_cpu_hit_token: float = _COSTS.cpu_hit_token
+    cost_storage_hit_token: float = _COSTS.storage_hit_token
+    cost_queued_prefill_token: float = _COSTS.queued_prefill_token
+    cost_running_request: float = _COSTS.running_request
+    overload_waiting: int = _COSTS.overload_waiting
+    overload_kv_usage: float = _COSTS.overload_kv_usage
     # Seconds between scrapes of each instance's /metrics for load; 0 turns scraping off.
     load_interval: float = 1.0
     # Seconds a routing answer counts as "the chosen worker will hold this prompt" before
