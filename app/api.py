@@ -22,10 +22,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvroute.app.config import ConfigError, Settings, parse_instance
 from kvroute.app.discovery import DiscoveryError
 from kvroute.app.metrics import CONTENT_TYPE
+from kvroute.app.proxy import Proxy, proxy_router
 from kvroute.app.registry import DuplicateInstance, UnknownInstance
+from kvroute.app.request_body import read_body
 from kvroute.app.service import ApiError, Service
 
-__all__ = ["create_app", "read_body"]
+__all__ = ["create_app"]
 
 log = logging.getLogger("kvroute.api")
 
@@ -35,19 +37,6 @@ def _json(payload: Any, status: int = 200) -> Response:
                     media_type="application/json")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with a 413 as soon as it passes `limit` bytes."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"body of {declared} bytes exceeds the limit of {limit}")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ApiError(413, f"body exceeds the limit of {limit} bytes")
-    return bytes(body)
-
-
 def create_app(settings: Settings) -> FastAPI:
     """The ASGI app; the Service is built and torn down in its lifespan."""
 
@@ -55,10 +44,15 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         service = Service(settings)
         app.state.service = service
+        proxy = None
         try:
             await service.start()
+            # The proxy's HTTP client lives as long as the service it forwards for.
+            proxy = app.state.proxy = Proxy(service) if settings.proxy else None
             yield
         finally:
+            if proxy is not None:
+                await proxy.close()
             await service.close()
 
     app = FastAPI(title="kvroute", version="0.1.0", lifespan=lifespan,
@@ -143,9 +137,7 @@ def create_app(settings: Settings) -> FastAPI:
         return _json({"deleted": instance.id})
 
     if settings.proxy:
-        from kvroute.app.proxy import add_proxy_routes
-
-        add_proxy_routes(app)
+        app.include_router(proxy_router())
 
     @app.get("/healthz")
     async def healthz() -> Response:

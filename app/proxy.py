@@ -36,22 +36,21 @@ instances' models. Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import httpx
 import msgspec
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from kvroute.app.api import read_body
 from kvroute.app.inflight import Ticket
 from kvroute.app.registry import Worker
+from kvroute.app.request_body import read_body
 from kvroute.app.service import ApiError, RouteRequest, Service
 
-__all__ = ["MAX_CONNECT_ATTEMPTS", "add_proxy_routes", "route_request_of"]
+__all__ = ["MAX_CONNECT_ATTEMPTS", "Proxy", "proxy_router", "route_request_of"]
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -295,35 +294,26 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def add_proxy_routes(app: FastAPI) -> None:
-    """Register the proxy's routes; its HTTP client lives as long as the app's lifespan."""
-    inner = app.router.lifespan_context
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[Any]:
-        async with inner(app) as state:
-            proxy = Proxy(app.state.service)
-            app.state.proxy = proxy
-            try:
-                yield state
-            finally:
-                await proxy.close()
-
-    app.router.lifespan_context = lifespan
+def proxy_router() -> APIRouter:
+    """The proxy's routes. They forward through ``app.state.proxy``, which the app's
+    lifespan creates after the service has started and closes before it stops."""
+    router = APIRouter()
 
     def proxy_of(request: Request) -> Proxy:
         return request.app.state.proxy
 
-    @app.post("/v1/completions", summary="OpenAI completions, forwarded to the chosen worker")
+    @router.post("/v1/completions", summary="OpenAI completions, forwarded to the chosen worker")
     async def completions(request: Request) -> Response:
         return await proxy_of(request).forward(request, "/v1/completions")
 
-    @app.post("/v1/chat/completions",
-              summary="OpenAI chat completions, forwarded to the chosen worker")
+    @router.post("/v1/chat/completions",
+                 summary="OpenAI chat completions, forwarded to the chosen worker")
     async def chat_completions(request: Request) -> Response:
         return await proxy_of(request).forward(request, "/v1/chat/completions")
 
-    @app.get("/v1/models", summary="Every model a registered instance serves")
+    @router.get("/v1/models", summary="Every model a registered instance serves")
     async def models(request: Request) -> Response:
         return Response(msgspec.json.encode(proxy_of(request).models()),
                         media_type="application/json")
+
+    return router

@@ -45,3 +45,42 @@ def test_the_service_never_imports_the_simulator() -> None:
                             cwd=ROOT.parent, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """kvroute module -> the kvroute modules it imports at module level."""
+    import ast
+
+    graph: dict[str, set[str]] = {}
+    for package, folder in (("kvroute.app", "app"), ("kvroute.index", "index"),
+                            ("kvroute.sim", "sim")):
+        for path in sorted((ROOT / folder).glob("*.py")):
+            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+            targets = set()
+            for node in ast.parse(path.read_text()).body:  # module level only
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    targets.add(node.module)
+                elif isinstance(node, ast.Import):
+                    targets.update(alias.name for alias in node.names)
+            graph[name] = {t for t in targets if t.startswith("kvroute.")}
+    return graph
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    graph = _module_imports()
+    assert "kvroute.app.api" in graph and "kvroute.app.proxy" in graph["kvroute.app.api"]
+    visiting: list[str] = []
+    done: set[str] = set()
+
+    def visit(module: str) -> None:
+        if module in done or module not in graph:
+            return
+        assert module not in visiting, " -> ".join([*visiting, module])
+        visiting.append(module)
+        for target in graph[module]:
+            visit(target)
+        visiting.pop()
+        done.add(module)
+
+    for module in graph:
+        visit(module)

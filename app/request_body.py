@@ -1,0 +1,23 @@
+"""Reading a request body with a size limit, for every endpoint that takes one."""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from kvroute.app.service import ApiError
+
+__all__ = ["read_body"]
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with a 413 as soon as it passes `limit` bytes (by its
+    declared length before reading anything, else while it streams in)."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"body of {declared} bytes exceeds the limit of {limit}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"body exceeds the limit of {limit} bytes")
+    return bytes(body)
