@@ -62,7 +62,8 @@ def create_app(settings: Settings) -> FastAPI:
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         if request.url.path == "/v1/route":
             request.app.state.service.metrics.route_errors.labels(str(exc.status)).inc()
-        return exc.response()
+        return JSONResponse({"error": exc.message, "field": exc.field, **exc.extra},
+                            status_code=exc.status)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

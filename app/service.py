@@ -20,7 +20,6 @@ from typing import Annotated, Any
 
 import httpx
 import msgspec
-from fastapi.responses import JSONResponse
 
 from kvroute.app.config import Settings
 from kvroute.app.inflight import InFlight, RecentAnswers
@@ -95,10 +94,6 @@ class ApiError(Exception):
                  **extra: Any) -> None:
         super().__init__(message)
         self.status, self.message, self.field, self.extra = status, message, field, extra
-
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": self.message, "field": self.field, **self.extra},
-                            status_code=self.status)
 
 
 def _field_of(validation_message: str) -> str | None:
