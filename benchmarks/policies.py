@@ -283,10 +283,6 @@ class KvrouteProxyPolicy:
     def finished(self, request_id: str) -> None:
         self._tickets.pop(request_id).close()
 
-    @property
-    def open_tickets(self) -> int:
-        return len(self._tickets)
-
 
 def _h64(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -49,8 +50,6 @@ def test_the_service_never_imports_the_simulator() -> None:
 
 def _module_imports() -> dict[str, set[str]]:
     """kvroute module -> the kvroute modules it imports at module level."""
-    import ast
-
     graph: dict[str, set[str]] = {}
     for package, folder in (("kvroute.app", "app"), ("kvroute.index", "index"),
                             ("kvroute.sim", "sim")):
