@@ -21,15 +21,36 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvroute.app.config import ConfigError, Settings, parse_instance
 from kvroute.app.discovery import DiscoveryError
+from kvroute.app.errors import (
+    AlreadyExists,
+    InvalidRequest,
+    MalformedRequest,
+    NoEligibleWorker,
+    NotFound,
+    RequestError,
+    TooLarge,
+    UpstreamFailed,
+)
 from kvroute.app.metrics import CONTENT_TYPE
 from kvroute.app.proxy import Proxy, proxy_router
 from kvroute.app.registry import DuplicateInstance, UnknownInstance
 from kvroute.app.request_body import read_body
-from kvroute.app.service import ApiError, Service
+from kvroute.app.service import Service
 
 __all__ = ["create_app"]
 
 log = logging.getLogger("kvroute.api")
+
+# The one place a refusal becomes an HTTP status.
+STATUS_OF: dict[type[RequestError], int] = {
+    MalformedRequest: 400,
+    NotFound: 404,
+    AlreadyExists: 409,
+    TooLarge: 413,
+    InvalidRequest: 422,
+    UpstreamFailed: 502,
+    NoEligibleWorker: 503,
+}
 
 
 def _json(payload: Any, status: int = 200) -> Response:
@@ -58,12 +79,13 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="kvroute", version="0.1.0", lifespan=lifespan,
                   summary="KV-cache-aware routing index for vLLM fleets")
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    @app.exception_handler(RequestError)
+    async def _refused(request: Request, exc: RequestError) -> JSONResponse:
+        status = STATUS_OF[type(exc)]
         if request.url.path == "/v1/route":
-            request.app.state.service.metrics.route_errors.labels(str(exc.status)).inc()
+            request.app.state.service.metrics.route_errors.labels(str(status)).inc()
         return JSONResponse({"error": exc.message, "field": exc.field, **exc.extra},
-                            status_code=exc.status)
+                            status_code=status)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -106,18 +128,18 @@ def create_app(settings: Settings) -> FastAPI:
         try:
             raw = msgspec.json.decode(body)
         except msgspec.DecodeError as exc:
-            raise ApiError(400, f"body is not valid JSON: {exc}") from None
+            raise MalformedRequest(f"body is not valid JSON: {exc}") from None
         try:
             config = parse_instance(raw, "body")
         except ConfigError as exc:
             found = re.match(r"body\.(\w+)", str(exc))
-            raise ApiError(422, str(exc), found.group(1) if found else None) from None
+            raise InvalidRequest(str(exc), found.group(1) if found else None) from None
         try:
             instance = await service.registry.add(config)
         except DuplicateInstance as exc:
-            raise ApiError(409, f"instance {exc} is already registered", "id") from None
+            raise AlreadyExists(f"instance {exc} is already registered", "id") from None
         except DiscoveryError as exc:
-            raise ApiError(502, f"discovery failed: {exc}", "url") from None
+            raise UpstreamFailed(f"discovery failed: {exc}", "url") from None
         return _json(service.instance_json(instance, detail=True), status=201)
 
     @app.get("/v1/instances/{instance_id}")
@@ -126,7 +148,7 @@ def create_app(settings: Settings) -> FastAPI:
         try:
             return _json(service.instance_json(service.registry.get(instance_id), detail=True))
         except UnknownInstance:
-            raise ApiError(404, f"unknown instance {instance_id!r}", "instance_id") from None
+            raise NotFound(f"unknown instance {instance_id!r}", "instance_id") from None
 
     @app.delete("/v1/instances/{instance_id}")
     async def delete_instance(instance_id: str, request: Request) -> Response:
@@ -134,7 +156,7 @@ def create_app(settings: Settings) -> FastAPI:
         try:
             instance = await service.registry.remove(instance_id)
         except UnknownInstance:
-            raise ApiError(404, f"unknown instance {instance_id!r}", "instance_id") from None
+            raise NotFound(f"unknown instance {instance_id!r}", "instance_id") from None
         return _json({"deleted": instance.id})
 
     if settings.proxy:

@@ -45,10 +45,11 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+from kvroute.app.errors import MalformedRequest, NoEligibleWorker, NotFound, UpstreamFailed
 from kvroute.app.inflight import Ticket
 from kvroute.app.registry import Worker
 from kvroute.app.request_body import read_body
-from kvroute.app.service import ApiError, RouteRequest, Service
+from kvroute.app.service import RouteRequest, Service
 
 __all__ = ["MAX_CONNECT_ATTEMPTS", "Proxy", "proxy_router", "route_request_of"]
 
@@ -69,30 +70,30 @@ _ENDPOINTS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
 
 
 def route_request_of(path: str, body: bytes) -> RouteRequest:
-    """The routing question an OpenAI request body asks; ApiError(400) names a bad field."""
+    """The routing question an OpenAI request body asks; MalformedRequest names a bad field."""
     try:
         payload = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
-        raise ApiError(400, f"body is not valid JSON: {exc}") from None
+        raise MalformedRequest(f"body is not valid JSON: {exc}") from None
     if not isinstance(payload, dict):
-        raise ApiError(400, "the body must be a JSON object")
+        raise MalformedRequest("the body must be a JSON object")
     model = payload.get("model")
     if model is not None and not isinstance(model, str):
-        raise ApiError(400, "`model` must be a string", "model")
+        raise MalformedRequest("`model` must be a string", "model")
     question: dict[str, Any] = {"model": model}
     field = _ENDPOINTS[path]
     if field == "messages":
         messages = payload.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "`messages` must be a non-empty list of chat messages",
-                           "messages")
+            raise MalformedRequest("`messages` must be a non-empty list of chat messages",
+                                   "messages")
         question["messages"] = messages
     else:
         question.update(_prompt_question(payload.get("prompt")))
     try:
         return msgspec.convert(question, RouteRequest)
     except msgspec.ValidationError as exc:
-        raise ApiError(400, str(exc), _openai_path(str(exc))) from None
+        raise MalformedRequest(str(exc), _openai_path(str(exc))) from None
 
 
 def _prompt_question(prompt: Any) -> dict[str, Any]:
@@ -103,11 +104,11 @@ def _prompt_question(prompt: Any) -> dict[str, Any]:
     if isinstance(prompt, str):
         return {"prompt": prompt}
     if not isinstance(prompt, list) or not prompt:
-        raise ApiError(400, "`prompt` must be a string, a non-empty list of token ids, or a "
-                       "batch of those", "prompt")
+        raise MalformedRequest("`prompt` must be a string, a non-empty list of token ids, or a "
+                               "batch of those", "prompt")
     for i, token in enumerate(prompt):
         if type(token) is not int or not 0 <= token < 2**32:
-            raise ApiError(400, "token ids must be integers in [0, 2**32)", f"{where}[{i}]")
+            raise MalformedRequest("token ids must be integers in [0, 2**32)", f"{where}[{i}]")
     return {"token_ids": prompt}
 
 
@@ -182,7 +183,7 @@ class Proxy:
         if model is None:
             return
         if not any(instance.serves(model) for instance in self.service.registry):
-            raise ApiError(404, f"model {model!r} is not served by any registered instance",
+            raise NotFound(f"model {model!r} is not served by any registered instance",
                            "model")
 
     async def forward(self, request: Request, path: str) -> Response:
@@ -196,10 +197,10 @@ class Proxy:
         while True:
             try:
                 decision = await self.service.decide(question, exclude=frozenset(failed))
-            except ApiError as exc:
-                if refused and exc.status == 503:
-                    raise ApiError(503, f"{exc.message}; connection refused by "
-                                   f"{', '.join(refused)}") from None
+            except NoEligibleWorker as exc:
+                if refused:
+                    raise NoEligibleWorker(f"{exc.message}; connection refused by "
+                                           f"{', '.join(refused)}") from None
                 raise
             worker = decision.worker
             failed.add(worker.key)
@@ -219,8 +220,8 @@ class Proxy:
             self.service.retract(decision)
             refused.append(f"{worker.instance.id} rank {worker.endpoint.dp_rank}")
             if len(refused) >= MAX_CONNECT_ATTEMPTS:
-                raise ApiError(503, f"no worker accepted the connection after "
-                               f"{len(refused)} attempts: {', '.join(refused)}")
+                raise NoEligibleWorker(f"no worker accepted the connection after "
+                                       f"{len(refused)} attempts: {', '.join(refused)}")
 
     async def _attempt(self, request: Request, path: str, body: bytes, worker: Worker,
                        attempt: int, uncached_tokens: int) -> Response | None:
@@ -247,7 +248,7 @@ class Proxy:
         except _ClientGone:
             return Response(status_code=499)  # nobody reads it; nginx's "client closed"
         except httpx.HTTPError as exc:
-            raise ApiError(502, f"{url} failed before answering: {exc!r}") from None
+            raise UpstreamFailed(f"{url} failed before answering: {exc!r}") from None
         finally:
             if not relayed:  # from here on the relay owns the ticket
                 ticket.close()

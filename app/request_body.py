@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from kvroute.app.service import ApiError
+from kvroute.app.errors import TooLarge
 
 __all__ = ["read_body"]
 
@@ -14,10 +14,10 @@ async def read_body(request: Request, limit: int) -> bytes:
     declared length before reading anything, else while it streams in)."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"body of {declared} bytes exceeds the limit of {limit}")
+        raise TooLarge(f"body of {declared} bytes exceeds the limit of {limit}")
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > limit:
-            raise ApiError(413, f"body exceeds the limit of {limit} bytes")
+            raise TooLarge(f"body exceeds the limit of {limit} bytes")
     return bytes(body)

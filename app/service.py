@@ -7,7 +7,7 @@ are thin shells around it.
 
 Route requests are decoded with msgspec against strict types, so a float or a
 bool among token ids is refused with the path of the bad element (`token_ids[3]`)
-instead of being coerced. Failures are `ApiError`s that carry their HTTP status.
+instead of being coerced. Refusals are `app.errors` kinds; the HTTP layer picks the status.
 """
 
 from __future__ import annotations
@@ -22,16 +22,24 @@ import httpx
 import msgspec
 
 from kvroute.app.config import Settings
+from kvroute.app.errors import (
+    InvalidRequest,
+    MalformedRequest,
+    NoEligibleWorker,
+    RequestError,
+    TooLarge,
+    UpstreamFailed,
+)
 from kvroute.app.inflight import InFlight, RecentAnswers
 from kvroute.app.load import LoadMonitor
 from kvroute.app.metrics import ServiceMetrics
 from kvroute.app.registry import Instance, Registry, Worker
 from kvroute.app.routing import CostWeights, Score, TieBreaker, WorkerView, best_of, score_workers
 from kvroute.app.subscriber import WorkerState
-from kvroute.app.tokenizer import Tokenizer, TokenizerError, make_tokenizer
+from kvroute.app.tokenizer import Tokenizer, make_tokenizer
 from kvroute.index import PrefixIndex
 
-__all__ = ["ApiError", "Decision", "RouteRequest", "Service", "decode_route_request"]
+__all__ = ["Decision", "RouteRequest", "Service", "decode_route_request"]
 
 log = logging.getLogger("kvroute.service")
 
@@ -67,9 +75,9 @@ def decode_route_request(body: bytes) -> RouteRequest:
     try:
         return msgspec.json.decode(body, type=RouteRequest)
     except msgspec.ValidationError as exc:
-        raise ApiError(422, str(exc), _field_of(str(exc))) from None
+        raise InvalidRequest(str(exc), _field_of(str(exc))) from None
     except msgspec.DecodeError as exc:
-        raise ApiError(400, f"body is not valid JSON: {exc}") from None
+        raise MalformedRequest(f"body is not valid JSON: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,13 +97,6 @@ class Decision:
         return 0 if self.tokens is None else len(self.tokens) - self.best.matched_tokens
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, field: str | None = None,
-                 **extra: Any) -> None:
-        super().__init__(message)
-        self.status, self.message, self.field, self.extra = status, message, field, extra
-
-
 def _field_of(validation_message: str) -> str | None:
     """`... - at `$.token_ids[3]`` -> `token_ids[3]`; unknown fields name themselves."""
     found = re.search(r"at `\$\.?(.*)`", validation_message)
@@ -108,8 +109,8 @@ def _field_of(validation_message: str) -> str | None:
 def _parse_hash(value: int | str, position: int) -> int | bytes:
     if isinstance(value, int):
         if not -(2**63) <= value < 2**64:
-            raise ApiError(422, "an integer block hash must fit in 64 bits (signed or "
-                           "unsigned)", f"block_hashes[{position}]")
+            raise InvalidRequest("an integer block hash must fit in 64 bits (signed or "
+                                 "unsigned)", f"block_hashes[{position}]")
         return value
     match = _HEX.fullmatch(value.strip())
     digits = match.group(1) if match else ""
@@ -117,8 +118,8 @@ def _parse_hash(value: int | str, position: int) -> int | bytes:
         return int(digits, 16)
     if match and len(digits) in (32, 64):
         return bytes.fromhex(digits)
-    raise ApiError(422, "a block hash string must be hex: up to 16 digits for an integer "
-                   "hash, 32 or 64 for a bytes hash", f"block_hashes[{position}]")
+    raise InvalidRequest("a block hash string must be hex: up to 16 digits for an integer "
+                         "hash, 32 or 64 for a bytes hash", f"block_hashes[{position}]")
 
 
 class Service:
@@ -181,8 +182,8 @@ class Service:
         if request.candidates is not None:
             unknown = sorted({c for c in request.candidates if c not in self.registry})
             if unknown:
-                raise ApiError(422, f"unknown candidate instance(s): {', '.join(unknown)}",
-                               "candidates", unknown=unknown)
+                raise InvalidRequest(f"unknown candidate instance(s): {', '.join(unknown)}",
+                                     "candidates", unknown=unknown)
             wanted = set(request.candidates)
         else:
             wanted = None
@@ -197,18 +198,18 @@ class Service:
     def _check_sizes(self, request: RouteRequest) -> None:
         limits = self.settings
         if request.token_ids is not None and len(request.token_ids) > limits.max_prompt_tokens:
-            raise ApiError(413, f"{len(request.token_ids)} token ids exceed the limit of "
+            raise TooLarge(f"{len(request.token_ids)} token ids exceed the limit of "
                            f"{limits.max_prompt_tokens}", "token_ids")
         if (request.block_hashes is not None
                 and len(request.block_hashes) > limits.max_block_hashes):
-            raise ApiError(413, f"{len(request.block_hashes)} block hashes exceed the limit of "
+            raise TooLarge(f"{len(request.block_hashes)} block hashes exceed the limit of "
                            f"{limits.max_block_hashes}", "block_hashes")
         text = request.prompt if request.prompt is not None else ""
         if request.messages is not None:
             text = "".join(str(m.content or "") for m in request.messages)
         if len(text) > limits.max_prompt_chars:
             field = "prompt" if request.prompt is not None else "messages"
-            raise ApiError(413, f"{len(text)} characters exceed the limit of "
+            raise TooLarge(f"{len(text)} characters exceed the limit of "
                            f"{limits.max_prompt_chars}", field)
 
     async def _tokens(self, request: RouteRequest, eligible: list[Worker]) -> list[int]:
@@ -216,8 +217,8 @@ class Service:
             return request.token_ids
         field = "prompt" if request.prompt is not None else "messages"
         if self.tokenizer is None:
-            raise ApiError(422, f"`{field}` needs a tokenizer; none is configured "
-                           "(set `tokenizer`), or send token_ids", field)
+            raise InvalidRequest(f"`{field}` needs a tokenizer; none is configured "
+                                 "(set `tokenizer`), or send token_ids", field)
         # Live instances first; an instance whose HTTP server fails (502) hands over to the
         # next, so one dead server does not fail text routing while others could answer.
         ranked = sorted(eligible, key=lambda w: not w.state.serving)
@@ -232,24 +233,26 @@ class Service:
                     tokens = await self.tokenizer.encode_chat(messages, url=url,
                                                               model=request.model)
                 break
-            except TokenizerError as exc:
+            except RequestError as exc:
+                # Only an instance's failure hands over to the next one; a prompt that
+                # cannot be tokenized would fail everywhere.
                 last_try = attempt + 1 >= min(len(urls), TOKENIZE_ATTEMPTS)
-                if exc.status != 502 or last_try:
-                    raise ApiError(exc.status, str(exc), field) from None
+                if not isinstance(exc, UpstreamFailed) or last_try:
+                    raise exc.at(field) from None
                 log.warning("tokenizing on %s failed (%s); trying the next instance", url, exc)
         if len(tokens) > self.settings.max_prompt_tokens:
-            raise ApiError(413, f"{field} is {len(tokens)} tokens, over the limit of "
+            raise TooLarge(f"{field} is {len(tokens)} tokens, over the limit of "
                            f"{self.settings.max_prompt_tokens}", field)
         return tokens
 
     async def decide(self, request: RouteRequest,
                      exclude: frozenset[tuple[str, int]] = frozenset()) -> Decision:
-        """Score every eligible worker (minus `exclude`) and choose one; raises ApiError."""
+        """Score every eligible worker (minus `exclude`) and choose one; raises a RequestError."""
         given = [name for name in _INPUTS if getattr(request, name) is not None]
         if len(given) != 1:
-            raise ApiError(422, "give exactly one of token_ids, block_hashes, prompt, messages"
-                           + (f" (got {', '.join(given)})" if given else ""),
-                           given[1] if len(given) > 1 else "token_ids")
+            raise InvalidRequest("give exactly one of token_ids, block_hashes, prompt, messages"
+                                 + (f" (got {', '.join(given)})" if given else ""),
+                                 given[1] if len(given) > 1 else "token_ids")
         self._check_sizes(request)
         self.answers.settle(time.monotonic(), self._reading_taken)
         eligible = [w for w in self._eligible(request) if w.key not in exclude]
@@ -258,7 +261,7 @@ class Service:
                 "no live worker" + (f" serves model {request.model!r}" if request.model else "")
                 + (" among the candidates" if request.candidates is not None else "")
                 + (" that has not failed already" if exclude else ""))
-            raise ApiError(503, f"no eligible worker: {reason}")
+            raise NoEligibleWorker(f"no eligible worker: {reason}")
         tokens: list[int] | None = None
         lora_name = request.lora_name
         if request.block_hashes is not None:
@@ -269,7 +272,7 @@ class Service:
             # Tokenizing awaited: an instance may have been removed meanwhile.
             eligible = [w for w in eligible if w.instance.id in self.registry]
             if not eligible:
-                raise ApiError(503, "no eligible worker: the instances went away")
+                raise NoEligibleWorker("no eligible worker: the instances went away")
             # vLLM always computes a prompt's last token (it needs its logits), so its
             # prefix-cache hit is capped at the full blocks of all tokens but the last: a
             # prompt that ends on a block boundary reuses one block less than it holds.
@@ -319,7 +322,7 @@ class Service:
             queued_prefill=forwarded.queued_prefill_tokens + answered.queued_prefill_tokens)
 
     async def route(self, body: bytes) -> tuple[str, dict[str, Any]]:
-        """(input kind, answer) for a POST /v1/route body; raises ApiError."""
+        """(input kind, answer) for a POST /v1/route body; raises a RequestError."""
         request = decode_route_request(body)
         decision = await self.decide(request)
         best = decision.best

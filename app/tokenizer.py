@@ -17,15 +17,13 @@ from typing import Any, Protocol
 
 import httpx
 
+from kvroute.app.errors import MalformedRequest, NoEligibleWorker, UpstreamFailed
+
 __all__ = ["InstanceTokenizer", "LocalTokenizer", "TokenizerError", "Tokenizer", "make_tokenizer"]
 
 
 class TokenizerError(Exception):
-    """Tokenizing failed; `status` is the HTTP status the API should answer with."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
+    """The configured tokenizer cannot be loaded (a start-up error, not a request's)."""
 
 
 class Tokenizer(Protocol):
@@ -67,7 +65,7 @@ class LocalTokenizer:
             try:
                 from transformers import AutoTokenizer
             except ImportError:
-                raise TokenizerError(
+                raise MalformedRequest(
                     "chat messages need the model's chat template: install `transformers` "
                     "or set tokenizer = \"instance\" to use the instance's /tokenize"
                 ) from None
@@ -75,18 +73,18 @@ class LocalTokenizer:
                 self._chat = AutoTokenizer.from_pretrained(str(self._folder),
                                                            local_files_only=True)
             except Exception as exc:
-                raise TokenizerError(f"cannot load chat template from {self._folder}: {exc}",
-                                     status=400) from None
+                raise MalformedRequest(
+                    f"cannot load chat template from {self._folder}: {exc}") from None
         try:
             ids = self._chat.apply_chat_template(messages, add_generation_prompt=True,
                                                  tokenize=True)
         except Exception as exc:  # jinja errors for malformed messages
-            raise TokenizerError(f"messages: cannot apply the chat template: {exc}") from None
+            raise MalformedRequest(f"messages: cannot apply the chat template: {exc}") from None
         return list(ids)
 
 
 class InstanceTokenizer:
-    """Asks an instance's `/tokenize`; errors there become 502s naming the instance."""
+    """Asks an instance's `/tokenize`; its failures are `UpstreamFailed` naming the instance."""
 
     def __init__(self, client: httpx.AsyncClient, timeout: float = 10.0) -> None:
         self._client = client
@@ -94,23 +92,22 @@ class InstanceTokenizer:
 
     async def _tokenize(self, url: str | None, body: dict[str, Any]) -> list[int]:
         if url is None:
-            raise TokenizerError("no live instance to tokenize with", status=503)
+            raise NoEligibleWorker("no live instance to tokenize with")
         try:
             response = await self._client.post(f"{url}/tokenize", json=body,
                                                timeout=self._timeout)
         except httpx.HTTPError as exc:
-            raise TokenizerError(f"{url}/tokenize unreachable: {exc!r}", status=502) from None
+            raise UpstreamFailed(f"{url}/tokenize unreachable: {exc!r}") from None
         if response.status_code >= 400:
-            raise TokenizerError(
-                f"{url}/tokenize answered {response.status_code}: {response.text[:300]}",
-                status=502 if response.status_code >= 500 else 400,
-            )
+            # The instance refusing the prompt (4xx) is the prompt's fault, not the instance's.
+            kind = UpstreamFailed if response.status_code >= 500 else MalformedRequest
+            raise kind(f"{url}/tokenize answered {response.status_code}: {response.text[:300]}")
         try:
             tokens = response.json()["tokens"]
         except (ValueError, KeyError, TypeError):
-            raise TokenizerError(f"{url}/tokenize gave no `tokens` list", status=502) from None
+            raise UpstreamFailed(f"{url}/tokenize gave no `tokens` list") from None
         if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
-            raise TokenizerError(f"{url}/tokenize gave a malformed `tokens` list", status=502)
+            raise UpstreamFailed(f"{url}/tokenize gave a malformed `tokens` list")
         return tokens
 
     async def encode_prompt(self, text: str, *, url: str | None, model: str | None) -> list[int]:

@@ -48,8 +48,8 @@ def test_the_service_never_imports_the_simulator() -> None:
     assert result.stdout.strip() == "[]"
 
 
-def _module_imports() -> dict[str, set[str]]:
-    """kvroute module -> the kvroute modules it imports at module level."""
+def _module_imports(prefix: str = "kvroute.") -> dict[str, set[str]]:
+    """kvroute module -> the modules starting with `prefix` it imports at module level."""
     graph: dict[str, set[str]] = {}
     for package, folder in (("kvroute.app", "app"), ("kvroute.index", "index"),
                             ("kvroute.sim", "sim")):
@@ -61,7 +61,7 @@ def _module_imports() -> dict[str, set[str]]:
                     targets.add(node.module)
                 elif isinstance(node, ast.Import):
                     targets.update(alias.name for alias in node.names)
-            graph[name] = {t for t in targets if t.startswith("kvroute.")}
+            graph[name] = {t for t in targets if t.startswith(prefix)}
     return graph
 
 
@@ -83,3 +83,25 @@ def test_no_module_imports_itself_through_others() -> None:
 
     for module in graph:
         visit(module)
+
+
+# The HTTP edge: the app, the proxy's router, body reading and the server process.
+HTTP_LAYER = {"kvroute.app.api", "kvroute.app.proxy", "kvroute.app.request_body",
+              "kvroute.app.server"}
+
+
+def test_http_types_stay_in_the_http_layer() -> None:
+    """The service, the index and everything under them speak in refusals, not statuses."""
+    for web in ("fastapi", "starlette", "uvicorn"):
+        users = {m for m, targets in _module_imports(web).items()
+                 if m.startswith(("kvroute.app", "kvroute.index")) and targets}
+        assert users <= HTTP_LAYER, (web, sorted(users - HTTP_LAYER))
+
+
+def test_every_refusal_has_one_status() -> None:
+    from kvroute.app.api import STATUS_OF
+    from kvroute.app.errors import RequestError
+
+    kinds = set(RequestError.__subclasses__())
+    assert kinds == set(STATUS_OF), sorted(k.__name__ for k in kinds ^ set(STATUS_OF))
+    assert all(400 <= status < 600 for status in STATUS_OF.values())

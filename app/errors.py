@@ -1,0 +1,59 @@
+"""Why a request cannot be answered as asked, in the service's own terms.
+
+The service, the proxy and the tokenizer raise these; only the HTTP layer (`app.api`)
+knows which status each kind is answered with, so nothing below it speaks HTTP. Every
+kind carries a message for people, the request field at fault when there is one, and
+optional extra detail that the JSON answer includes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "AlreadyExists", "InvalidRequest", "MalformedRequest", "NoEligibleWorker", "NotFound",
+    "RequestError", "TooLarge", "UpstreamFailed",
+]
+
+
+class RequestError(Exception):
+    """Base of every refusal; never raised itself."""
+
+    def __init__(self, message: str, field: str | None = None, **extra: Any) -> None:
+        super().__init__(message)
+        self.message, self.field, self.extra = message, field, extra
+
+    def at(self, field: str) -> RequestError:
+        """The same refusal, blamed on `field` (a lower layer could not know it)."""
+        return type(self)(self.message, field, **self.extra)
+
+
+class MalformedRequest(RequestError):
+    """The body is not the request the endpoint reads: not JSON, not an object, or an
+    OpenAI field of the wrong type; or the prompt cannot be tokenized."""
+
+
+class InvalidRequest(RequestError):
+    """A well-formed request with a value kvroute cannot accept (a token id out of
+    range, two inputs at once, an unknown candidate)."""
+
+
+class TooLarge(RequestError):
+    """The body or the prompt is over a configured limit."""
+
+
+class NotFound(RequestError):
+    """The request names an instance or model kvroute does not know."""
+
+
+class AlreadyExists(RequestError):
+    """Registering an instance under an id already registered."""
+
+
+class NoEligibleWorker(RequestError):
+    """No live worker can take the request (none registered, none serves the model, or
+    every one has refused the connection)."""
+
+
+class UpstreamFailed(RequestError):
+    """An instance kvroute had to ask (to discover, tokenize or forward) failed."""
