@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -132,8 +131,7 @@ def create_app(settings: Settings) -> FastAPI:
         try:
             config = parse_instance(raw, "body")
         except ConfigError as exc:
-            found = re.match(r"body\.(\w+)", str(exc))
-            raise InvalidRequest(str(exc), found.group(1) if found else None) from None
+            raise InvalidRequest(str(exc), exc.field) from None
         try:
             instance = await service.registry.add(config)
         except DuplicateInstance as exc:

@@ -1,8 +1,9 @@
 """Service configuration: defaults, then a TOML file, then environment, then flags.
 
-Each layer overrides the one before it. Every value is validated here, once, so
-the rest of the service can trust a `Settings`: a bad value stops start-up with a
-`ConfigError` that names the setting and where it came from, never a traceback.
+`Settings` and `InstanceConfig` are declared once, as typed msgspec structs whose
+annotations carry the constraints; every layer is converted against them, so a bad
+value stops start-up with a `ConfigError` that names the setting and the layer it
+came from, never a traceback. The rest of the service can trust a `Settings`.
 
 File format (TOML)::
 
@@ -27,12 +28,14 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import tomllib
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlsplit
+
+import msgspec
 
 from kvroute.app.routing import CostWeights
 
@@ -45,186 +48,175 @@ __all__ = [
 
 ENV_PREFIX = "KVROUTE_"
 
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]  # 0: the OS picks a free port
+Positive = Annotated[int, msgspec.Meta(gt=0)]
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]  # and finite: see _check_finite
+Text = Annotated[str, msgspec.Meta(min_length=1)]
+LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+
 
 class ConfigError(ValueError):
-    """A setting is missing, mistyped or out of range; the message says which and where."""
+    """A setting is missing, mistyped or out of range; the message says which and where,
+    `field` is its path (`port`, `instances[0].url`) when there is one."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
-@dataclass(frozen=True, slots=True)
-class InstanceConfig:
+class InstanceConfig(msgspec.Struct, forbid_unknown_fields=True):
     """One vLLM instance. `url` alone is enough; explicit endpoints skip discovery.
 
     `events[r]` and `replay[r]` are data-parallel rank r's PUB and ROUTER endpoints.
+    After construction `url` has no trailing slash and `events`/`replay` are tuples.
     """
 
-    url: str | None = None
-    id: str | None = None
-    model: str | None = None
-    events: tuple[str, ...] = ()
-    replay: tuple[str, ...] = ()
+    url: Text | None = None
+    id: Text | None = None
+    model: Text | None = None
+    events: str | tuple[str, ...] = ()
+    replay: str | tuple[str, ...] = ()
     topic: str = ""
-    block_size: int | None = None
+    block_size: Positive | None = None
     # The instance's vLLM --api-key, sent when kvroute itself calls its /v1 endpoints.
-    api_key: str | None = field(default=None, repr=False)
+    api_key: Text | None = None
+
+    def __post_init__(self) -> None:
+        # Errors start with the field's name; _explain prefixes the instance's path.
+        if isinstance(self.events, str):
+            self.events = (self.events,)
+        if isinstance(self.replay, str):
+            self.replay = (self.replay,)
+        if self.url is not None:
+            parts = urlsplit(self.url.strip())
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"url: {self.url!r} is not an http(s)://HOST[:PORT] URL")
+            self.url = self.url.strip().rstrip("/")
+        for name in ("events", "replay"):
+            for endpoint in getattr(self, name):
+                _check_zmq_endpoint(endpoint, name)
+        if self.url is None and not self.events:
+            raise ValueError("give `url` (discovery) or explicit `events` endpoints")
+        if self.replay and len(self.replay) != len(self.events):
+            raise ValueError(f"replay: {len(self.replay)} endpoint(s) for {len(self.events)} "
+                             "event endpoint(s); give one per data-parallel rank")
+        if self.id is not None and "/" in self.id:
+            raise ValueError("id: must not contain '/'")
+
+    def __repr__(self) -> str:
+        # api_key is a secret: never in logs or error messages.
+        return (f"InstanceConfig(url={self.url!r}, id={self.id!r}, model={self.model!r}, "
+                f"events={self.events!r}, replay={self.replay!r}, topic={self.topic!r}, "
+                f"block_size={self.block_size!r})")
 
 
-@dataclass(frozen=True, slots=True)
-class Settings:
-    host: str = "127.0.0.1"
-    port: int = 8000
+class Settings(msgspec.Struct, forbid_unknown_fields=True):
+    host: Text = "127.0.0.1"
+    port: Port = 8000
     instances: tuple[InstanceConfig, ...] = ()
     # Size limits protect the event loop: a query is O(prompt length).
-    max_prompt_tokens: int = 131_072
-    max_block_hashes: int = 8_192
-    max_prompt_chars: int = 1_000_000
-    max_body_bytes: int = 4 * 1024 * 1024
+    max_prompt_tokens: Positive = 131_072
+    max_block_hashes: Positive = 8_192
+    max_prompt_chars: Positive = 1_000_000
+    max_body_bytes: Positive = 4 * 1024 * 1024
     # /readyz turns ready when every configured worker is live, or after this long.
-    ready_grace_seconds: float = 60.0
+    ready_grace_seconds: NonNegative = 60.0
     # None: text and chat prompts are refused; "instance": an instance's /tokenize;
     # anything else: a local Hugging Face tokenizer (tokenizer.json file or folder).
-    tokenizer: str | None = None
-    log_level: str = "info"
+    tokenizer: Text | None = None
+    log_level: LogLevel = "info"
     # Also serve OpenAI-compatible endpoints that forward each request to the chosen worker.
     proxy: bool = False
     # Routing cost weights, in prefill tokens; their defaults are app.routing.CostWeights'.
-    cost_miss_token: float = _COSTS.miss_token
-    cost_cpu_hit_token: float = _COSTS.cpu_hit_token
-    cost_storage_hit_token: float = _COSTS.storage_hit_token
-    cost_queued_prefill_token: float = _COSTS.queued_prefill_token
-    cost_running_request: float = _COSTS.running_request
-    overload_waiting: int = _COSTS.overload_waiting
-    overload_kv_usage: float = _COSTS.overload_kv_usage
+    cost_miss_token: NonNegative = _COSTS.miss_token
+    cost_cpu_hit_token: NonNegative = _COSTS.cpu_hit_token
+    cost_storage_hit_token: NonNegative = _COSTS.storage_hit_token
+    cost_queued_prefill_token: NonNegative = _COSTS.queued_prefill_token
+    cost_running_request: NonNegative = _COSTS.running_request
+    overload_waiting: Positive = _COSTS.overload_waiting
+    overload_kv_usage: NonNegative = _COSTS.overload_kv_usage
     # Seconds between scrapes of each instance's /metrics for load; 0 turns scraping off.
-    load_interval: float = 1.0
+    load_interval: NonNegative = 1.0
     # Seconds a routing answer counts as "the chosen worker will hold this prompt" before
     # its events confirm it; 0 turns placement guesses off.
-    placement_ttl: float = 2.0
+    placement_ttl: NonNegative = 2.0
+
+    def __post_init__(self) -> None:
+        for name in _FLOAT_SETTINGS:
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name}: must be a finite number")
 
 
-_INT_SETTINGS = {"port", "max_prompt_tokens", "max_block_hashes", "max_prompt_chars",
-                 "max_body_bytes", "overload_waiting"}
-_FLOAT_SETTINGS = {"ready_grace_seconds", "cost_miss_token", "cost_cpu_hit_token",
-                   "cost_storage_hit_token", "cost_queued_prefill_token",
-                   "cost_running_request", "overload_kv_usage",
-                   "load_interval", "placement_ttl"}
-_STR_SETTINGS = {"host", "tokenizer", "log_level"}
-_BOOL_SETTINGS = {"proxy"}
-_LOG_LEVELS = {"critical", "error", "warning", "info", "debug"}
+_FLOAT_SETTINGS = tuple(f.name for f in msgspec.structs.fields(Settings) if f.type is NonNegative)
+_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
+               "0": False, "false": False, "no": False, "off": False}
 
 
-def parse_instance(raw: Mapping[str, Any], where: str) -> InstanceConfig:
-    """Validate one instance table (from TOML, env or the HTTP API)."""
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: an instance must be a table/object, got {type(raw).__name__}")
-    known = {f.name for f in fields(InstanceConfig)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}; "
-                          f"known: {', '.join(sorted(known))}")
-
-    def text(name: str) -> str | None:
-        value = raw.get(name)
-        if value is None:
-            return None
-        if not isinstance(value, str) or not value.strip():
-            raise ConfigError(f"{where}.{name}: must be a non-empty string")
-        return value.strip()
-
-    def endpoints(name: str) -> tuple[str, ...]:
-        value = raw.get(name, ())
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{where}.{name}: must be a list of tcp://HOST:PORT strings")
-        for endpoint in value:
-            _check_zmq_endpoint(endpoint, f"{where}.{name}")
-        return tuple(value)
-
-    url = text("url")
-    if url is not None:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(f"{where}.url: {url!r} is not an http(s)://HOST[:PORT] URL")
-        url = url.rstrip("/")
-    events, replay = endpoints("events"), endpoints("replay")
-    if url is None and not events:
-        raise ConfigError(f"{where}: give `url` (discovery) or explicit `events` endpoints")
-    if replay and len(replay) != len(events):
-        raise ConfigError(f"{where}.replay: {len(replay)} endpoint(s) for {len(events)} "
-                          "event endpoint(s); give one per data-parallel rank")
-    topic = raw.get("topic", "")
-    if not isinstance(topic, str):
-        raise ConfigError(f"{where}.topic: must be a string")
-    block_size = raw.get("block_size")
-    if block_size is not None and (type(block_size) is not int or block_size <= 0):
-        raise ConfigError(f"{where}.block_size: must be a positive integer")
-    instance_id = text("id")
-    if instance_id is not None and "/" in instance_id:
-        raise ConfigError(f"{where}.id: must not contain '/'")
-    return InstanceConfig(url=url, id=instance_id, model=text("model"), events=events,
-                          replay=replay, topic=topic, block_size=block_size,
-                          api_key=text("api_key"))
-
-
-def _check_zmq_endpoint(endpoint: str, where: str) -> None:
+def _check_zmq_endpoint(endpoint: str, name: str) -> None:
     scheme, _, rest = endpoint.partition("://")
     host, _, port = rest.rpartition(":")
     if scheme != "tcp" or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{where}: {endpoint!r} is not a tcp://HOST:PORT endpoint")
+        raise ValueError(f"{name}: {endpoint!r} is not a tcp://HOST:PORT endpoint")
     if host in ("*", "0.0.0.0"):
-        raise ConfigError(f"{where}: {endpoint!r} is a bind address; give the host to connect to")
+        raise ValueError(f"{name}: {endpoint!r} is a bind address; give the host to connect to")
 
 
-def _coerce(name: str, value: Any, where: str) -> Any:
-    if name in _BOOL_SETTINGS:
-        if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on",
-                                                                 "0", "false", "no", "off"):
-            return value.strip().lower() in ("1", "true", "yes", "on")
-        if type(value) is not bool:
-            raise ConfigError(f"{where}: {name} must be true or false, got {value!r}")
-        return value
-    if name in _INT_SETTINGS:
-        if isinstance(value, str) and value.strip().isdigit():
-            value = int(value)
-        if name == "port":
-            # 0 lets the OS pick a free port; the server logs the one it got.
-            if type(value) is not int or not 0 <= value <= 65535:
-                raise ConfigError(f"{where}: port must be an integer from 0 to 65535, "
-                                  f"got {value!r}")
-            return value
-        if type(value) is not int or value <= 0:
-            raise ConfigError(f"{where}: {name} must be a positive integer, got {value!r}")
-        return value
-    if name in _FLOAT_SETTINGS:
+def _explain(exc: msgspec.ValidationError, where: str, given: Any) -> ConfigError:
+    """msgspec's `Expected ... - at `$.instances[0].url`` as `where: instances[0].url: ...`,
+    with the value found there in `given` (what the layer said)."""
+    message, found, path = str(exc).rpartition(" - at `")
+    if not found:
+        message, path = str(exc), ""
+    path = path.rstrip("`").removeprefix("$").removeprefix(".")
+    named = re.match(r"(\w+): (.*)", message, re.S)  # a __post_init__ check names its field
+    if named:
+        path = f"{path}.{named.group(1)}" if path else named.group(1)
+        message = named.group(2)
+    unknown = re.fullmatch(r"Object contains unknown field `(.*)`", message)
+    if unknown:
+        path = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
+        message = "unknown setting; known: " + ", ".join(_known(path))
+    if message.startswith("Invalid enum value"):  # log_level, the one Literal setting
+        message += "; one of " + ", ".join(get_args(LogLevel))
+    message = message[:1].lower() + message[1:]
+    value = _lookup(given, path)
+    if message.startswith("expected") and value is not _MISSING:
+        message = re.sub(r", got `\w+`$", "", message) + f", got {value!r}"
+    return ConfigError(f"{where}: {path}: {message}" if path else f"{where}: {message}",
+                       path or None)
+
+
+_MISSING = object()
+
+
+def _lookup(given: Any, path: str) -> Any:
+    """The value at `instances[0].url` in decoded TOML/JSON/env values, or _MISSING."""
+    for name, index in re.findall(r"(\w+)|\[(\d+)\]", path):
         try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}: {name} must be a number, got {value!r}") from None
-        if type(value) is bool or not math.isfinite(number) or number < 0:
-            raise ConfigError(f"{where}: {name} must be a finite number >= 0, got {value!r}")
-        return number
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{where}: {name} must be a non-empty string, got {value!r}")
-    if name == "log_level" and value.lower() not in _LOG_LEVELS:
-        raise ConfigError(f"{where}: log_level must be one of {', '.join(sorted(_LOG_LEVELS))}")
-    return value.lower() if name == "log_level" else value
+            given = given[name] if name else given[int(index)]
+        except (KeyError, IndexError, TypeError):
+            return _MISSING
+    return given
 
 
-def _apply(settings: Settings, values: Mapping[str, Any], where: str) -> Settings:
-    changes: dict[str, Any] = {}
-    for name, value in values.items():
-        if value is None:
-            continue
-        if name == "instances":
-            if not isinstance(value, list):
-                raise ConfigError(f"{where}: instances must be an array of tables")
-            changes[name] = settings.instances + tuple(
-                parse_instance(raw, f"{where}: instances[{i}]") for i, raw in enumerate(value))
-        elif name in _INT_SETTINGS | _FLOAT_SETTINGS | _STR_SETTINGS | _BOOL_SETTINGS:
-            changes[name] = _coerce(name, value, where)
-        else:
-            raise ConfigError(f"{where}: unknown setting {name!r}")
-    return replace(settings, **changes)
+def _known(path: str) -> list[str]:
+    struct = InstanceConfig if path.startswith("instances[") else Settings
+    return [f.name for f in msgspec.structs.fields(struct)]
+
+
+def parse_instance(raw: Any, where: str) -> InstanceConfig:
+    """One instance from decoded JSON (the HTTP API); a ConfigError names the bad field."""
+    try:
+        return msgspec.convert(raw, InstanceConfig)
+    except msgspec.ValidationError as exc:
+        raise _explain(exc, where, raw) from None
+
+
+def _checked(values: Mapping[str, Any], where: str, *, strict: bool) -> Settings:
+    try:
+        return msgspec.convert(values, Settings, strict=strict)
+    except msgspec.ValidationError as exc:
+        raise _explain(exc, where, values) from None
 
 
 def _from_file(path: Path) -> dict[str, Any]:
@@ -241,10 +233,15 @@ def _from_file(path: Path) -> dict[str, Any]:
 
 def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
-    for name in _INT_SETTINGS | _FLOAT_SETTINGS | _STR_SETTINGS | _BOOL_SETTINGS:
-        raw = environ.get(ENV_PREFIX + name.upper())
-        if raw is not None and raw != "":
-            values[name] = raw
+    for field in msgspec.structs.fields(Settings):
+        raw = environ.get(ENV_PREFIX + field.name.upper())
+        if raw is None or raw == "" or field.name == "instances":
+            continue
+        if field.type is bool:
+            raw = _BOOL_WORDS.get(raw.strip().lower(), raw)
+        elif field.name == "log_level":
+            raw = raw.strip().lower()
+        values[field.name] = raw
     urls = environ.get(ENV_PREFIX + "INSTANCES", "")
     if urls.strip():
         values["instances"] = [{"url": url.strip()} for url in urls.split(",") if url.strip()]
@@ -260,19 +257,27 @@ def load_settings(
 
     `KVROUTE_INSTANCES` is a comma-separated list of instance URLs; every other
     setting `x` is read from `KVROUTE_X`. Flags with value None are "not given".
+    Each layer is checked on its own first, so an error names the layer it is in.
     """
-    settings = Settings()
+    layers: list[tuple[str, dict[str, Any], bool]] = []
     if config_file is not None:
-        settings = _apply(settings, _from_file(Path(config_file)), f"config file {config_file}")
-    settings = _apply(settings, _from_env(os.environ if environ is None else environ),
-                      "environment")
-    if flags:
-        settings = _apply(settings, dict(flags), "command line")
+        layers.append((f"config file {config_file}", _from_file(Path(config_file)), True))
+    layers.append(("environment", _from_env(os.environ if environ is None else environ), False))
+    layers.append(("command line", {k: v for k, v in (flags or {}).items() if v is not None},
+                   False))
+    merged: dict[str, Any] = {}
+    instances: list[InstanceConfig] = []
+    for where, values, strict in layers:
+        # Environment strings become numbers and booleans; a TOML file is already typed.
+        checked = _checked(values, where, strict=strict)
+        merged.update((name, getattr(checked, name)) for name in values if name != "instances")
+        instances.extend(checked.instances)
+    settings = Settings(**merged, instances=tuple(instances))
     ids = [default_instance_id(instance) for instance in settings.instances]
     repeated = sorted({i for i in ids if ids.count(i) > 1})
     if repeated:
         raise ConfigError(f"instance id(s) {', '.join(repeated)} configured more than once; "
-                          "give each instance a distinct `id`")
+                          "give each instance a distinct `id`", "instances")
     return settings
 
 
@@ -285,4 +290,3 @@ def default_instance_id(config: InstanceConfig) -> str:
         port = parts.port or (443 if parts.scheme == "https" else 80)
         return f"{parts.hostname}:{port}"
     return config.events[0].partition("://")[2]
-

@@ -29,7 +29,7 @@ def test_bad_configuration_is_one_clear_line(tmp_path):
     config.write_text("port = 'eighty'\n")
     result = run("serve", "--config", str(config))
     assert result.returncode == 2
-    assert "configuration error" in result.stderr and "port must be an integer" in (
+    assert "configuration error" in result.stderr and "port: expected `int`, got 'eighty'" in (
         result.stderr)
     assert "Traceback" not in result.stderr
 

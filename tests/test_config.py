@@ -53,21 +53,23 @@ replay = ["tcp://10.0.0.1:6557", "tcp://10.0.0.1:6558"]
 @pytest.mark.parametrize(
     ("text", "needle"),
     [
-        ("port = 'x'", "port must be an integer from 0 to 65535"),
-        ("port = 70000", "port must be an integer from 0 to 65535"),
-        ("port = -1", "port must be an integer from 0 to 65535"),
+        ("port = 'x'", "port: expected `int`, got 'x'"),
+        ("port = 70000", "port: expected `int` <= 65535, got 70000"),
+        ("port = -1", "port: expected `int` >= 0"),
         ("ready_grace_seconds = -1", "ready_grace_seconds"),
-        ("log_level = 'loud'", "log_level must be one of"),
-        ("colour = 'blue'", "unknown setting 'colour'"),
+        ("log_level = 'loud'", "log_level: invalid enum value 'loud'; one of critical"),
+        ("colour = 'blue'", "colour: unknown setting; known: host, port"),
         ("port = ", "not valid TOML"),
         ("[[instances]]\nurl = 'ftp://x'", "instances[0].url"),
         ("[[instances]]\nmodel = 'm'", "give `url`"),
         ("[[instances]]\nevents = ['tcp://*:5557']", "bind address"),
         ("[[instances]]\nevents = ['udp://h:1']", "not a tcp://HOST:PORT"),
-        ("[[instances]]\nurl = 'http://h:1'\nbogus = 1", "unknown field(s) bogus"),
+        ("[[instances]]\nurl = 'http://h:1'\nbogus = 1",
+         "instances[0].bogus: unknown setting; known: url, id"),
         ("[[instances]]\nevents = ['tcp://h:1']\nreplay = ['tcp://h:2', 'tcp://h:3']",
          "one per data-parallel rank"),
-        ("[[instances]]\nurl = 'http://h:1'\nblock_size = 0", "block_size"),
+        ("[[instances]]\nurl = 'http://h:1'\nblock_size = 0",
+         "instances[0].block_size: expected `int` >= 1, got 0"),
     ],
 )
 def test_bad_file_values_are_named(tmp_path, text, needle):
@@ -105,3 +107,26 @@ def test_an_instance_api_key_is_read_but_never_shown(tmp_path):
     settings = load_settings(path, environ={})
     assert settings.instances[0].api_key == "s3cret"
     assert "s3cret" not in repr(settings)
+
+
+@pytest.mark.parametrize(
+    ("environ", "field", "needle"),
+    [
+        ({"KVROUTE_LOAD_INTERVAL": "inf"}, "load_interval", "finite"),
+        ({"KVROUTE_PORT": "-3"}, "port", ">= 0, got '-3'"),
+        ({"KVROUTE_PROXY": "maybe"}, "proxy", "expected `bool`, got 'maybe'"),
+        ({"KVROUTE_INSTANCES": "http://a:1,ftp://b"}, "instances[1].url", "is not an http(s)"),
+    ],
+)
+def test_environment_errors_name_the_field(environ, field, needle):
+    with pytest.raises(ConfigError) as info:
+        load_settings(environ=environ)
+    assert info.value.field == field
+    assert str(info.value).startswith(f"environment: {field}: ") and needle in str(info.value)
+
+
+def test_environment_words_for_booleans_and_levels():
+    settings = load_settings(environ={"KVROUTE_PROXY": "on", "KVROUTE_LOG_LEVEL": "DEBUG",
+                                      "KVROUTE_PLACEMENT_TTL": "0.5"})
+    assert settings.proxy is True and settings.log_level == "debug"
+    assert settings.placement_ttl == 0.5

@@ -9,9 +9,9 @@ serve, and a config file whose keys kvroute does not accept.
 from __future__ import annotations
 
 import re
-from dataclasses import fields
 from pathlib import Path
 
+import msgspec
 import pytest
 import yaml
 
@@ -116,8 +116,8 @@ def test_config_map_writes_only_keys_kvroute_accepts() -> None:
     instance_keys = set(re.findall(r"^\s*([a-z_]+) = ", instance, re.M))
     assert {"host", "port"} <= top_keys
     assert "url" in instance_keys
-    assert top_keys <= {f.name for f in fields(Settings)}
-    assert instance_keys <= {f.name for f in fields(InstanceConfig)}
+    assert top_keys <= {f.name for f in msgspec.structs.fields(Settings)}
+    assert instance_keys <= {f.name for f in msgspec.structs.fields(InstanceConfig)}
 
 
 def test_config_map_binds_every_interface_on_the_container_port() -> None:
