@@ -44,6 +44,7 @@ from tqdm import tqdm
 from benchmarks.policies import (
     ApproximateTreePolicy,
     ConsistentHashPolicy,
+    FleetWorker,
     FollowsRequests,
     KvroutePolicy,
     KvrouteProxyPolicy,
@@ -53,12 +54,11 @@ from benchmarks.policies import (
     RandomPolicy,
     ReplicatedRouter,
     RoundRobinPolicy,
-    Worker,
 )
 from kvroute.app.wire import Event
 from kvroute.sim.cluster import SimCluster
 from kvroute.sim.engine import Engine, TimeModel
-from kvroute.sim.server import SimRank
+from kvroute.sim.rank import SimRank
 from kvroute.sim.workloads import (
     Session,
     load_mooncake,
@@ -167,7 +167,7 @@ class KvrouteFeed:
         return all(have.get(r) is not None and have[r] >= s for r, s in seqs.items())
 
 
-def simulate(sessions: Sequence[Session], workers: list[Worker], policy: Policy, *,
+def simulate(sessions: Sequence[Session], workers: list[FleetWorker], policy: Policy, *,
              lag_s: float, feed: KvrouteFeed | None = None, clients: int | None = None,
              progress: tqdm | None = None) -> RunResult:
     """Discrete-event run: each engine steps back to back while it has work; a chat's next
@@ -257,11 +257,11 @@ def simulate(sessions: Sequence[Session], workers: list[Worker], policy: Policy,
 # --- fleets ---------------------------------------------------------------------------------------
 
 
-def engine_fleet(n: int, num_blocks: int, seed: int) -> list[Worker]:
+def engine_fleet(n: int, num_blocks: int, seed: int) -> list[FleetWorker]:
     """In-process engines only: every policy but kvroute needs nothing else."""
     return [
-        Worker(i, i, 0, Engine(num_blocks=num_blocks, block_size=BLOCK_SIZE,
-                               seed=(seed * 7919 + i) * 1009, time_model=TimeModel()))
+        FleetWorker(i, i, 0, Engine(num_blocks=num_blocks, block_size=BLOCK_SIZE,
+                                    seed=(seed * 7919 + i) * 1009, time_model=TimeModel()))
         for i in range(n)
     ]
 
@@ -296,7 +296,7 @@ def run_kvroute(sessions: Sequence[Session], n: int, num_blocks: int, seed: int,
                 ids.append(resp.json()["id"])
             _wait_live(client, server.url, ids)
             ranks = [rank for _, rank in cluster.ranks]
-            workers = [Worker(i, inst, rank.rank, rank.engine)
+            workers = [FleetWorker(i, inst, rank.rank, rank.engine)
                        for i, (inst, rank) in enumerate(cluster.ranks)]
             keys = [(ids[inst], rank.rank) for inst, rank in cluster.ranks]
             worker_of = {k: i for i, k in enumerate(keys)}
@@ -457,7 +457,7 @@ def plot(results: dict[str, dict[str, dict[str, Any]]], out: Path) -> list[str]:
 # --- main -----------------------------------------------------------------------------------------
 
 
-def make_policy(name: str, workers: list[Worker], seed: int, load_tokens: int) -> Policy:
+def make_policy(name: str, workers: list[FleetWorker], seed: int, load_tokens: int) -> Policy:
     if name == "random":
         return RandomPolicy(workers, seed)
     if name == "round-robin":

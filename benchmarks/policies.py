@@ -25,8 +25,9 @@ from kvroute.sim.engine import Engine
 
 
 @dataclass
-class Worker:
-    """One routing unit: an engine (one data-parallel rank of one instance)."""
+class FleetWorker:
+    """One routing unit of the benchmark's fleet: an engine (one data-parallel rank of one
+    instance), read directly by the policies. Not the service's ``kvroute.app.registry.Worker``."""
 
     index: int
     instance: int
@@ -53,12 +54,12 @@ class FollowsRequests(Protocol):
     def finished(self, request_id: str) -> None: ...
 
 
-def _least_loaded(workers: Sequence[Worker], among: Sequence[int] | None = None) -> int:
+def _least_loaded(workers: Sequence[FleetWorker], among: Sequence[int] | None = None) -> int:
     pool = range(len(workers)) if among is None else among
     return min(pool, key=lambda i: (workers[i].engine.load(), workers[i].assigned, i))
 
 
-def cheapest(workers: Sequence[Worker], matched: Sequence[int], prompt_len: int,
+def cheapest(workers: Sequence[FleetWorker], matched: Sequence[int], prompt_len: int,
              load_tokens: int) -> int:
     """Prefix and load in one currency, tokens of prefill: a worker costs the prompt tokens it
     would recompute plus ``load_tokens`` per request already queued or running there. This is
@@ -71,7 +72,7 @@ def cheapest(workers: Sequence[Worker], matched: Sequence[int], prompt_len: int,
 class RandomPolicy:
     name = "random"
 
-    def __init__(self, workers: Sequence[Worker], seed: int = 0) -> None:
+    def __init__(self, workers: Sequence[FleetWorker], seed: int = 0) -> None:
         self._n = len(workers)
         self._rng = random.Random(seed)
 
@@ -82,7 +83,7 @@ class RandomPolicy:
 class RoundRobinPolicy:
     name = "round-robin"
 
-    def __init__(self, workers: Sequence[Worker]) -> None:
+    def __init__(self, workers: Sequence[FleetWorker]) -> None:
         self._cycle = itertools.cycle(range(len(workers)))
 
     def choose(self, prompt: Sequence[int]) -> int:
@@ -92,7 +93,7 @@ class RoundRobinPolicy:
 class LeastLoadedPolicy:
     name = "least-loaded"
 
-    def __init__(self, workers: Sequence[Worker]) -> None:
+    def __init__(self, workers: Sequence[FleetWorker]) -> None:
         self._workers = workers
 
     def choose(self, prompt: Sequence[int]) -> int:
@@ -104,7 +105,7 @@ class ConsistentHashPolicy:
 
     name = "consistent-hash"
 
-    def __init__(self, workers: Sequence[Worker], block_size: int, vnodes: int = 64) -> None:
+    def __init__(self, workers: Sequence[FleetWorker], block_size: int, vnodes: int = 64) -> None:
         self._bs = block_size
         ring = sorted((_h64(f"{w.index}:{v}".encode()), w.index)
                       for w in workers for v in range(vnodes))
@@ -133,7 +134,7 @@ class ApproximateTreePolicy:
     The tree is kept as a prefix-closed set of chained block keys; on insert, keys are touched
     deepest first so a parent is always more recent than its children (leaves go first)."""
 
-    def __init__(self, workers: Sequence[Worker], block_size: int,
+    def __init__(self, workers: Sequence[FleetWorker], block_size: int,
                  capacity_blocks: int = 2**24 // 16, threshold: float = 0.3,
                  balance_abs: int = 64, balance_rel: float = 1.5,
                  load_tokens: int | None = None) -> None:
@@ -199,7 +200,7 @@ class OraclePolicy:
     """Reads every engine's real cache at routing time. Without ``load_tokens``: the longest
     cached prefix wins, ties go to the least loaded. With it: ``cheapest``."""
 
-    def __init__(self, workers: Sequence[Worker], load_tokens: int | None = None) -> None:
+    def __init__(self, workers: Sequence[FleetWorker], load_tokens: int | None = None) -> None:
         self._workers = workers
         self._load_tokens = load_tokens
         self.name = "oracle" if load_tokens is None else "oracle+load"
@@ -218,7 +219,7 @@ class KvroutePolicy:
     ``scores`` go through ``cheapest`` (the caller's own policy, as the API intends)."""
 
     def __init__(self, client: httpx.Client, base_url: str,
-                 worker_of: dict[tuple[str, int], int], workers: Sequence[Worker],
+                 worker_of: dict[tuple[str, int], int], workers: Sequence[FleetWorker],
                  load_tokens: int | None = None) -> None:
         self._client = client
         self._url = f"{base_url}/v1/route"

@@ -15,13 +15,15 @@ from typing import Any
 import httpx
 
 from kvroute.sim.engine import Engine, TimeModel
-from kvroute.sim.server import InstanceConfig, SimInstance, SimRank
+from kvroute.sim.instance import SimInstance
+from kvroute.sim.rank import SimRank
+from kvroute.sim.spec import SimInstanceSpec
 
 
 class SimCluster:
     """``n`` simulated vLLM instances, each with ``dp_size`` data-parallel ranks.
 
-    Extra keyword arguments are ``InstanceConfig`` fields (max_num_seqs, encoding, topic ...).
+    Extra keyword arguments are ``SimInstanceSpec`` fields (max_num_seqs, encoding, topic ...).
     """
 
     def __init__(
@@ -38,7 +40,7 @@ class SimCluster:
     ) -> None:
         if n < 1 or dp_size < 1:
             raise ValueError("a cluster needs n >= 1 instances of dp_size >= 1 ranks")
-        base = InstanceConfig(
+        base = SimInstanceSpec(
             model=model,
             block_size=block_size,
             num_blocks=num_blocks,

@@ -24,7 +24,8 @@ from kvroute.app.config import Settings
 from kvroute.app.proxy import MAX_CONNECT_ATTEMPTS
 from kvroute.app.server import BackgroundServer
 from kvroute.sim.cluster import SimCluster
-from kvroute.sim.server import InstanceConfig, SimInstance
+from kvroute.sim.instance import SimInstance
+from kvroute.sim.spec import SimInstanceSpec
 from tests.conftest import HTTP_TIMEOUT, refusing_urls, scaled, wait_for
 from tests.support.scores import inflight_counts
 from tests.support.tokens import unique_tokens
@@ -157,7 +158,7 @@ def test_a_batch_of_prompts_is_routed_by_its_first_prompt(fleet: Fleet):
 
 
 def test_models_lists_the_union_of_the_registered_instances_models(fleet: Fleet):
-    with SimInstance(InstanceConfig(model="other-model", num_blocks=64, seed=77)) as other:
+    with SimInstance(SimInstanceSpec(model="other-model", num_blocks=64, seed=77)) as other:
         other_id = fleet.register(url=other.url)
         try:
             listing = fleet.http.get("/v1/models").json()
@@ -233,7 +234,7 @@ def test_a_client_that_leaves_before_the_answer_cancels_the_upstream_request():
     # Steps take real time here (time_scale), so a long non-streamed request is still
     # running in the engine when the client gives up.
     cfg = {"block_size": BLOCK, "num_blocks": 128, "time_scale": 1.0}
-    with SimInstance(InstanceConfig(**cfg)) as inst:
+    with SimInstance(SimInstanceSpec(**cfg)) as inst:
         settings = Settings(host="127.0.0.1", port=0, log_level="warning", proxy=True)
         with BackgroundServer(settings) as server, \
                 httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as http:
@@ -311,7 +312,7 @@ def test_oversized_bodies_are_refused_before_routing():
 def test_a_worker_that_refuses_connections_is_retried_elsewhere(fleet: Fleet):
     # "Ghost" workers: their events come from a live simulated engine, so kvroute believes
     # they hold a prefix, but nothing listens at their URL.
-    with SimInstance(InstanceConfig(block_size=BLOCK, num_blocks=128, seed=99)) as source:
+    with SimInstance(SimInstanceSpec(block_size=BLOCK, num_blocks=128, seed=99)) as source:
         (events,) = source.kv_event_sources()
         prompt = unique_tokens(6, 16 * BLOCK + 3)
         warm = httpx.post(f"{source.url}/v1/completions",
@@ -347,7 +348,7 @@ def test_a_worker_that_refuses_connections_is_retried_elsewhere(fleet: Fleet):
 
 
 def test_a_worker_that_dies_gets_no_new_traffic(fleet: Fleet):
-    doomed = SimInstance(InstanceConfig(block_size=BLOCK, num_blocks=128, seed=123))
+    doomed = SimInstance(SimInstanceSpec(block_size=BLOCK, num_blocks=128, seed=123))
     doomed.start()
     doomed_id = None
     try:
@@ -373,7 +374,7 @@ def test_a_worker_that_dies_gets_no_new_traffic(fleet: Fleet):
 
 
 def test_the_data_parallel_rank_is_passed_as_vllm_reads_it(fleet: Fleet):
-    cfg = InstanceConfig(block_size=BLOCK, num_blocks=128, dp_size=2, seed=55)
+    cfg = SimInstanceSpec(block_size=BLOCK, num_blocks=128, dp_size=2, seed=55)
     with SimInstance(cfg) as inst:
         instance_id = fleet.register(url=inst.url)
         try:
@@ -396,7 +397,7 @@ def test_the_data_parallel_rank_is_passed_as_vllm_reads_it(fleet: Fleet):
 
 
 def test_the_clients_credentials_reach_the_instance(fleet: Fleet):
-    cfg = InstanceConfig(block_size=BLOCK, num_blocks=64, seed=66, model="guarded-model",
+    cfg = SimInstanceSpec(block_size=BLOCK, num_blocks=64, seed=66, model="guarded-model",
                          api_key="s3cret")
     with SimInstance(cfg) as inst:
         unkeyed = fleet.http.post("/v1/instances", json={"url": inst.url})
@@ -461,7 +462,7 @@ class BreaksMidStream:
 
 
 def test_an_upstream_that_breaks_mid_stream_is_not_passed_off_as_complete(fleet: Fleet):
-    with SimInstance(InstanceConfig(block_size=BLOCK, num_blocks=64, seed=88)) as source:
+    with SimInstance(SimInstanceSpec(block_size=BLOCK, num_blocks=64, seed=88)) as source:
         (events,) = source.kv_event_sources()
         broken = BreaksMidStream()
         instance_id = None

@@ -6,12 +6,12 @@ import httpx
 import pytest
 
 from benchmarks import hitrate
-from benchmarks.policies import ApproximateTreePolicy, ConsistentHashPolicy, Worker
+from benchmarks.policies import ApproximateTreePolicy, ConsistentHashPolicy, FleetWorker
 from kvroute.sim.engine import Engine
 from kvroute.sim.workloads import multi_turn_chat, shared_system_prompts
 
 
-def fleet(n: int = 4, num_blocks: int = 48) -> list[Worker]:
+def fleet(n: int = 4, num_blocks: int = 48) -> list[FleetWorker]:
     return hitrate.engine_fleet(n, num_blocks, seed=3)
 
 
@@ -70,7 +70,7 @@ def test_consistent_hash_keys_on_the_first_block_only():
 
 
 def test_approx_tree_follows_its_own_choices_and_forgets_leaves_first():
-    workers = [Worker(i, i, 0, Engine(num_blocks=8, block_size=4, seed=i)) for i in range(3)]
+    workers = [FleetWorker(i, i, 0, Engine(num_blocks=8, block_size=4, seed=i)) for i in range(3)]
     tree = ApproximateTreePolicy(workers, block_size=4, capacity_blocks=3)
     a = [1, 2, 3, 4, 5, 6, 7, 8]
     assert tree.choose(a) == 0  # nothing known: least loaded

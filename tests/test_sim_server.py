@@ -12,7 +12,8 @@ import zmq
 
 from kvroute.app.wire import BlockStored, decode_batch, decode_replay_frame
 from kvroute.sim.cluster import SimCluster
-from kvroute.sim.server import InstanceConfig, SimInstance
+from kvroute.sim.instance import SimInstance
+from kvroute.sim.spec import SimInstanceSpec
 from tests.conftest import HTTP_TIMEOUT, scaled, wait_for
 
 
@@ -69,7 +70,7 @@ def port_is_free(port: int, within_s: float = scaled(30)) -> bool:
 
 @pytest.fixture
 def instance():
-    with SimInstance(InstanceConfig(block_size=16, num_blocks=128, seed=4)) as inst:
+    with SimInstance(SimInstanceSpec(block_size=16, num_blocks=128, seed=4)) as inst:
         yield inst
 
 
@@ -165,7 +166,7 @@ def test_live_subscriber_receives_each_step_with_its_seq(instance):
 
 
 def test_data_parallel_ranks_publish_on_consecutive_ports_and_serve_the_rank_asked():
-    cfg = InstanceConfig(block_size=16, num_blocks=64, dp_size=2, seed=9, encoding="array",
+    cfg = SimInstanceSpec(block_size=16, num_blocks=64, dp_size=2, seed=9, encoding="array",
                          replay_format="old", sources_shape="list")
     with SimInstance(cfg) as inst:
         sources = httpx.get(f"{inst.url}/kv_event_sources").json()
@@ -187,7 +188,7 @@ def test_data_parallel_ranks_publish_on_consecutive_ports_and_serve_the_rank_ask
 
 
 def test_sources_shape_can_be_the_wrapped_list_of_other_vllm_revisions():
-    with SimInstance(InstanceConfig(num_blocks=16, sources_shape="sources")) as inst:
+    with SimInstance(SimInstanceSpec(num_blocks=16, sources_shape="sources")) as inst:
         (source,) = httpx.get(f"{inst.url}/kv_event_sources").json()["sources"]
         assert source["data_parallel_rank"] == 0
         assert source["endpoint"] == inst.ranks[0].endpoint
@@ -297,7 +298,7 @@ def test_streams_one_event_per_token_and_records_what_it_sent(instance, chat):
 
 
 def test_a_client_that_leaves_mid_stream_is_counted_as_aborted():
-    cfg = InstanceConfig(block_size=16, num_blocks=64, stream_interval_s=0.05)
+    cfg = SimInstanceSpec(block_size=16, num_blocks=64, stream_interval_s=0.05)
     with SimInstance(cfg) as inst, httpx.Client(base_url=inst.url, timeout=HTTP_TIMEOUT) as http:
         with http.stream("POST", "/v1/completions", headers={"X-Request-Id": "gone"},
                          json={"prompt": "abc", "max_tokens": 200, "stream": True}) as resp:
