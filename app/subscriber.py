@@ -1,6 +1,6 @@
 """One subscriber per worker endpoint: live KV events in, index updates out, never diverging.
 
-Sequence tracking (docs/decisions.md):
+Sequence tracking (docs/decisions.md; each seq is classified by ``sequence.classify``):
 
 - ``last_seq`` is the last APPLIED seq. The next live batch must be ``last_seq + 1``.
 - A live seq above that is a gap: the missing batches are fetched from the replay ROUTER
@@ -44,6 +44,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from kvroute.app.sequence import Kind, Verdict, classify
 from kvroute.app.wire import (
     AllBlocksCleared,
     WireError,
@@ -336,31 +337,32 @@ class Subscriber:
             return
         previous_live, self._last_live = self._last_live, seq
         payload = frames[2]
-        restarted = previous_live is not None and seq <= previous_live
-        last = self.status.last_seq
-        if not restarted and last is not None and seq <= last:
+        verdict = classify(seq, last_applied=self.status.last_seq, last_live=previous_live)
+        if verdict.kind is Kind.DUPLICATE:
             known = self._replayed.get(seq)
             if known is None or known == _fingerprint(payload):
                 self._count("duplicates")
                 return
-            restarted = True  # same seq, other content: a new engine counting from 0 again
-        if restarted:
+            # Same seq, other content: a new engine counting from 0 again, caught before its
+            # live seq went back (right after a replay there is no previous live seq).
+            verdict = Verdict(Kind.RESTART)
+        if verdict.kind is Kind.RESTART:
             log.warning("%s: seq went back to %d: the engine restarted", self.worker, seq)
             self._count("restarts")
             await self._rebuild()
-            last = self.status.last_seq
-            if last is not None and seq <= last:
+            # Not live-vs-live any more: the rebuild may have applied this seq, or left a gap.
+            verdict = classify(seq, last_applied=self.status.last_seq)
+            if verdict.kind is Kind.DUPLICATE:
                 return
-        expected = 0 if last is None else last + 1
-        if seq > expected:
+        if verdict.kind is Kind.GAP:
             self._count("gaps")
-            await self._fill_from(expected)
-            last = self.status.last_seq
-            if last is not None and seq <= last:
+            await self._fill_from(verdict.missing.start)
+            verdict = classify(seq, last_applied=self.status.last_seq)
+            if verdict.kind is Kind.DUPLICATE:
                 return
-            expected = 0 if last is None else last + 1
-            if seq > expected:
-                self._give_up(f"batches {expected}..{seq - 1} could not be recovered")
+            if verdict.kind is Kind.GAP:
+                missing = verdict.missing
+                self._give_up(f"batches {missing[0]}..{missing[-1]} could not be recovered")
         await self._apply(seq, payload)
 
     def _give_up(self, reason: str) -> None:
@@ -444,10 +446,10 @@ class Subscriber:
                     self._lost_history(start, reply.seq)
                     await self._apply(reply.seq, reply.payload, replayed=True)
                     continue
-            last = self.status.last_seq
-            if last is not None and reply.seq <= last:
+            verdict = classify(reply.seq, last_applied=self.status.last_seq)
+            if verdict.kind is Kind.DUPLICATE:
                 continue  # already applied (a replay overlapping live batches)
-            if reply.seq != (0 if last is None else last + 1):
+            if verdict.kind is Kind.GAP:
                 return "hole"  # the ROUTER dropped frames (its HWM): ask again from here
             await self._apply(reply.seq, reply.payload, replayed=True)
 

@@ -16,6 +16,7 @@ from typing import Any, TextIO
 
 import zmq
 
+from kvroute.app.sequence import Kind, Verdict, classify
 from kvroute.app.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -123,21 +124,27 @@ class Tail:
             self.say(f"! malformed message: {exc}")
             return
         previous_live, self.last_live = self.last_live, seq
-        if previous_live is not None and seq <= previous_live:
+        verdict = self.verdict_for(seq, last_live=previous_live)
+        if verdict.kind is Kind.RESTART:
             self.restarts += 1
             self.say(f"! seq went back from {previous_live} to {seq}: the engine restarted")
             self.last = None
-        elif self.last is not None and seq <= self.last:
+        elif verdict.kind is Kind.DUPLICATE:
             return  # already printed from a replay
-        expected = 0 if self.last is None else self.last + 1
-        if self.last is not None and seq > expected:
+        elif verdict.kind is Kind.GAP:
+            missing = verdict.missing
             self.gaps += 1
-            self.say(f"! gap: seq {expected}..{seq - 1} missing")
+            self.say(f"! gap: seq {missing[0]}..{missing[-1]} missing")
             if self.replay:
-                self.fill(expected)
-            if self.last is not None and seq <= self.last:
-                return
+                self.fill(missing[0])
+            if self.verdict_for(seq).kind is Kind.DUPLICATE:
+                return  # the replay printed it
         self.show(seq, frames[2], replayed=False)
+
+    def verdict_for(self, seq: int, *, last_live: int | None = None) -> Verdict:
+        # Not from_zero: tail joins a stream midway, and after a restart it prints the new
+        # engine's stream from wherever it is rather than calling the start of it a gap.
+        return classify(seq, last_applied=self.last, last_live=last_live, from_zero=False)
 
     def fill(self, start: int) -> None:
         """Print what the replay endpoint has from ``start`` on; report what it lacks."""
@@ -164,7 +171,7 @@ class Tail:
                     self.say(f"! replay starts at seq {reply.seq}: {start}..{reply.seq - 1} "
                              "are no longer buffered")
                 first = False
-                if self.last is not None and reply.seq <= self.last:
+                if self.verdict_for(reply.seq).kind is Kind.DUPLICATE:
                     continue
                 self.show(reply.seq, reply.payload, replayed=True)
         finally:
