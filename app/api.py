@@ -30,6 +30,7 @@ from kvroute.app.errors import (
     TooLarge,
     UpstreamFailed,
 )
+from kvroute.app.json_body import decode_json
 from kvroute.app.metrics import CONTENT_TYPE
 from kvroute.app.proxy import Proxy, proxy_router
 from kvroute.app.registry import DuplicateInstance, UnknownInstance
@@ -124,10 +125,7 @@ def create_app(settings: Settings) -> FastAPI:
     async def add_instance(request: Request) -> Response:
         service = service_of(request)
         body = await read_body(request, 64 * 1024)
-        try:
-            raw = msgspec.json.decode(body)
-        except msgspec.DecodeError as exc:
-            raise MalformedRequest(f"body is not valid JSON: {exc}") from None
+        raw = decode_json(body)
         try:
             config = parse_instance(raw, "body")
         except ConfigError as exc:

@@ -88,10 +88,7 @@ class InstanceConfig(msgspec.Struct, forbid_unknown_fields=True):
         if isinstance(self.replay, str):
             self.replay = (self.replay,)
         if self.url is not None:
-            parts = urlsplit(self.url.strip())
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(f"url: {self.url!r} is not an http(s)://HOST[:PORT] URL")
-            self.url = self.url.strip().rstrip("/")
+            self.url = _origin(self.url)
         for name in ("events", "replay"):
             for endpoint in getattr(self, name):
                 _check_zmq_endpoint(endpoint, name)
@@ -150,6 +147,22 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
 _FLOAT_SETTINGS = tuple(f.name for f in msgspec.structs.fields(Settings) if f.type is NonNegative)
 _BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
                "0": False, "false": False, "no": False, "off": False}
+
+
+def _origin(url: str) -> str:
+    """`url` as scheme://host[:port]: kvroute builds every request URL from it, so a path,
+    query, fragment or credentials would end up where nobody looks (and in answers)."""
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port  # raises for a port out of range
+    except ValueError as exc:
+        raise ValueError(f"url: {url!r} is not an http(s)://HOST[:PORT] URL: {exc}") from None
+    extra = parts.path.strip("/") or parts.query or parts.fragment or "@" in parts.netloc
+    if parts.scheme not in ("http", "https") or not parts.hostname or extra or port == 0:
+        raise ValueError(f"url: {url!r} is not an http(s)://HOST[:PORT] URL (no path, query, "
+                         "fragment or credentials)")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{parts.scheme}://{host}" + (f":{port}" if port is not None else "")
 
 
 def _check_zmq_endpoint(endpoint: str, name: str) -> None:

@@ -47,6 +47,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvroute.app.errors import MalformedRequest, NoEligibleWorker, NotFound, UpstreamFailed
 from kvroute.app.inflight import Ticket
+from kvroute.app.json_body import decode_json
 from kvroute.app.registry import Worker
 from kvroute.app.request_body import read_body
 from kvroute.app.service import RouteRequest, Service
@@ -71,10 +72,7 @@ _ENDPOINTS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
 
 def route_request_of(path: str, body: bytes) -> RouteRequest:
     """The routing question an OpenAI request body asks; MalformedRequest names a bad field."""
-    try:
-        payload = msgspec.json.decode(body)
-    except msgspec.DecodeError as exc:
-        raise MalformedRequest(f"body is not valid JSON: {exc}") from None
+    payload = decode_json(body)
     if not isinstance(payload, dict):
         raise MalformedRequest("the body must be a JSON object")
     model = payload.get("model")

@@ -24,13 +24,13 @@ import msgspec
 from kvroute.app.config import Settings
 from kvroute.app.errors import (
     InvalidRequest,
-    MalformedRequest,
     NoEligibleWorker,
     RequestError,
     TooLarge,
     UpstreamFailed,
 )
 from kvroute.app.inflight import InFlight, RecentAnswers
+from kvroute.app.json_body import decode_json
 from kvroute.app.load import LoadMonitor
 from kvroute.app.metrics import ServiceMetrics
 from kvroute.app.registry import Instance, Registry, Worker
@@ -72,12 +72,7 @@ class RouteRequest(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def decode_route_request(body: bytes) -> RouteRequest:
-    try:
-        return msgspec.json.decode(body, type=RouteRequest)
-    except msgspec.ValidationError as exc:
-        raise InvalidRequest(str(exc), _field_of(str(exc))) from None
-    except msgspec.DecodeError as exc:
-        raise MalformedRequest(f"body is not valid JSON: {exc}") from None
+    return decode_json(body, RouteRequest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,15 +90,6 @@ class Decision:
     def uncached_tokens(self) -> int:
         """Prompt tokens the chosen worker still has to compute (0 for a block-hash query)."""
         return 0 if self.tokens is None else len(self.tokens) - self.best.matched_tokens
-
-
-def _field_of(validation_message: str) -> str | None:
-    """`... - at `$.token_ids[3]`` -> `token_ids[3]`; unknown fields name themselves."""
-    found = re.search(r"at `\$\.?(.*)`", validation_message)
-    if found:
-        return found.group(1) or None
-    found = re.search(r"unknown field `([^`]*)`", validation_message)
-    return found.group(1) if found else None
 
 
 def _parse_hash(value: int | str, position: int) -> int | bytes:
