@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 import dataclasses
 import random
+from collections.abc import AsyncIterator
+from typing import Any, NamedTuple
 
 import msgspec
 import pytest
@@ -58,6 +60,36 @@ async def barrier(sub: Subscriber, index: OpLog, ledger: Ledger, source: EventSo
     await synced(sub, index, ledger, "barrier batch")
 
 
+class Rig(NamedTuple):
+    pub: EventPublisher
+    ledger: Ledger
+    source: EventSource
+    index: OpLog
+    sub: Subscriber
+
+
+@contextlib.asynccontextmanager
+async def subscribed(ctx, seed: int, *, index: OpLog | None = None, options=TEST_OPTIONS,
+                     backlog: int = 0, wait_live: bool = True,
+                     **publisher: Any) -> AsyncIterator[Rig]:
+    """A publisher (built with `publisher`), its ledger, `EventSource(seed)` and a running
+    subscriber into `index` (a fresh OpLog by default). `backlog` batches are published and
+    flushed before the subscriber starts, so it can only learn them by replay; with
+    `wait_live` the body starts once the first connection is live."""
+    with EventPublisher(**publisher) as pub:
+        ledger, source = Ledger(pub), EventSource(seed)
+        index = OpLog() if index is None else index
+        for _ in range(backlog):
+            ledger.publish(source.batch())
+        if backlog:
+            pub.flush()
+        sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=options)
+        async with Running(sub):
+            if wait_live:
+                await wait_until(lambda: sub.status.state == "live", "first connection")
+            yield Rig(pub, ledger, source, index, sub)
+
+
 FORMATS = [("map", "new"), ("array", "old"), ("map", "old"), ("array", "new")]
 
 
@@ -67,149 +99,123 @@ FORMATS = [("map", "new"), ("array", "old"), ("map", "old"), ("array", "new")]
 @pytest.mark.parametrize(("encoding", "replay_format"), FORMATS)
 def test_started_after_the_publisher_learns_existing_state_by_replay(encoding, replay_format):
     async def scenario(ctx):
-        with EventPublisher(encoding=encoding, replay_format=replay_format) as pub:
-            ledger, source, index = Ledger(pub), EventSource(1), OpLog()
-            for _ in range(30):
+        rig = subscribed(ctx, 1, backlog=30, wait_live=False,
+                         encoding=encoding, replay_format=replay_format)
+        async with rig as (pub, ledger, source, index, sub):
+            await synced(sub, index, ledger, "replayed state")
+            assert sub.status.state == "live"
+            assert sub.status.replays >= 1 and sub.status.batches == 30
+            for _ in range(10):  # and goes on live from there
                 ledger.publish(source.batch())
-            pub.flush()
-            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=TEST_OPTIONS)
-            async with Running(sub):
-                await synced(sub, index, ledger, "replayed state")
-                assert sub.status.state == "live"
-                assert sub.status.replays >= 1 and sub.status.batches == 30
-                for _ in range(10):  # and goes on live from there
-                    ledger.publish(source.batch())
-                await synced(sub, index, ledger, "live state")
-                assert sub.status.gaps == 0 and sub.status.restarts == 0
-                assert index.log(sub.worker)  # the scenario really stored something
+            await synced(sub, index, ledger, "live state")
+            assert sub.status.gaps == 0 and sub.status.restarts == 0
+            assert index.log(sub.worker)  # the scenario really stored something
     run(scenario)
 
 
 @pytest.mark.parametrize(("encoding", "replay_format"), FORMATS)
 def test_dropped_live_batches_are_recovered_exactly_by_replay(encoding, replay_format):
     async def scenario(ctx):
-        with EventPublisher(encoding=encoding, replay_format=replay_format) as pub:
-            ledger, source, index = Ledger(pub), EventSource(2), OpLog()
-            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=TEST_OPTIONS)
-            async with Running(sub):
-                await wait_until(lambda: sub.status.state == "live", "first connection")
+        rig = subscribed(ctx, 2, encoding=encoding, replay_format=replay_format)
+        async with rig as (pub, ledger, source, index, sub):
+            ledger.publish(source.batch())
+            await synced(sub, index, ledger, "seq 0")
+            pub.drop_live([3, 4, 5, 9])
+            for _ in range(12):
                 ledger.publish(source.batch())
-                await synced(sub, index, ledger, "seq 0")
-                pub.drop_live([3, 4, 5, 9])
-                for _ in range(12):
-                    ledger.publish(source.batch())
-                await synced(sub, index, ledger, "recovered state")
-                await barrier(sub, index, ledger, source)
-                # The replay for the first gap may already cover the second one.
-                assert 1 <= sub.status.gaps <= 2
-                assert sub.status.restarts == 0 and sub.status.degraded_count == 0
-                assert sub.status.state == "live"
+            await synced(sub, index, ledger, "recovered state")
+            await barrier(sub, index, ledger, source)
+            # The replay for the first gap may already cover the second one.
+            assert 1 <= sub.status.gaps <= 2
+            assert sub.status.restarts == 0 and sub.status.degraded_count == 0
+            assert sub.status.state == "live"
     run(scenario)
 
 
 def test_dropped_tail_batches_are_found_when_the_stream_goes_quiet():
     async def scenario(ctx):
-        with EventPublisher() as pub:
-            ledger, source, index = Ledger(pub), EventSource(3), OpLog()
-            options = dataclasses.replace(TEST_OPTIONS, idle_check=0.3)
-            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=options)
-            async with Running(sub):
-                await wait_until(lambda: sub.status.state == "live", "first connection")
-                for _ in range(3):
-                    ledger.publish(source.batch())
-                pub.drop_live([3, 4])
+        options = dataclasses.replace(TEST_OPTIONS, idle_check=0.3)
+        async with subscribed(ctx, 3, options=options) as (pub, ledger, source, index, sub):
+            for _ in range(3):
                 ledger.publish(source.batch())
-                ledger.publish(source.batch())  # the last two never arrive live
-                await synced(sub, index, ledger, "tail recovered")
-                assert sub.status.gaps == 0  # no later batch revealed them: the idle check did
+            pub.drop_live([3, 4])
+            ledger.publish(source.batch())
+            ledger.publish(source.batch())  # the last two never arrive live
+            await synced(sub, index, ledger, "tail recovered")
+            assert sub.status.gaps == 0  # no later batch revealed them: the idle check did
     run(scenario)
 
 
 def test_duplicates_after_a_replay_under_load_are_skipped_not_taken_for_a_restart():
     async def scenario(ctx):
-        with EventPublisher() as pub:
-            ledger, source, index = Ledger(pub), EventSource(4), OpLog()
-            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=TEST_OPTIONS)
-            async with Running(sub):
-                await wait_until(lambda: sub.status.state == "live", "first connection")
-                rng = random.Random(4)
-                # Drops scattered through a fast stream: each replay overlaps live batches
-                # still queued behind it.
-                pub.drop_live(s for s in range(5, 1500) if rng.random() < 0.03)
-                for _ in range(1500):
-                    ledger.publish(source.batch(2))
-                await synced(sub, index, ledger, "state after load")
-                await barrier(sub, index, ledger, source)
-                status = sub.status
-                assert status.restarts == 0 and status.degraded_count == 0
-                assert status.gaps >= 1 and status.duplicates >= 1
-                assert status.batches == 1501
+        async with subscribed(ctx, 4) as (pub, ledger, source, index, sub):
+            rng = random.Random(4)
+            # Drops scattered through a fast stream: each replay overlaps live batches
+            # still queued behind it.
+            pub.drop_live(s for s in range(5, 1500) if rng.random() < 0.03)
+            for _ in range(1500):
+                ledger.publish(source.batch(2))
+            await synced(sub, index, ledger, "state after load")
+            await barrier(sub, index, ledger, source)
+            status = sub.status
+            assert status.restarts == 0 and status.degraded_count == 0
+            assert status.gaps >= 1 and status.duplicates >= 1
+            assert status.batches == 1501
     run(scenario)
 
 
 def test_holes_inside_a_replay_are_asked_for_again():
     async def scenario(ctx):
-        with EventPublisher(replay_format="old") as pub:
-            ledger, source, index = Ledger(pub), EventSource(5), OpLog()
-            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=TEST_OPTIONS)
-            async with Running(sub):
-                await wait_until(lambda: sub.status.state == "live", "first connection")
+        async with subscribed(ctx, 5, replay_format="old") as (pub, ledger, source, index, sub):
+            ledger.publish(source.batch())
+            await synced(sub, index, ledger, "seq 0")
+            pub.drop_live([1, 2, 3, 4])
+            pub.drop_from_next_replay([3])
+            for _ in range(6):
                 ledger.publish(source.batch())
-                await synced(sub, index, ledger, "seq 0")
-                pub.drop_live([1, 2, 3, 4])
-                pub.drop_from_next_replay([3])
-                for _ in range(6):
-                    ledger.publish(source.batch())
-                await synced(sub, index, ledger, "state after hole")
-                assert sub.status.replays >= 3  # connect, the gap, the hole
-                assert sub.status.degraded_count == 0
+            await synced(sub, index, ledger, "state after hole")
+            assert sub.status.replays >= 3  # connect, the gap, the hole
+            assert sub.status.degraded_count == 0
     run(scenario)
 
 
 def test_buffer_overflow_degrades_then_rebuilds_a_correct_index():
     async def scenario(ctx):
-        with EventPublisher(buffer_steps=5) as pub:
-            ledger, source, index = Ledger(pub), EventSource(6), OpLog()
-            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=TEST_OPTIONS)
-            async with Running(sub):
-                await wait_until(lambda: sub.status.state == "live", "first connection")
+        async with subscribed(ctx, 6, buffer_steps=5) as (pub, ledger, source, index, sub):
+            ledger.publish(source.batch())
+            await synced(sub, index, ledger, "seq 0")
+            pub.drop_live(range(1, 12))  # more than the buffer holds
+            for _ in range(13):
                 ledger.publish(source.batch())
-                await synced(sub, index, ledger, "seq 0")
-                pub.drop_live(range(1, 12))  # more than the buffer holds
-                for _ in range(13):
-                    ledger.publish(source.batch())
-                pub.flush()
-                kept = pub.buffered_seqs()
-                assert kept == list(range(9, 14))
-                # What can be known: exactly the batches still buffered, nothing stale.
-                await wait_until(lambda: sub.status.last_seq == 13, "rebuilt from the buffer",
-                                 detail=lambda: sub.status)
-                assert index.log(sub.worker) == ledger.truth(sub.worker, kept)
-                assert sub.status.state == "degraded" and sub.status.degraded_count == 1
-                # A cache reset makes the state exact again: back to live, equal to the truth.
-                ledger.publish([AllBlocksCleared(), *source.batch()])
-                await synced(sub, index, ledger, "state after reset")
-                assert sub.status.state == "live"
+            pub.flush()
+            kept = pub.buffered_seqs()
+            assert kept == list(range(9, 14))
+            # What can be known: exactly the batches still buffered, nothing stale.
+            await wait_until(lambda: sub.status.last_seq == 13, "rebuilt from the buffer",
+                             detail=lambda: sub.status)
+            assert index.log(sub.worker) == ledger.truth(sub.worker, kept)
+            assert sub.status.state == "degraded" and sub.status.degraded_count == 1
+            # A cache reset makes the state exact again: back to live, equal to the truth.
+            ledger.publish([AllBlocksCleared(), *source.batch()])
+            await synced(sub, index, ledger, "state after reset")
+            assert sub.status.state == "live"
     run(scenario)
 
 
 def test_publisher_restart_clears_the_worker_and_replays_from_zero():
     async def scenario(ctx):
-        with EventPublisher() as pub:
-            ledger, source, index = Ledger(pub), EventSource(7), OpLog()
-            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=TEST_OPTIONS)
-            async with Running(sub):
-                for _ in range(8):
-                    ledger.publish(source.batch())
-                await synced(sub, index, ledger, "before restart")
-                before = index.log(sub.worker)
-                ledger.restart()
-                fresh = EventSource(70)
-                for _ in range(3):
-                    ledger.publish(fresh.batch())
-                await synced(sub, index, ledger, "after restart")
-                assert sub.status.restarts == 1
-                assert not set(before) & set(index.log(sub.worker))  # nothing stale kept
+        async with subscribed(ctx, 7, wait_live=False) as (pub, ledger, source, index, sub):
+            for _ in range(8):
+                ledger.publish(source.batch())
+            await synced(sub, index, ledger, "before restart")
+            before = index.log(sub.worker)
+            ledger.restart()
+            fresh = EventSource(70)
+            for _ in range(3):
+                ledger.publish(fresh.batch())
+            await synced(sub, index, ledger, "after restart")
+            assert sub.status.restarts == 1
+            assert not set(before) & set(index.log(sub.worker))  # nothing stale kept
     run(scenario)
 
 
@@ -231,25 +237,21 @@ def test_malformed_payloads_are_counted_and_skipped_while_the_subscriber_carries
     ]
 
     async def scenario(ctx):
-        with EventPublisher() as pub:
-            ledger, source, index = Ledger(pub), EventSource(8), OpLog()
-            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=TEST_OPTIONS)
-            async with Running(sub):
-                await wait_until(lambda: sub.status.state == "live", "first connection")
+        async with subscribed(ctx, 8) as (pub, ledger, source, index, sub):
+            ledger.publish(source.batch())
+            for payload in garbage:
+                ledger.publish_raw(payload)
                 ledger.publish(source.batch())
-                for payload in garbage:
-                    ledger.publish_raw(payload)
-                    ledger.publish(source.batch())
-                seq = ledger.publish_raw(good_and_bad_events)
-                ledger.sent[seq] = [  # the two well-formed events are what must apply
-                    BlockStored(block_hashes=[11], token_ids=[1, 2, 3, 4], block_size=4),
-                    BlockRemoved(block_hashes=[11])]
-                ledger.publish(source.batch())
-                await synced(sub, index, ledger, "state after garbage")
-                assert sub.status.malformed == len(garbage) + 2
-                assert sub.status.unknown == 1
-                assert sub.status.gaps == 0 and sub.status.restarts == 0
-                assert sub.status.state == "live"
+            seq = ledger.publish_raw(good_and_bad_events)
+            ledger.sent[seq] = [  # the two well-formed events are what must apply
+                BlockStored(block_hashes=[11], token_ids=[1, 2, 3, 4], block_size=4),
+                BlockRemoved(block_hashes=[11])]
+            ledger.publish(source.batch())
+            await synced(sub, index, ledger, "state after garbage")
+            assert sub.status.malformed == len(garbage) + 2
+            assert sub.status.unknown == 1
+            assert sub.status.gaps == 0 and sub.status.restarts == 0
+            assert sub.status.state == "live"
     run(scenario)
 
 
@@ -461,23 +463,19 @@ def test_applying_yields_to_the_event_loop_between_chunks_of_events(shape):
 
 def test_counters_are_kept_once_in_the_status():
     async def scenario(ctx):
-        with EventPublisher() as pub:
-            ledger, source, index = Ledger(pub), EventSource(17), OpLog()
-            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=TEST_OPTIONS)
-            async with Running(sub):
-                await wait_until(lambda: sub.status.state == "live", "connection")
-                ledger.publish(source.batch())
-                pub.drop_live([1])
-                ledger.publish(source.batch())
-                ledger.publish(source.batch())
-                await synced(sub, index, ledger, "synced")
-            status = sub.status
-            sent = [events for events in ledger.sent.values() if events is not None]
-            # The dropped batch arrived by replay: applied once, counted once.
-            assert status.batches == len(sent) == 3 and status.gaps == 1
-            assert status.events == sum(len(events) for events in sent)
-            assert status.replays >= 2  # the first connection's and the gap's
-            assert all(getattr(status, field) >= 0 for field in COUNTERS)
+        async with subscribed(ctx, 17) as (pub, ledger, source, index, sub):
+            ledger.publish(source.batch())
+            pub.drop_live([1])
+            ledger.publish(source.batch())
+            ledger.publish(source.batch())
+            await synced(sub, index, ledger, "synced")
+        status = sub.status
+        sent = [events for events in ledger.sent.values() if events is not None]
+        # The dropped batch arrived by replay: applied once, counted once.
+        assert status.batches == len(sent) == 3 and status.gaps == 1
+        assert status.events == sum(len(events) for events in sent)
+        assert status.replays >= 2  # the first connection's and the gap's
+        assert all(getattr(status, field) >= 0 for field in COUNTERS)
     run(scenario)
 
 
@@ -494,19 +492,15 @@ def test_an_index_failure_clears_the_worker_and_the_subscription_goes_on():
             super().apply_stored(worker, block_hashes, *args, **kwargs)
 
     async def scenario(ctx):
-        with EventPublisher() as pub:
-            ledger, source, index = Ledger(pub), EventSource(18), FailingOnce()
-            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=TEST_OPTIONS)
-            async with Running(sub):
-                await wait_until(lambda: sub.status.state == "live", "connection")
-                ledger.publish(source.batch())
-                bad = ledger.publish([BlockStored(block_hashes=[666], token_ids=[1, 2],
-                                                  block_size=2)])
-                after = [ledger.publish(source.batch()) for _ in range(3)]
-                await wait_until(lambda: sub.status.last_seq == after[-1], "after the failure")
-                assert index.failed and sub.status.state == "degraded"
-                assert "internal error applying seq" in (sub.status.last_error or "")
-                # What came before the failure is gone; what came after is all there.
-                assert index.log(sub.worker) == ledger.truth(sub.worker, after)
-                assert sub.status.gaps == 0 and bad + 1 == after[0]
+        async with subscribed(ctx, 18, index=FailingOnce()) as (pub, ledger, source, index, sub):
+            ledger.publish(source.batch())
+            bad = ledger.publish([BlockStored(block_hashes=[666], token_ids=[1, 2],
+                                              block_size=2)])
+            after = [ledger.publish(source.batch()) for _ in range(3)]
+            await wait_until(lambda: sub.status.last_seq == after[-1], "after the failure")
+            assert index.failed and sub.status.state == "degraded"
+            assert "internal error applying seq" in (sub.status.last_error or "")
+            # What came before the failure is gone; what came after is all there.
+            assert index.log(sub.worker) == ledger.truth(sub.worker, after)
+            assert sub.status.gaps == 0 and bad + 1 == after[0]
     run(scenario)
