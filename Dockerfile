@@ -29,5 +29,7 @@ HEALTHCHECK --interval=15s --timeout=3s --start-period=10s --retries=3 \
 
 # Inside a container 127.0.0.1 is reachable only from the container itself, so
 # the service must bind every interface for the port mapping or the Kubernetes
-# Service to reach it. Outside containers kvroute defaults to loopback.
+# Service to reach it. Outside containers kvroute defaults to loopback. On every
+# interface it starts only with KVROUTE_API_TOKEN / KVROUTE_ADMIN_TOKEN set, or with
+# KVROUTE_ALLOW_UNAUTHENTICATED=true on a trusted network.
 CMD ["kvroute", "serve", "--host", "0.0.0.0", "--port", "8080"]

@@ -13,11 +13,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvroute.app.auth import admin_guard, api_guard
 from kvroute.app.config import ConfigError, Settings, parse_instance
 from kvroute.app.discovery import DiscoveryError
 from kvroute.app.errors import (
@@ -28,6 +29,8 @@ from kvroute.app.errors import (
     NotFound,
     RequestError,
     TooLarge,
+    Unauthorized,
+    UnsupportedMediaType,
     UpstreamFailed,
 )
 from kvroute.app.json_body import decode_json
@@ -44,9 +47,11 @@ log = logging.getLogger("kvroute.api")
 # The one place a refusal becomes an HTTP status.
 STATUS_OF: dict[type[RequestError], int] = {
     MalformedRequest: 400,
+    Unauthorized: 401,
     NotFound: 404,
     AlreadyExists: 409,
     TooLarge: 413,
+    UnsupportedMediaType: 415,
     InvalidRequest: 422,
     UpstreamFailed: 502,
     NoEligibleWorker: 503,
@@ -76,8 +81,13 @@ def create_app(settings: Settings) -> FastAPI:
                 await proxy.close()
             await service.close()
 
+    docs = settings.docs
     app = FastAPI(title="kvroute", version="0.1.0", lifespan=lifespan,
-                  summary="KV-cache-aware routing index for vLLM fleets")
+                  summary="KV-cache-aware routing index for vLLM fleets",
+                  openapi_url="/openapi.json" if docs else None,
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None)
+    api = [Depends(api_guard(settings))]
+    admin = [Depends(admin_guard(settings))]
 
     @app.exception_handler(RequestError)
     async def _refused(request: Request, exc: RequestError) -> JSONResponse:
@@ -85,7 +95,8 @@ def create_app(settings: Settings) -> FastAPI:
         if request.url.path == "/v1/route":
             request.app.state.service.metrics.route_errors.labels(str(status)).inc()
         return JSONResponse({"error": exc.message, "field": exc.field, **exc.extra},
-                            status_code=status)
+                            status_code=status,
+                            headers={"www-authenticate": "Bearer"} if status == 401 else None)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -108,7 +119,8 @@ def create_app(settings: Settings) -> FastAPI:
     def service_of(request: Request) -> Service:
         return request.app.state.service
 
-    @app.post("/v1/route", summary="The worker with the longest cached prefix of a prompt")
+    @app.post("/v1/route", summary="The worker with the longest cached prefix of a prompt",
+              dependencies=api)
     async def route(request: Request) -> Response:
         service = service_of(request)
         started = time.perf_counter()
@@ -116,29 +128,12 @@ def create_app(settings: Settings) -> FastAPI:
         service.metrics.route_latency.labels(kind).observe(time.perf_counter() - started)
         return _json(answer)
 
-    @app.get("/v1/instances")
+    @app.get("/v1/instances", dependencies=api)
     async def list_instances(request: Request) -> Response:
         service = service_of(request)
         return _json({"instances": [service.instance_json(i) for i in service.registry]})
 
-    @app.post("/v1/instances", status_code=201)
-    async def add_instance(request: Request) -> Response:
-        service = service_of(request)
-        body = await read_body(request, 64 * 1024)
-        raw = decode_json(body)
-        try:
-            config = parse_instance(raw, "body")
-        except ConfigError as exc:
-            raise InvalidRequest(str(exc), exc.field) from None
-        try:
-            instance = await service.registry.add(config)
-        except DuplicateInstance as exc:
-            raise AlreadyExists(f"instance {exc} is already registered", "id") from None
-        except DiscoveryError as exc:
-            raise UpstreamFailed(f"discovery failed: {exc}", "url") from None
-        return _json(service.instance_json(instance, detail=True), status=201)
-
-    @app.get("/v1/instances/{instance_id}")
+    @app.get("/v1/instances/{instance_id}", dependencies=api)
     async def get_instance(instance_id: str, request: Request) -> Response:
         service = service_of(request)
         try:
@@ -146,17 +141,36 @@ def create_app(settings: Settings) -> FastAPI:
         except UnknownInstance:
             raise NotFound(f"unknown instance {instance_id!r}", "instance_id") from None
 
-    @app.delete("/v1/instances/{instance_id}")
-    async def delete_instance(instance_id: str, request: Request) -> Response:
-        service = service_of(request)
-        try:
-            instance = await service.registry.remove(instance_id)
-        except UnknownInstance:
-            raise NotFound(f"unknown instance {instance_id!r}", "instance_id") from None
-        return _json({"deleted": instance.id})
+    # Off: the instances are the configured ones; POST and DELETE answer 405.
+    if settings.manage_instances:
+        @app.post("/v1/instances", status_code=201, dependencies=admin)
+        async def add_instance(request: Request) -> Response:
+            service = service_of(request)
+            body = await read_body(request, 64 * 1024)
+            raw = decode_json(body)
+            try:
+                config = parse_instance(raw, "body")
+            except ConfigError as exc:
+                raise InvalidRequest(str(exc), exc.field) from None
+            try:
+                instance = await service.registry.add(config)
+            except DuplicateInstance as exc:
+                raise AlreadyExists(f"instance {exc} is already registered", "id") from None
+            except DiscoveryError as exc:
+                raise UpstreamFailed(f"discovery failed: {exc}", "url") from None
+            return _json(service.instance_json(instance, detail=True), status=201)
+
+        @app.delete("/v1/instances/{instance_id}", dependencies=admin)
+        async def delete_instance(instance_id: str, request: Request) -> Response:
+            service = service_of(request)
+            try:
+                instance = await service.registry.remove(instance_id)
+            except UnknownInstance:
+                raise NotFound(f"unknown instance {instance_id!r}", "instance_id") from None
+            return _json({"deleted": instance.id})
 
     if settings.proxy:
-        app.include_router(proxy_router())
+        app.include_router(proxy_router(), dependencies=api)
 
     @app.get("/healthz")
     async def healthz() -> Response:

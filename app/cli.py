@@ -27,6 +27,10 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--proxy", action="store_true", default=None,
                        help="also serve OpenAI-compatible /v1/completions, "
                             "/v1/chat/completions and /v1/models, forwarded to the chosen worker")
+    serve.add_argument("--allow-unauthenticated", action="store_true", default=None,
+                       help="serve without api_token/admin_token on a non-loopback address "
+                            "(a trusted network only; tokens come from the config file or "
+                            "KVROUTE_API_TOKEN / KVROUTE_ADMIN_TOKEN, never from flags)")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -34,6 +38,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     flags = {"host": args.host, "port": args.port, "tokenizer": args.tokenizer,
              "log_level": args.log_level, "proxy": args.proxy,
+             "allow_unauthenticated": args.allow_unauthenticated,
              "instances": [{"url": url} for url in args.instance] or None}
     settings = load_settings(args.config, flags=flags)
     # log_level governs kvroute's own loggers too (debug: every proxy decision's scores).

@@ -26,6 +26,7 @@ File format (TOML)::
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import re
@@ -101,10 +102,7 @@ class InstanceConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError("id: must not contain '/'")
 
     def __repr__(self) -> str:
-        # api_key is a secret: never in logs or error messages.
-        return (f"InstanceConfig(url={self.url!r}, id={self.id!r}, model={self.model!r}, "
-                f"events={self.events!r}, replay={self.replay!r}, topic={self.topic!r}, "
-                f"block_size={self.block_size!r})")
+        return _repr_without(self, _SECRETS)
 
 
 class Settings(msgspec.Struct, forbid_unknown_fields=True):
@@ -124,6 +122,9 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
     log_level: LogLevel = "info"
     # Also serve OpenAI-compatible endpoints that forward each request to the chosen worker.
     proxy: bool = False
+    # The proxy sends the instance's own `api_key` instead of the client's Authorization
+    # (always so when api_token is set: the client's header then holds kvroute's token).
+    proxy_instance_key: bool = False
     # Routing cost weights, in prefill tokens; their defaults are app.routing.CostWeights'.
     cost_miss_token: NonNegative = _COSTS.miss_token
     cost_cpu_hit_token: NonNegative = _COSTS.cpu_hit_token
@@ -137,16 +138,46 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
     # Seconds a routing answer counts as "the chosen worker will hold this prompt" before
     # its events confirm it; 0 turns placement guesses off.
     placement_ttl: NonNegative = 2.0
+    # Bearer tokens (app.auth): api_token for routing, the proxy and the instance list;
+    # admin_token for registering and removing instances (api_token when not set).
+    api_token: Text | None = None
+    admin_token: Text | None = None
+    # Serve without tokens on an address other than loopback (a trusted network only).
+    allow_unauthenticated: bool = False
+    # POST/DELETE /v1/instances; false: the instances are the configured ones, fixed.
+    manage_instances: bool = True
+    # Serve /docs and /openapi.json.
+    docs: bool = False
 
     def __post_init__(self) -> None:
         for name in _FLOAT_SETTINGS:
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name}: must be a finite number")
 
+    def __repr__(self) -> str:
+        return _repr_without(self, _SECRETS)
 
+
+# Secrets never appear in a repr, so never in logs or error messages.
+_SECRETS = frozenset({"api_key", "api_token", "admin_token"})
 _FLOAT_SETTINGS = tuple(f.name for f in msgspec.structs.fields(Settings) if f.type is NonNegative)
 _BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
                "0": False, "false": False, "no": False, "off": False}
+
+
+def _repr_without(struct: msgspec.Struct, secrets: frozenset[str]) -> str:
+    shown = ", ".join(f"{name}={'<hidden>' if name in secrets and value else repr(value)}"
+                      for name, value in msgspec.structs.asdict(struct).items())
+    return f"{type(struct).__name__}({shown})"
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _origin(url: str) -> str:
@@ -286,6 +317,12 @@ def load_settings(
         merged.update((name, getattr(checked, name)) for name in values if name != "instances")
         instances.extend(checked.instances)
     settings = Settings(**merged, instances=tuple(instances))
+    if not (_is_loopback(settings.host) or settings.api_token or settings.admin_token
+            or settings.allow_unauthenticated):
+        raise ConfigError(f"host {settings.host} is reachable from other machines and no "
+                          "api_token/admin_token is set: set KVROUTE_API_TOKEN and "
+                          "KVROUTE_ADMIN_TOKEN, or pass --allow-unauthenticated on a trusted "
+                          "network", "host")
     ids = [default_instance_id(instance) for instance in settings.instances]
     repeated = sorted({i for i in ids if ids.count(i) > 1})
     if repeated:

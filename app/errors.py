@@ -12,7 +12,7 @@ from typing import Any
 
 __all__ = [
     "AlreadyExists", "InvalidRequest", "MalformedRequest", "NoEligibleWorker", "NotFound",
-    "RequestError", "TooLarge", "UpstreamFailed",
+    "RequestError", "TooLarge", "Unauthorized", "UnsupportedMediaType", "UpstreamFailed",
 ]
 
 
@@ -31,6 +31,16 @@ class RequestError(Exception):
 class MalformedRequest(RequestError):
     """The body is not the request the endpoint reads: not JSON, not an object, or an
     OpenAI field of the wrong type; or the prompt cannot be tokenized."""
+
+
+class Unauthorized(RequestError):
+    """The endpoint is guarded by a token and the request's bearer token is missing or
+    another."""
+
+
+class UnsupportedMediaType(RequestError):
+    """A body that is not declared as JSON: refusing it keeps browsers' simple cross-site
+    requests (text/plain, forms) from reaching anything that changes state."""
 
 
 class InvalidRequest(RequestError):

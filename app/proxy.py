@@ -67,6 +67,8 @@ _NOT_FORWARDED = _HOP_BY_HOP | {"host", "content-length", "accept-encoding", "ex
                                 "x-data-parallel-rank"}
 # uvicorn adds its own `date` and `server`; relaying the upstream's would duplicate them.
 _NOT_RELAYED = _HOP_BY_HOP | {"date", "server"}
+# Rewritten with this hop appended.
+_FORWARDING = frozenset({"x-forwarded-for", "forwarded"})
 _ENDPOINTS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
 
 
@@ -116,11 +118,24 @@ def _openai_path(message: str) -> str | None:
     return rest.rstrip("`") if found else None
 
 
-def _forwarded_headers(request: Request, dp_rank: int) -> list[tuple[str, str]]:
-    headers = [(name, value) for name, value in request.headers.items()
-               if name not in _NOT_FORWARDED]
+def _forwarded_headers(request: Request, worker: Worker,
+                       instance_key: bool) -> list[tuple[str, str]]:
+    """The client's headers for the instance. Hop-by-hop ones (and those the client's
+    `Connection` names) stay here; with `instance_key` so does the client's
+    `Authorization`, and the instance's own `api_key` (if it has one) is sent instead."""
+    named = {name.strip().lower() for name in request.headers.get("connection", "").split(",")}
+    api_key = worker.instance.config.api_key if instance_key else None
+    skip = _NOT_FORWARDED | named | _FORWARDING | ({"authorization"} if instance_key else set())
+    headers = [(name, value) for name, value in request.headers.items() if name not in skip]
     headers.append(("accept-encoding", request.headers.get("accept-encoding", "identity")))
-    headers.append(("x-data-parallel-rank", str(dp_rank)))
+    headers.append(("x-data-parallel-rank", str(worker.endpoint.dp_rank)))
+    if api_key:
+        headers.append(("authorization", f"Bearer {api_key}"))
+    client = request.client.host if request.client else "unknown"
+    node = f'"[{client}]"' if ":" in client else client
+    for name, hop in (("x-forwarded-for", client), ("forwarded", f"for={node}")):
+        earlier = ", ".join(request.headers.getlist(name))
+        headers.append((name, f"{earlier}, {hop}" if earlier else hop))
     return headers
 
 
@@ -168,6 +183,9 @@ class Proxy:
 
     def __init__(self, service: Service) -> None:
         self.service = service
+        settings = service.settings
+        # With kvroute's own token the client's Authorization is that token, not vLLM's.
+        self.instance_key = settings.proxy_instance_key or settings.api_token is not None
         # No pool cap: each relayed request holds one connection for its whole response,
         # and a cap would queue clients in kvroute instead of in vLLM's scheduler.
         self.client = httpx.AsyncClient(
@@ -227,7 +245,7 @@ class Proxy:
         url = f"{worker.instance.url}{path}"
         upstream_request = self.client.build_request(
             "POST", url, content=body, params=request.url.query or None,
-            headers=_forwarded_headers(request, worker.endpoint.dp_rank))
+            headers=_forwarded_headers(request, worker, self.instance_key))
         ticket = self.service.inflight.open(worker.key, uncached_tokens)
         relayed = False
         try:

@@ -180,14 +180,21 @@ def test_size_limits(cluster: SimCluster, client: httpx.Client):
     register(client, cluster.urls[0])
     too_many = route(client, token_ids=list(range(4097)))
     assert too_many.status_code == 413 and too_many.json()["field"] == "token_ids"
-    huge = client.post("/v1/route", content=b"[" + b"1," * 200_000 + b"1]")
+    huge = client.post("/v1/route", content=b"[" + b"1," * 200_000 + b"1]",
+                       headers={"content-type": "application/json"})
     assert huge.status_code == 413
 
 
 def test_instance_api_errors(cluster: SimCluster, client: httpx.Client, dead_url: str):
     assert client.post("/v1/instances", json={"url": "ftp://x"}).json()["field"] == "url"
     assert client.post("/v1/instances", json={}).status_code == 422
-    assert client.post("/v1/instances", content=b"nope").status_code == 400
+    assert client.post("/v1/instances", content=b"nope",
+                       headers={"content-type": "application/json"}).status_code == 400
+    # A form or text/plain body is what a browser may send cross-site without asking.
+    for media_type in ("text/plain", "application/x-www-form-urlencoded", None):
+        plain = client.post("/v1/instances", content=b'{"url": "http://127.0.0.1:1"}',
+                            headers={"content-type": media_type} if media_type else {})
+        assert plain.status_code == 415 and plain.json()["field"] == "content-type"
     dead = client.post("/v1/instances", json={"url": dead_url})
     assert dead.status_code == 502 and dead.json()["field"] == "url"
     register(client, cluster.urls[0])

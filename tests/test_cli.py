@@ -37,6 +37,14 @@ def test_bad_configuration_is_one_clear_line(tmp_path):
     assert result.returncode == 2 and "instances[0].url" in result.stderr
 
 
+def test_an_exposed_address_without_a_token_does_not_start():
+    # The check runs before anything binds, so no port is ever opened here.
+    result = run("serve", "--host", "0.0.0.0", "--port", "0",
+                 env={"KVROUTE_API_TOKEN": "", "KVROUTE_ADMIN_TOKEN": ""})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--allow-unauthenticated" in result.stderr and "0.0.0.0" in result.stderr
+
+
 class Lines:
     """Collects a child's stream line by line on a thread, so a test can wait for one."""
 

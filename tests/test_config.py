@@ -27,7 +27,8 @@ def test_port_zero_asks_the_os_for_a_free_port():
 
 def test_file_env_and_flags_layer_in_order(tmp_path):
     path = write(tmp_path, 'port = 9000\nhost = "0.0.0.0"\n[[instances]]\nurl = "http://a:8000"\n')
-    env = {"KVROUTE_PORT": "9100", "KVROUTE_INSTANCES": "http://b:8000, http://c:8001"}
+    env = {"KVROUTE_PORT": "9100", "KVROUTE_INSTANCES": "http://b:8000, http://c:8001",
+           "KVROUTE_API_TOKEN": "t"}
     settings = load_settings(path, environ=env, flags={"port": 9200, "host": None})
     assert settings.port == 9200  # flag beats env beats file
     assert settings.host == "0.0.0.0"  # a flag left unset does not override
@@ -130,3 +131,25 @@ def test_environment_words_for_booleans_and_levels():
                                       "KVROUTE_PLACEMENT_TTL": "0.5"})
     assert settings.proxy is True and settings.log_level == "debug"
     assert settings.placement_ttl == 0.5
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "kvroute.example"])
+def test_an_exposed_address_needs_a_token_or_an_explicit_waiver(host):
+    with pytest.raises(ConfigError, match="--allow-unauthenticated") as info:
+        load_settings(environ={"KVROUTE_HOST": host})
+    assert info.value.field == "host"
+    for extra in ({"KVROUTE_API_TOKEN": "t"}, {"KVROUTE_ADMIN_TOKEN": "t"},
+                  {"KVROUTE_ALLOW_UNAUTHENTICATED": "true"}):
+        assert load_settings(environ={"KVROUTE_HOST": host, **extra}).host == host
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
+def test_loopback_needs_no_token(host):
+    assert load_settings(environ={"KVROUTE_HOST": host}).host == host
+
+
+def test_tokens_are_read_but_never_shown():
+    settings = load_settings(environ={"KVROUTE_API_TOKEN": "route-secret",
+                                      "KVROUTE_ADMIN_TOKEN": "admin-secret"})
+    assert (settings.api_token, settings.admin_token) == ("route-secret", "admin-secret")
+    assert "secret" not in repr(settings)

@@ -131,3 +131,15 @@ def test_service_monitor_is_optional_and_scrapes_metrics() -> None:
     monitor = template_text("servicemonitor.yaml")
     assert monitor.lstrip().startswith("{{- if .Values.serviceMonitor.enabled }}")
     assert "path: /metrics" in monitor
+
+
+def test_tokens_come_from_a_secret_never_from_the_config_map() -> None:
+    deployment = template_text("deployment.yaml")
+    for variable, key in (("KVROUTE_API_TOKEN", "api-token"),
+                          ("KVROUTE_ADMIN_TOKEN", "admin-token")):
+        entry = deployment.split(f"name: {variable}")[1].split("- name:")[0]
+        assert "secretKeyRef" in entry and f"key: {key}" in entry
+    secret = template_text("secret.yaml")
+    assert "kind: Secret" in secret and "api-token:" in secret and "admin-token:" in secret
+    assert "Token" not in template_text("configmap.yaml")
+    assert load_values()["auth"]["allowUnauthenticated"] is False
