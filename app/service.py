@@ -178,7 +178,9 @@ class Service:
             for instance in self.registry
             if (wanted is None or instance.id in wanted) and instance.serves(request.model)
             for worker in instance.workers
-            if worker.state != WorkerState.DOWN
+            # A worker still connecting or replaying may hold anything (and a registration
+            # that never goes live, say a fake one, must never take traffic).
+            if worker.state.serving
         ]
 
     def _check_sizes(self, request: RouteRequest) -> None:
@@ -205,10 +207,9 @@ class Service:
         if self.tokenizer is None:
             raise InvalidRequest(f"`{field}` needs a tokenizer; none is configured "
                                  "(set `tokenizer`), or send token_ids", field)
-        # Live instances first; an instance whose HTTP server fails (502) hands over to the
-        # next, so one dead server does not fail text routing while others could answer.
-        ranked = sorted(eligible, key=lambda w: not w.state.serving)
-        urls = list(dict.fromkeys(w.instance.url for w in ranked if w.instance.url))
+        # An instance whose HTTP server fails (502) hands over to the next, so one dead
+        # server does not fail text routing while others could answer.
+        urls = list(dict.fromkeys(w.instance.url for w in eligible if w.instance.url))
         messages = [msgspec.to_builtins(m) for m in request.messages or ()]
         for attempt, url in enumerate(urls[:TOKENIZE_ATTEMPTS] or [None]):
             try:

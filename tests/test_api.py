@@ -480,3 +480,24 @@ def test_an_idle_instances_leftover_gauges_do_not_count_as_load(cluster: SimClus
                 'vllm:num_requests_running{engine="0",model_name="sim-model"} 1.0') == 1
     finally:
         server.stop()
+
+
+def test_a_worker_that_is_not_live_is_never_chosen(cluster: SimCluster, client: httpx.Client):
+    """A registration whose event stream never connects (a fake one, or an engine that is
+    not up yet) holds nothing kvroute knows of and must not take traffic."""
+    from tests.conftest import refusing_ports
+
+    with refusing_ports(1) as (port,):
+        ghost = client.post("/v1/instances", json={
+            "id": "ghost", "events": [f"tcp://127.0.0.1:{port}"], "model": "sim-model",
+            "block_size": BLOCK})
+        assert ghost.status_code == 201, ghost.text
+        assert client.get("/v1/instances/ghost").json()["state"] != "live"
+        alone = route(client, token_ids=list(range(64)), candidates=["ghost"])
+        assert alone.status_code == 503 and "no live worker" in alone.json()["error"]
+        live = register(client, cluster.urls[0])["id"]
+        for seed in range(20):
+            answer = route(client, token_ids=unique_tokens(seed, 64))
+            assert answer.status_code == 200 and answer.json()["instance"] == live
+            assert "ghost" not in {s["instance"] for s in answer.json()["scores"]}
+        assert client.get("/v1/instances/ghost").json()["state"] != "live"
