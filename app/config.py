@@ -52,7 +52,7 @@ ENV_PREFIX = "KVROUTE_"
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]  # 0: the OS picks a free port
 Positive = Annotated[int, msgspec.Meta(gt=0)]
 NonNegative = Annotated[float, msgspec.Meta(ge=0)]  # and finite: see _check_finite
-Text = Annotated[str, msgspec.Meta(min_length=1)]
+Text = Annotated[str, msgspec.Meta(pattern=r"\S")]  # not empty, not only spaces
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 
 
@@ -220,6 +220,7 @@ def _explain(exc: msgspec.ValidationError, where: str, given: Any) -> ConfigErro
     if unknown:
         path = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
         message = "unknown setting; known: " + ", ".join(_known(path))
+    message = message.replace("`str` matching regex '\\\\S'", "a non-blank string")
     if message.startswith("Invalid enum value"):  # log_level, the one Literal setting
         message += "; one of " + ", ".join(get_args(LogLevel))
     message = message[:1].lower() + message[1:]

@@ -153,3 +153,8 @@ def test_tokens_are_read_but_never_shown():
                                       "KVROUTE_ADMIN_TOKEN": "admin-secret"})
     assert (settings.api_token, settings.admin_token) == ("route-secret", "admin-secret")
     assert "secret" not in repr(settings)
+
+
+def test_blank_names_are_refused():
+    with pytest.raises(ConfigError, match="instances\\[0\\].id: expected a non-blank string"):
+        load_settings(environ={}, flags={"instances": [{"url": "http://a:1", "id": "  "}]})
