@@ -47,7 +47,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvroute.app.errors import MalformedRequest, NoEligibleWorker, NotFound, UpstreamFailed
 from kvroute.app.inflight import Ticket
-from kvroute.app.json_body import decode_json
+from kvroute.app.json_body import decode_json, field_of
 from kvroute.app.registry import Worker
 from kvroute.app.request_body import read_body
 from kvroute.app.service import RouteRequest, Service
@@ -93,7 +93,7 @@ def route_request_of(path: str, body: bytes) -> RouteRequest:
     try:
         return msgspec.convert(question, RouteRequest)
     except msgspec.ValidationError as exc:
-        raise MalformedRequest(str(exc), _openai_path(str(exc))) from None
+        raise MalformedRequest(str(exc), field_of(str(exc))) from None
 
 
 def _prompt_question(prompt: Any) -> dict[str, Any]:
@@ -110,12 +110,6 @@ def _prompt_question(prompt: Any) -> dict[str, Any]:
         if type(token) is not int or not 0 <= token < 2**32:
             raise MalformedRequest("token ids must be integers in [0, 2**32)", f"{where}[{i}]")
     return {"token_ids": prompt}
-
-
-def _openai_path(message: str) -> str | None:
-    """`... - at `$.messages[0].role`` -> `messages[0].role`."""
-    _, found, rest = message.rpartition("at `$.")
-    return rest.rstrip("`") if found else None
 
 
 def _forwarded_headers(request: Request, worker: Worker,
