@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from kvroute.app.json_body import split_validation
 from kvroute.app.routing import CostWeights
 
 _COSTS = CostWeights()  # the one place the cost defaults are written
@@ -208,10 +209,7 @@ def _check_zmq_endpoint(endpoint: str, name: str) -> None:
 def _explain(exc: msgspec.ValidationError, where: str, given: Any) -> ConfigError:
     """msgspec's `Expected ... - at `$.instances[0].url`` as `where: instances[0].url: ...`,
     with the value found there in `given` (what the layer said)."""
-    message, found, path = str(exc).rpartition(" - at `")
-    if not found:
-        message, path = str(exc), ""
-    path = path.rstrip("`").removeprefix("$").removeprefix(".")
+    message, path = split_validation(str(exc))
     named = re.match(r"(\w+): (.*)", message, re.S)  # a __post_init__ check names its field
     if named:
         path = f"{path}.{named.group(1)}" if path else named.group(1)

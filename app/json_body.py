@@ -15,7 +15,7 @@ import msgspec
 
 from kvroute.app.errors import InvalidRequest, MalformedRequest
 
-__all__ = ["decode_json", "field_of"]
+__all__ = ["decode_json", "field_of", "split_validation"]
 
 T = TypeVar("T")
 
@@ -33,10 +33,19 @@ def decode_json(body: bytes, type: type[T] | Any = Any) -> T:
         raise MalformedRequest("body is not valid JSON: nested too deeply") from None
 
 
+def split_validation(message: str) -> tuple[str, str]:
+    """msgspec's `Expected `int` - at `$.token_ids[3]`` as (`Expected `int``,
+    `token_ids[3]`); the path is empty for the document itself."""
+    text, found, path = message.rpartition(" - at `")
+    if not found:
+        return message, ""
+    return text, path.rstrip("`").removeprefix("$").removeprefix(".")
+
+
 def field_of(validation_message: str) -> str | None:
     """`... - at `$.token_ids[3]`` -> `token_ids[3]`; unknown fields name themselves."""
-    found = re.search(r"at `\$\.?(.*)`", validation_message)
-    if found:
-        return found.group(1) or None
-    found = re.search(r"unknown field `([^`]*)`", validation_message)
+    text, path = split_validation(validation_message)
+    if path:
+        return path
+    found = re.search(r"unknown field `([^`]*)`", text)
     return found.group(1) if found else None
