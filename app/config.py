@@ -103,7 +103,7 @@ class InstanceConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError("id: must not contain '/'")
 
     def __repr__(self) -> str:
-        return _repr_without(self, _SECRETS)
+        return _repr_without_secrets(self)
 
 
 class Settings(msgspec.Struct, forbid_unknown_fields=True):
@@ -156,7 +156,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
                 raise ValueError(f"{name}: must be a finite number")
 
     def __repr__(self) -> str:
-        return _repr_without(self, _SECRETS)
+        return _repr_without_secrets(self)
 
 
 # Secrets never appear in a repr, so never in logs or error messages.
@@ -166,8 +166,8 @@ _BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
                "0": False, "false": False, "no": False, "off": False}
 
 
-def _repr_without(struct: msgspec.Struct, secrets: frozenset[str]) -> str:
-    shown = ", ".join(f"{name}={'<hidden>' if name in secrets and value else repr(value)}"
+def _repr_without_secrets(struct: msgspec.Struct) -> str:
+    shown = ", ".join(f"{name}={'<hidden>' if name in _SECRETS and value else repr(value)}"
                       for name, value in msgspec.structs.asdict(struct).items())
     return f"{type(struct).__name__}({shown})"
 

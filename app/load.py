@@ -82,7 +82,7 @@ def parse_load(text: str, read_at: float) -> dict[int, Load]:
             number = float(value)
         except ValueError:
             continue
-        engine = next((text for key, text in _LABEL.findall(labels or "")
+        engine = next((label for key, label in _LABEL.findall(labels or "")
                        if key == "engine"), "0")
         rank = int(engine) if engine.isdigit() else 0
         per_rank = values.setdefault(rank, {})
