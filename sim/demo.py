@@ -24,6 +24,7 @@ from kvroute.sim.cluster import SimCluster
 __all__ = ["run_demo"]
 
 SUMMARY_EVERY = 3.0
+LIVE_WITHIN = 60.0  # seconds: generous, a loaded machine connects subscribers slowly
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
          "november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee "
          "zulu").split()
@@ -80,6 +81,23 @@ def run_demo(*, port: int = 8000, instances: int = 4, duration: float | None = N
             server.stop()
 
 
+def _wait_live(client: httpx.Client, base: str, within: float) -> bool:
+    """Wait until every registered instance is live: kvroute routes only to workers whose
+    subscriber applies the live stream, so routing sooner would be refused (503)."""
+    deadline = time.monotonic() + within
+    while True:
+        states = {i["id"]: i["state"]
+                  for i in client.get(f"{base}/v1/instances").json()["instances"]}
+        if all(state == "live" for state in states.values()):
+            print(f"all {len(states)} instances live")
+            return True
+        if time.monotonic() > deadline:
+            print(f"kvroute demo: instances not live after {within:.0f}s: {states}",
+                  file=sys.stderr)
+            return False
+        time.sleep(0.1)
+
+
 def _play(base: str, urls: list[str], rng: random.Random, duration: float | None,
           requests: int | None) -> int:
     with httpx.Client(timeout=30.0) as client:
@@ -88,6 +106,8 @@ def _play(base: str, urls: list[str], rng: random.Random, duration: float | None
             answer.raise_for_status()
             print(f"registered {url} as {answer.json()['id']} "
                   f"(discovered through {url}/kv_event_sources)")
+        if not _wait_live(client, base, LIVE_WITHIN):
+            return 1
         prompts = _system_prompts(rng, groups=2 * len(urls), words=60)
         example = prompts[0]
         print("\nkvroute is answering on", base)

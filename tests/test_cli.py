@@ -114,6 +114,7 @@ def test_demo_routes_a_workload_and_prints_a_summary(capsys):
     assert run_demo(port=0, instances=2, requests=40, seed=1) == 0
     out = capsys.readouterr().out
     assert out.count("registered http://127.0.0.1:") == 2
+    assert "all 2 instances live" in out
     assert "curl -s http://127.0.0.1:" in out and "/v1/route" in out
     summary = [line for line in out.splitlines() if "prefix-cache hit rate" in line][-1]
     requests = int(summary.split("]")[1].split()[0])
