@@ -23,11 +23,14 @@ from kvroute.app.config import ConfigError, Settings, parse_instance
 from kvroute.app.discovery import DiscoveryError
 from kvroute.app.errors import (
     AlreadyExists,
+    Busy,
     InvalidRequest,
+    LimitReached,
     MalformedRequest,
     NoEligibleWorker,
     NotFound,
     RequestError,
+    TimedOut,
     TooLarge,
     Unauthorized,
     UnsupportedMediaType,
@@ -49,10 +52,13 @@ STATUS_OF: dict[type[RequestError], int] = {
     MalformedRequest: 400,
     Unauthorized: 401,
     NotFound: 404,
+    TimedOut: 408,
     AlreadyExists: 409,
+    LimitReached: 409,
     TooLarge: 413,
     UnsupportedMediaType: 415,
     InvalidRequest: 422,
+    Busy: 429,
     UpstreamFailed: 502,
     NoEligibleWorker: 503,
 }

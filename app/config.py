@@ -52,7 +52,8 @@ ENV_PREFIX = "KVROUTE_"
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]  # 0: the OS picks a free port
 Positive = Annotated[int, msgspec.Meta(gt=0)]
-NonNegative = Annotated[float, msgspec.Meta(ge=0)]  # and finite: see _check_finite
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]  # and finite: see __post_init__
+Seconds = Annotated[float, msgspec.Meta(gt=0)]  # and finite
 Text = Annotated[str, msgspec.Meta(pattern=r"\S")]  # not empty, not only spaces
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 
@@ -149,6 +150,29 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
     manage_instances: bool = True
     # Serve /docs and /openapi.json.
     docs: bool = False
+    # Host header names accepted (a leading "*." matches subdomains). Empty: loopback names
+    # only when bound to a loopback address (no DNS rebinding), any otherwise.
+    allowed_hosts: tuple[Text, ...] = ()
+    # HTTPS: both, or neither (plain HTTP).
+    tls_certfile: Text | None = None
+    tls_keyfile: Text | None = None
+    # Slow clients: seconds to send a request's headers, then its body; an idle keep-alive
+    # connection is closed after keep_alive_timeout.
+    header_timeout: Seconds = 10.0
+    body_timeout: Seconds = 30.0
+    keep_alive_timeout: Seconds = 5.0
+    # Requests served at once; more are refused with 429.
+    max_concurrent_requests: Positive = 512
+    # Registered instances (configured ones included); one more is refused with 409.
+    max_instances: Positive = 4096
+    # Hosts explicit `events`/`replay` endpoints may name besides the instance's own.
+    zmq_endpoint_hosts: tuple[Text, ...] = ()
+    # A hostile or broken publisher: bigger ZMQ messages close the connection; bigger
+    # BlockStored events and stores past a worker's cap are counted and skipped (the
+    # worker turns degraded).
+    max_event_message_bytes: Positive = 16 * 1024 * 1024
+    max_blocks_per_event: Positive = 65_536
+    max_blocks_per_worker: Positive = 4_194_304
 
     def __post_init__(self) -> None:
         for name in _FLOAT_SETTINGS:
@@ -161,7 +185,10 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
 
 # Secrets never appear in a repr, so never in logs or error messages.
 _SECRETS = frozenset({"api_key", "api_token", "admin_token"})
-_FLOAT_SETTINGS = tuple(f.name for f in msgspec.structs.fields(Settings) if f.type is NonNegative)
+_FLOAT_SETTINGS = tuple(f.name for f in msgspec.structs.fields(Settings)
+                        if f.type in (NonNegative, Seconds))
+_LIST_SETTINGS = frozenset(f.name for f in msgspec.structs.fields(Settings)
+                           if f.type == tuple[Text, ...])
 _BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
                "0": False, "false": False, "no": False, "off": False}
 
@@ -282,6 +309,8 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
             continue
         if field.type is bool:
             raw = _BOOL_WORDS.get(raw.strip().lower(), raw)
+        elif field.name in _LIST_SETTINGS:  # comma-separated
+            raw = [item.strip() for item in raw.split(",") if item.strip()]
         elif field.name == "log_level":
             raw = raw.strip().lower()
         values[field.name] = raw
@@ -322,6 +351,12 @@ def load_settings(
                           "api_token/admin_token is set: set KVROUTE_API_TOKEN and "
                           "KVROUTE_ADMIN_TOKEN, or pass --allow-unauthenticated on a trusted "
                           "network", "host")
+    if (settings.tls_certfile is None) != (settings.tls_keyfile is None):
+        raise ConfigError("give both tls_certfile and tls_keyfile (HTTPS), or neither",
+                          "tls_certfile")
+    if len(settings.instances) > settings.max_instances:
+        raise ConfigError(f"{len(settings.instances)} instances configured, more than "
+                          f"max_instances ({settings.max_instances})", "instances")
     ids = [default_instance_id(instance) for instance in settings.instances]
     repeated = sorted({i for i in ids if ids.count(i) > 1})
     if repeated:

@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "AlreadyExists", "InvalidRequest", "MalformedRequest", "NoEligibleWorker", "NotFound",
-    "RequestError", "TooLarge", "Unauthorized", "UnsupportedMediaType", "UpstreamFailed",
+    "AlreadyExists", "Busy", "InvalidRequest", "LimitReached", "MalformedRequest",
+    "NoEligibleWorker", "NotFound", "RequestError", "TimedOut", "TooLarge", "Unauthorized",
+    "UnsupportedMediaType", "UpstreamFailed",
 ]
 
 
@@ -58,6 +59,18 @@ class NotFound(RequestError):
 
 class AlreadyExists(RequestError):
     """Registering an instance under an id already registered."""
+
+
+class LimitReached(RequestError):
+    """Registering one instance more than `max_instances`."""
+
+
+class TimedOut(RequestError):
+    """The client did not send its whole body within `body_timeout`."""
+
+
+class Busy(RequestError):
+    """`max_concurrent_requests` are being served already; the client may retry."""
 
 
 class NoEligibleWorker(RequestError):

@@ -27,7 +27,7 @@ import zmq.asyncio
 
 from kvroute.app.config import InstanceConfig, default_instance_id
 from kvroute.app.discovery import DiscoveryError, WorkerEndpoint, discover
-from kvroute.app.subscriber import Subscriber, WorkerState
+from kvroute.app.subscriber import Subscriber, SubscriberOptions, WorkerState
 from kvroute.index import PrefixIndex
 
 __all__ = ["DuplicateInstance", "Instance", "Registry", "UnknownInstance", "Worker"]
@@ -83,9 +83,11 @@ class Instance:
 
 class Registry:
     def __init__(self, index: PrefixIndex, client: httpx.AsyncClient,
-                 context: zmq.asyncio.Context | None = None) -> None:
+                 context: zmq.asyncio.Context | None = None,
+                 options: SubscriberOptions | None = None) -> None:
         self.index = index
         self._client = client
+        self._options = options or SubscriberOptions()
         self._context = context or zmq.asyncio.Context.instance()
         self._instances: dict[str, Instance] = {}
         self._discovery_tasks: dict[str, asyncio.Task[None]] = {}
@@ -202,7 +204,8 @@ class Registry:
 
     def _start_workers(self, instance: Instance, endpoints: list[WorkerEndpoint]) -> None:
         for endpoint in endpoints:
-            subscriber = Subscriber(endpoint, self.index, ctx=self._context)
+            subscriber = Subscriber(endpoint, self.index, ctx=self._context,
+                                    options=self._options)
             worker = Worker(instance=instance, endpoint=endpoint, subscriber=subscriber)
             worker.task = asyncio.create_task(
                 subscriber.run(), name=f"subscriber {instance.id} rank {endpoint.dp_rank}")

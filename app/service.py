@@ -35,7 +35,7 @@ from kvroute.app.load import LoadMonitor
 from kvroute.app.metrics import ServiceMetrics
 from kvroute.app.registry import Instance, Registry, Worker
 from kvroute.app.routing import CostWeights, Score, TieBreaker, WorkerView, best_of, score_workers
-from kvroute.app.subscriber import WorkerState
+from kvroute.app.subscriber import SubscriberOptions, WorkerState
 from kvroute.app.tokenizer import Tokenizer, make_tokenizer
 from kvroute.index import PrefixIndex
 
@@ -115,7 +115,10 @@ class Service:
         self.settings = settings
         self.index = PrefixIndex()
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
-        self.registry = Registry(self.index, self.client)
+        self.registry = Registry(self.index, self.client, options=SubscriberOptions(
+            max_message_bytes=settings.max_event_message_bytes,
+            max_blocks_per_event=settings.max_blocks_per_event,
+            max_blocks_per_worker=settings.max_blocks_per_worker))
         self.metrics = ServiceMetrics(self.registry)
         self.tokenizer: Tokenizer | None = make_tokenizer(settings.tokenizer, self.client)
         self.ties = TieBreaker()

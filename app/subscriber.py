@@ -160,6 +160,11 @@ class SubscriberOptions:
     idle_check: float = 5.0         # quiet live stream: look for dropped tail batches
     chunk_events: int = 256         # events applied between two yields to the loop
     rcvhwm: int = 0                 # 0 = unbounded: never drop on kvroute's side
+    # Bounds against a hostile or broken publisher (Settings' max_event_message_bytes,
+    # max_blocks_per_event, max_blocks_per_worker).
+    max_message_bytes: int = 16 * 1024 * 1024
+    max_blocks_per_event: int = 65_536
+    max_blocks_per_worker: int = 4_194_304
     max_hole_retries: int = 5       # re-asks for holes inside replays, per gap
 
 
