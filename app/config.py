@@ -31,7 +31,7 @@ import math
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlsplit
@@ -44,8 +44,8 @@ from kvroute.app.routing import CostWeights
 _COSTS = CostWeights()  # the one place the cost defaults are written
 
 __all__ = [
-    "ConfigError", "InstanceConfig", "Settings", "default_instance_id", "load_settings",
-    "parse_instance",
+    "ConfigError", "InstanceConfig", "Settings", "default_instance_id", "foreign_endpoints",
+    "load_settings", "parse_instance",
 ]
 
 ENV_PREFIX = "KVROUTE_"
@@ -233,6 +233,25 @@ def _check_zmq_endpoint(endpoint: str, name: str) -> None:
         raise ValueError(f"{name}: {endpoint!r} is a bind address; give the host to connect to")
 
 
+def _endpoint_host(endpoint: str) -> str:
+    return endpoint.partition("://")[2].rpartition(":")[0].strip("[]").lower()
+
+
+def foreign_endpoints(url: str | None, endpoints: Iterable[str],
+                      allowed_hosts: Iterable[str]) -> list[str]:
+    """The `endpoints` on neither the host of `url` nor one of `allowed_hosts`.
+
+    An instance's KV events say which prefixes it holds; events from another machine
+    would make kvroute send that machine's prefixes to this instance (or hijack its
+    traffic). Without a `url` the endpoints are the instance, so none is foreign.
+    Hosts are compared as written: a name and its address differ."""
+    if url is None:
+        return []
+    own = (urlsplit(url).hostname or "").lower()
+    allowed = {own, *(host.strip("[]").lower() for host in allowed_hosts)}
+    return [e for e in endpoints if _endpoint_host(e) not in allowed]
+
+
 def _explain(exc: msgspec.ValidationError, where: str, given: Any) -> ConfigError:
     """msgspec's `Expected ... - at `$.instances[0].url`` as `where: instances[0].url: ...`,
     with the value found there in `given` (what the layer said)."""
@@ -357,6 +376,13 @@ def load_settings(
     if len(settings.instances) > settings.max_instances:
         raise ConfigError(f"{len(settings.instances)} instances configured, more than "
                           f"max_instances ({settings.max_instances})", "instances")
+    for number, instance in enumerate(settings.instances):
+        foreign = foreign_endpoints(instance.url, (*instance.events, *instance.replay),
+                                    settings.zmq_endpoint_hosts)
+        if foreign:
+            raise ConfigError(f"instances[{number}]: endpoint {foreign[0]} is not on the "
+                              f"instance's host ({instance.url}); list its host in "
+                              "zmq_endpoint_hosts to allow it", f"instances[{number}].events")
     ids = [default_instance_id(instance) for instance in settings.instances]
     repeated = sorted({i for i in ids if ids.count(i) > 1})
     if repeated:

@@ -11,6 +11,10 @@ Invariants:
 - An instance added from configuration whose discovery fails stays registered
   with no workers and keeps retrying in the background; one added through the
   API must be discoverable at once, or the caller gets the error.
+- At most `max_instances` are registered, counting adds still discovering.
+- Every worker's endpoints are on its instance's host or an allowed one
+  (`config.foreign_endpoints`), whether configured or discovered; and an instance's
+  models are what its /v1/models lists whenever kvroute learnt it from there.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from dataclasses import dataclass, field
 import httpx
 import zmq.asyncio
 
-from kvroute.app.config import InstanceConfig, default_instance_id
+from kvroute.app.config import InstanceConfig, default_instance_id, foreign_endpoints
 from kvroute.app.discovery import DiscoveryError, WorkerEndpoint, discover
+from kvroute.app.errors import InvalidRequest, LimitReached
 from kvroute.app.subscriber import Subscriber, SubscriberOptions, WorkerState
 from kvroute.index import PrefixIndex
 
@@ -84,10 +89,14 @@ class Instance:
 class Registry:
     def __init__(self, index: PrefixIndex, client: httpx.AsyncClient,
                  context: zmq.asyncio.Context | None = None,
-                 options: SubscriberOptions | None = None) -> None:
+                 options: SubscriberOptions | None = None, *, max_instances: int = 4096,
+                 endpoint_hosts: tuple[str, ...] = ()) -> None:
         self.index = index
         self._client = client
         self._options = options or SubscriberOptions()
+        self._max_instances = max_instances
+        self._endpoint_hosts = endpoint_hosts
+        self._adding = 0  # API adds waiting for discovery: they count toward the maximum
         self._context = context or zmq.asyncio.Context.instance()
         self._instances: dict[str, Instance] = {}
         self._discovery_tasks: dict[str, asyncio.Task[None]] = {}
@@ -119,11 +128,20 @@ class Registry:
 
         With `wait_for_discovery` false (configured instances at start-up), an
         unreachable instance is registered anyway and discovered in the background.
-        Raises DuplicateInstance, or DiscoveryError when waiting.
+        Raises DuplicateInstance, LimitReached, InvalidRequest (explicit endpoints on a
+        foreign host), or DiscoveryError when waiting.
         """
         instance_id = default_instance_id(config)
         if instance_id in self._instances:
             raise DuplicateInstance(instance_id)
+        if len(self._instances) + self._adding >= self._max_instances:
+            raise LimitReached(f"{self._max_instances} instances are registered already "
+                               "(max_instances)", "url")
+        foreign = foreign_endpoints(config.url, (*config.events, *config.replay),
+                                    self._endpoint_hosts)
+        if foreign:
+            raise InvalidRequest(f"endpoint {foreign[0]} is not on the instance's host; the "
+                                 "operator can allow its host in zmq_endpoint_hosts", "events")
         instance = Instance(id=instance_id, config=config, url=config.url,
                             models=(config.model,) if config.model else (),
                             block_size=config.block_size)
@@ -138,7 +156,11 @@ class Registry:
             self._start_workers(instance, endpoints)
             return instance
         if wait_for_discovery:
-            endpoints = await self._discover(instance)
+            self._adding += 1
+            try:
+                endpoints = await self._discover(instance)
+            finally:
+                self._adding -= 1
             if instance_id in self._instances:  # a concurrent add of the same id won
                 raise DuplicateInstance(instance_id)
             self._instances[instance_id] = instance
@@ -173,9 +195,19 @@ class Registry:
     async def _discover(self, instance: Instance) -> list[WorkerEndpoint]:
         assert instance.url is not None
         info = await discover(instance.url, self._client, api_key=instance.config.api_key)
-        if not instance.config.model:
-            instance.models = tuple(info.models)
-            instance.lora_adapters = frozenset(info.lora_adapters)
+        wanted = instance.config.model
+        if wanted is not None and wanted not in info.models:
+            raise DiscoveryError(instance.url, f"it serves {', '.join(info.models)}; not "
+                                               f"{wanted!r} (the registration's `model`)")
+        foreign = foreign_endpoints(instance.url, [
+            e for w in info.workers for e in (w.endpoint, w.replay_endpoint) if e],
+            self._endpoint_hosts)
+        if foreign:
+            raise DiscoveryError(instance.url, f"it reports event endpoint {foreign[0]}, not "
+                                               "on its own host; the operator can allow that "
+                                               "host in zmq_endpoint_hosts")
+        instance.models = tuple(info.models)
+        instance.lora_adapters = frozenset(info.lora_adapters)
         if instance.config.block_size is None:
             instance.block_size = info.block_size
         instance.discovery_error = None

@@ -118,7 +118,8 @@ class Service:
         self.registry = Registry(self.index, self.client, options=SubscriberOptions(
             max_message_bytes=settings.max_event_message_bytes,
             max_blocks_per_event=settings.max_blocks_per_event,
-            max_blocks_per_worker=settings.max_blocks_per_worker))
+            max_blocks_per_worker=settings.max_blocks_per_worker),
+            max_instances=settings.max_instances, endpoint_hosts=settings.zmq_endpoint_hosts)
         self.metrics = ServiceMetrics(self.registry)
         self.tokenizer: Tokenizer | None = make_tokenizer(settings.tokenizer, self.client)
         self.ties = TieBreaker()

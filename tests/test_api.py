@@ -12,6 +12,8 @@ from kvroute.app.config import InstanceConfig, Settings
 from kvroute.app.server import BackgroundServer
 from kvroute.app.subscriber import COUNTERS
 from kvroute.sim.cluster import SimCluster
+from kvroute.sim.instance import SimInstance
+from kvroute.sim.spec import SimInstanceSpec
 from tests.conftest import HTTP_TIMEOUT, wait_for
 from tests.support.tokens import unique_tokens
 
@@ -132,12 +134,15 @@ def test_ties_rotate_and_candidates_limit(cluster: SimCluster, client: httpx.Cli
 
 def test_model_filter(cluster: SimCluster, client: httpx.Client):
     a = register(client, cluster.urls[0])
-    register(client, cluster.urls[1], id="other", model="other-model")
-    tokens = unique_tokens(5, BLOCK)
-    assert route(client, token_ids=tokens, model="sim-model").json()["instance"] == a["id"]
-    assert route(client, token_ids=tokens, model="other-model").json()["instance"] == "other"
-    missing = route(client, token_ids=tokens, model="absent")
-    assert missing.status_code == 503 and "absent" in missing.json()["error"]
+    other = SimInstance(SimInstanceSpec(model="other-model", block_size=BLOCK, num_blocks=64))
+    with other:
+        register(client, other.url, id="other")
+        tokens = unique_tokens(5, BLOCK)
+        assert route(client, token_ids=tokens, model="sim-model").json()["instance"] == a["id"]
+        assert route(client, token_ids=tokens, model="other-model").json()["instance"] == (
+            "other")
+        missing = route(client, token_ids=tokens, model="absent")
+        assert missing.status_code == 503 and "absent" in missing.json()["error"]
 
 
 def test_no_workers_is_503(client: httpx.Client):

@@ -158,3 +158,45 @@ def test_tokens_are_read_but_never_shown():
 def test_blank_names_are_refused():
     with pytest.raises(ConfigError, match="instances\\[0\\].id: expected a non-blank string"):
         load_settings(environ={}, flags={"instances": [{"url": "http://a:1", "id": "  "}]})
+
+
+def test_configured_endpoints_must_be_on_the_instance_host_unless_allowed(tmp_path):
+    text = """
+[[instances]]
+url = "http://10.0.0.5:8000"
+events = ["tcp://10.0.0.6:5557"]
+"""
+    with pytest.raises(ConfigError) as refused:
+        load_settings(write(tmp_path, text), environ={})
+    assert "tcp://10.0.0.6:5557" in str(refused.value) and "zmq_endpoint_hosts" in str(
+        refused.value)
+    assert refused.value.field == "instances[0].events"
+    allowed = load_settings(write(tmp_path, 'zmq_endpoint_hosts = ["10.0.0.6"]\n' + text),
+                            environ={})
+    assert allowed.instances[0].events == ("tcp://10.0.0.6:5557",)
+
+
+def test_more_configured_instances_than_max_instances_is_refused():
+    with pytest.raises(ConfigError, match=r"3 instances configured, more than max_instances"):
+        load_settings(environ={"KVROUTE_MAX_INSTANCES": "2",
+                               "KVROUTE_INSTANCES": "http://a:1,http://b:1,http://c:1"})
+
+
+def test_tls_needs_both_files_and_they_may_come_from_different_layers(tmp_path):
+    with pytest.raises(ConfigError, match="both tls_certfile and tls_keyfile"):
+        load_settings(environ={"KVROUTE_TLS_CERTFILE": "cert.pem"})
+    both = load_settings(write(tmp_path, 'tls_certfile = "cert.pem"\n'),
+                         environ={"KVROUTE_TLS_KEYFILE": "key.pem"})
+    assert (both.tls_certfile, both.tls_keyfile) == ("cert.pem", "key.pem")
+
+
+def test_list_settings_from_the_environment_are_comma_separated():
+    settings = load_settings(environ={"KVROUTE_ALLOWED_HOSTS": "kvroute.example, *.svc ,",
+                                      "KVROUTE_ZMQ_ENDPOINT_HOSTS": "10.0.0.6"})
+    assert settings.allowed_hosts == ("kvroute.example", "*.svc")
+    assert settings.zmq_endpoint_hosts == ("10.0.0.6",)
+
+
+def test_timeouts_must_be_positive():
+    with pytest.raises(ConfigError, match=r"environment: header_timeout: expected `float` > 0"):
+        load_settings(environ={"KVROUTE_HEADER_TIMEOUT": "0"})
