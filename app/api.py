@@ -130,7 +130,8 @@ def create_app(settings: Settings) -> FastAPI:
     async def route(request: Request) -> Response:
         service = service_of(request)
         started = time.perf_counter()
-        kind, answer = await service.route(await read_body(request, settings.max_body_bytes))
+        kind, answer = await service.route(
+            await read_body(request, settings.max_body_bytes, timeout=settings.body_timeout))
         service.metrics.route_latency.labels(kind).observe(time.perf_counter() - started)
         return _json(answer)
 
@@ -152,7 +153,7 @@ def create_app(settings: Settings) -> FastAPI:
         @app.post("/v1/instances", status_code=201, dependencies=admin)
         async def add_instance(request: Request) -> Response:
             service = service_of(request)
-            body = await read_body(request, 64 * 1024)
+            body = await read_body(request, 64 * 1024, timeout=settings.body_timeout)
             raw = decode_json(body)
             try:
                 config = parse_instance(raw, "body")

@@ -197,7 +197,8 @@ class Proxy:
                            "model")
 
     async def forward(self, request: Request, path: str) -> Response:
-        body = await read_body(request, self.service.settings.max_body_bytes)
+        body = await read_body(request, self.service.settings.max_body_bytes,
+                               timeout=self.service.settings.body_timeout)
         question = route_request_of(path, body)
         self._check_model(question.model)
         failed: set[tuple[str, int]] = set()
