@@ -25,6 +25,7 @@ from kvroute.app.config import Settings
 from kvroute.app.errors import (
     InvalidRequest,
     NoEligibleWorker,
+    NotFound,
     RequestError,
     TooLarge,
     UpstreamFailed,
@@ -170,6 +171,9 @@ class Service:
     # -- routing ---------------------------------------------------------
     def _eligible(self, request: RouteRequest) -> list[Worker]:
         if request.candidates is not None:
+            if not request.candidates:
+                raise InvalidRequest("`candidates` is empty: name at least one instance, or "
+                                     "leave it out for all", "candidates")
             unknown = sorted({c for c in request.candidates if c not in self.registry})
             if unknown:
                 raise InvalidRequest(f"unknown candidate instance(s): {', '.join(unknown)}",
@@ -177,6 +181,10 @@ class Service:
             wanted = set(request.candidates)
         else:
             wanted = None
+        if request.model is not None and not any(instance.serves(request.model)
+                                                 for instance in self.registry):
+            raise NotFound(f"model {request.model!r} is not served by any registered "
+                           "instance", "model")
         return [
             worker
             for instance in self.registry

@@ -142,7 +142,8 @@ def test_model_filter(cluster: SimCluster, client: httpx.Client):
         assert route(client, token_ids=tokens, model="other-model").json()["instance"] == (
             "other")
         missing = route(client, token_ids=tokens, model="absent")
-        assert missing.status_code == 503 and "absent" in missing.json()["error"]
+        assert missing.status_code == 404 and "absent" in missing.json()["error"]
+        assert missing.json()["field"] == "model"
 
 
 def test_no_workers_is_503(client: httpx.Client):
@@ -506,3 +507,9 @@ def test_a_worker_that_is_not_live_is_never_chosen(cluster: SimCluster, client: 
             assert answer.status_code == 200 and answer.json()["instance"] == live
             assert "ghost" not in {s["instance"] for s in answer.json()["scores"]}
         assert client.get("/v1/instances/ghost").json()["state"] != "live"
+
+
+def test_an_empty_candidate_list_is_refused_not_a_503(cluster: SimCluster, client: httpx.Client):
+    register(client, cluster.urls[0])
+    answer = route(client, token_ids=[1, 2, 3], candidates=[])
+    assert answer.status_code == 422 and answer.json()["field"] == "candidates"
