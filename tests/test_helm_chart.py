@@ -50,8 +50,8 @@ def test_values_yaml_parses_to_a_mapping() -> None:
 
 def test_templates_exist() -> None:
     names = {p.name for p in TEMPLATES}
-    assert {"_helpers.tpl", "deployment.yaml", "service.yaml", "configmap.yaml",
-            "servicemonitor.yaml"} <= names
+    assert {"_helpers.tpl", "deployment.yaml", "service.yaml", "config.yaml",
+            "servicemonitor.yaml", "networkpolicy.yaml", "secret.yaml"} <= names
 
 
 @pytest.mark.parametrize("template", TEMPLATES, ids=lambda p: p.name)
@@ -106,11 +106,11 @@ def test_config_is_mounted_and_passed_with_config_flag() -> None:
     args = deployment.split("args:")[1].split("ports:")[0]
     assert re.findall(r"^\s*-\s+(\S+)\s*$", args, re.M) == [
         "kvroute", "serve", "--config", "/etc/kvroute/config.toml"]
-    assert "config.toml: |" in template_text("configmap.yaml")
+    assert "config.toml: |" in template_text("config.yaml")
 
 
-def test_config_map_writes_only_keys_kvroute_accepts() -> None:
-    body = template_text("configmap.yaml").split("config.toml: |")[1]
+def test_config_file_writes_only_keys_kvroute_accepts() -> None:
+    body = template_text("config.yaml").split("config.toml: |")[1]
     top, _, instance = body.partition("[[instances]]")
     top_keys = set(re.findall(r"^\s*([a-z_]+) = ", top, re.M))
     instance_keys = set(re.findall(r"^\s*([a-z_]+) = ", instance, re.M))
@@ -120,8 +120,8 @@ def test_config_map_writes_only_keys_kvroute_accepts() -> None:
     assert instance_keys <= {f.name for f in msgspec.structs.fields(InstanceConfig)}
 
 
-def test_config_map_binds_every_interface_on_the_container_port() -> None:
-    body = template_text("configmap.yaml")
+def test_config_file_binds_every_interface_on_the_container_port() -> None:
+    body = template_text("config.yaml")
     assert 'host = "0.0.0.0"' in body
     assert "port = {{ .Values.containerPort }}" in body
     assert "containerPort: {{ .Values.containerPort }}" in template_text("deployment.yaml")
@@ -133,7 +133,7 @@ def test_service_monitor_is_optional_and_scrapes_metrics() -> None:
     assert "path: /metrics" in monitor
 
 
-def test_tokens_come_from_a_secret_never_from_the_config_map() -> None:
+def test_tokens_come_from_a_secret_never_from_the_config_file() -> None:
     deployment = template_text("deployment.yaml")
     for variable, key in (("KVROUTE_API_TOKEN", "api-token"),
                           ("KVROUTE_ADMIN_TOKEN", "admin-token")):
@@ -141,5 +141,43 @@ def test_tokens_come_from_a_secret_never_from_the_config_map() -> None:
         assert "secretKeyRef" in entry and f"key: {key}" in entry
     secret = template_text("secret.yaml")
     assert "kind: Secret" in secret and "api-token:" in secret and "admin-token:" in secret
-    assert "Token" not in template_text("configmap.yaml")
+    assert "Token" not in template_text("config.yaml")
     assert load_values()["auth"]["allowUnauthenticated"] is False
+
+
+def test_the_config_file_is_a_secret_because_instances_carry_api_keys() -> None:
+    config = template_text("config.yaml")
+    assert "kind: Secret" in config and "kind: ConfigMap" not in config
+    assert "api_key = {{ . | toJson }}" in config.split("{{- with .apiKey }}")[1]
+    volume = template_text("deployment.yaml").split("volumes:")[1]
+    assert "secretName: {{ include \"kvroute.fullname\" . }}-config" in volume
+    assert "configMap" not in volume
+
+
+def test_network_policy_admits_listed_peers_to_the_http_port_only() -> None:
+    policy = template_text("networkpolicy.yaml")
+    assert policy.split("*/ -}}")[1].lstrip().startswith(
+        "{{- if .Values.networkPolicy.enabled }}")
+    assert "kind: NetworkPolicy" in policy
+    assert 'include "kvroute.selectorLabels"' in policy.split("podSelector:")[1]
+    ingress = policy.split("ingress:")[1].split("egress:")[0]
+    assert "toYaml .Values.networkPolicy.ingressFrom" in ingress
+    assert "port: {{ .Values.containerPort }}" in ingress
+    # Egress is restricted only when the operator lists it (then DNS stays open).
+    assert "{{- if .Values.networkPolicy.egress }}\n    - Egress" in policy
+    values = load_values()["networkPolicy"]
+    assert values["enabled"] is True and values["egress"] == []
+
+
+def test_the_pod_runs_as_non_root_on_a_read_only_root_filesystem() -> None:
+    values = load_values()
+    assert values["podSecurityContext"]["runAsNonRoot"] is True
+    assert values["securityContext"]["readOnlyRootFilesystem"] is True
+    assert values["securityContext"]["allowPrivilegeEscalation"] is False
+    assert values["securityContext"]["capabilities"]["drop"] == ["ALL"]
+
+
+def test_every_template_a_checksum_includes_exists() -> None:
+    names = {p.name for p in TEMPLATES}
+    included = re.findall(r'\.Template\.BasePath "/([^"]+)"', template_text("deployment.yaml"))
+    assert included and set(included) <= names
