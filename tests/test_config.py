@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
+import msgspec
 import pytest
 
-from kvroute.app.config import ConfigError, InstanceConfig, default_instance_id, load_settings
+from kvroute.app.config import (
+    ConfigError,
+    InstanceConfig,
+    Settings,
+    default_instance_id,
+    load_settings,
+)
 
 
 def write(tmp_path, text: str):
@@ -200,3 +210,11 @@ def test_list_settings_from_the_environment_are_comma_separated():
 def test_timeouts_must_be_positive():
     with pytest.raises(ConfigError, match=r"environment: header_timeout: expected `float` > 0"):
         load_settings(environ={"KVROUTE_HEADER_TIMEOUT": "0"})
+
+
+def test_every_setting_is_in_the_readme_table():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = readme.split("| setting | default | environment | flag |")[1].split("\n\n")[0]
+    documented = set(re.findall(r"^\| `(\w+)`(?:, `(\w+)`)?", table, re.M))
+    names = {name for pair in documented for name in pair if name}
+    assert names == {f.name for f in msgspec.structs.fields(Settings)}
