@@ -36,6 +36,7 @@ from kvroute.app.errors import (
     UnsupportedMediaType,
     UpstreamFailed,
 )
+from kvroute.app.http_guard import HttpGuard
 from kvroute.app.json_body import decode_json
 from kvroute.app.metrics import CONTENT_TYPE
 from kvroute.app.proxy import Proxy, proxy_router
@@ -92,6 +93,8 @@ def create_app(settings: Settings) -> FastAPI:
                   summary="KV-cache-aware routing index for vLLM fleets",
                   openapi_url="/openapi.json" if docs else None,
                   docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None)
+    # Foreign Host names and requests past max_concurrent_requests never reach an endpoint.
+    app.add_middleware(HttpGuard, settings=settings, status_of=STATUS_OF)
     api = [Depends(api_guard(settings))]
     admin = [Depends(admin_guard(settings))]
 
