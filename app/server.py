@@ -3,27 +3,154 @@ thread for the demo, the tests and the benchmarks.
 
 A background server owns its thread and event loop; `stop()` runs the app's
 lifespan shutdown (subscribers stopped, sockets closed) before it returns.
+
+Every connection is bounded before the app sees a request (`BoundedHttpProtocol`): its
+request headers must arrive within `header_timeout` and fit in MAX_HEADER_BYTES, and an
+idle keep-alive connection closes after `keep_alive_timeout`. The body's own deadline is
+the app's (app.request_body), since only the app knows when it reads one.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import logging
 import signal
 import socket
 import threading
 import time
+from typing import Any
 
+import msgspec
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvroute.app.api import create_app
 from kvroute.app.config import Settings
 from kvroute.app.service import Service
 
-__all__ = ["BackgroundServer", "serve_forever"]
+__all__ = ["MAX_HEADER_BYTES", "BackgroundServer", "BoundedHttpProtocol", "serve_forever"]
+
+log = logging.getLogger("kvroute.server")
+
+# Request line and headers together: more than h11 (16 KiB) or nginx (4 x 8 KiB) accept by
+# default, so what passes through those reaches kvroute too.
+MAX_HEADER_BYTES = 64 * 1024
+
+
+class BoundedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, plus the two bounds uvicorn lacks while headers arrive.
+
+    Deadline: a connection has `header_timeout` seconds from being opened to deliver its
+    first request's headers, and from the first byte after each response to deliver the
+    next one's (idle time before that byte is keep_alive_timeout's). Otherwise it is closed
+    without an answer: a slowloris client that sends a byte every few seconds, or one that
+    connects and sends nothing, holds a connection at most that long. The timer runs only
+    while no request of the connection is in the app, so it never cuts off an answer.
+
+    Size: httptools buffers a header without limit until it ends, so the bytes fed while one
+    request's headers are incomplete are counted; past MAX_HEADER_BYTES the request is
+    refused with 431 and the connection closed. Reads that start or finish the headers are
+    not counted (they may hold other bytes), so at most one read more is ever held.
+
+    Relies on HttpToolsProtocol's hooks (data_received, on_message_begin,
+    on_headers_complete, on_response_complete): hence the uvicorn range in pyproject.toml.
+    """
+
+    def __init__(self, config: uvicorn.Config, *args: Any, header_timeout: float,
+                 **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.header_timeout = header_timeout
+        self._header_deadline: asyncio.TimerHandle | None = None
+        # Between a response (or the connection's start) and the next request's headers.
+        self._awaiting_request = True
+        # Inside one request's headers: which request, and the bytes counted for it.
+        self._in_headers = False
+        self._requests_begun = 0
+        self._header_bytes = 0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_deadline()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._awaiting_request and self._header_deadline is None:
+            self._arm_header_deadline()
+        counting = (self._in_headers, self._requests_begun)
+        super().data_received(data)
+        if self._in_headers and counting == (True, self._requests_begun):
+            self._header_bytes += len(data)
+            if self._header_bytes > MAX_HEADER_BYTES:
+                self._refuse(431, f"request headers exceed {MAX_HEADER_BYTES} bytes")
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_headers = True
+        self._requests_begun += 1
+        self._header_bytes = 0
+
+    def on_headers_complete(self) -> None:
+        self._in_headers = self._awaiting_request = False
+        self._disarm_header_deadline()
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        pipelined = bool(self.pipeline)  # that request's headers are complete already
+        super().on_response_complete()
+        if not pipelined and not self.transport.is_closing():
+            self._awaiting_request = True
+            if self._in_headers:  # the next request has begun arriving
+                self._arm_header_deadline()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes that are not HTTP, in the service's JSON shape."""
+        self._refuse(400, msg)
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer `status` and close; the answer is only written while no other response
+        is being written on this connection (a pipelined request's would corrupt it)."""
+        if self.transport.is_closing():
+            return
+        if self.cycle is None or self.cycle.response_complete:
+            body = msgspec.json.encode({"error": message, "field": None})
+            self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n"
+                                 b"content-length: %d\r\nconnection: close\r\n\r\n%s"
+                                 % (status, _REASONS[status], len(body), body))
+        self.transport.close()
+
+    def _arm_header_deadline(self) -> None:
+        self._disarm_header_deadline()
+        self._header_deadline = self.loop.call_later(self.header_timeout,
+                                                     self._header_deadline_passed)
+
+    def _disarm_header_deadline(self) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
+
+    def _header_deadline_passed(self) -> None:
+        self._header_deadline = None
+        if not self.transport.is_closing():
+            log.debug("closing a connection from %s: no complete request headers within "
+                      "%g s", self.client, self.header_timeout)
+            self.transport.close()
+
+
+_REASONS = {400: b"Bad Request", 431: b"Request Header Fields Too Large"}
 
 
 def _config(settings: Settings) -> uvicorn.Config:
+    # uvicorn calls the protocol class with keywords only (config=, server_state=, ...).
+    protocol = functools.partial(BoundedHttpProtocol, header_timeout=settings.header_timeout)
     return uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
-                          log_level=settings.log_level, lifespan="on", access_log=False)
+                          log_level=settings.log_level, lifespan="on", access_log=False,
+                          http=protocol,  # type: ignore[arg-type]
+                          timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]
+                          ssl_certfile=settings.tls_certfile, ssl_keyfile=settings.tls_keyfile)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -77,7 +204,9 @@ class BackgroundServer:
     @property
     def url(self) -> str:
         host = self.settings.host
-        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+        scheme = "https" if self.settings.tls_certfile else "http"
+        return (f"{scheme}://[{host}]:{self.port}" if ":" in host
+                else f"{scheme}://{host}:{self.port}")
 
     @property
     def service(self) -> Service:
