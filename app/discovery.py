@@ -20,6 +20,11 @@ What vLLM answers (facts; docs/wire-protocol.md):
   a LoRA adapter is listed as a model whose ``parent`` is the base model, and a request
   naming it is cached under the adapter's name (vLLM's ``lora_name``).
 - ``GET /metrics``: ``vllm:cache_config_info{...,block_size="32",...} 1.0``.
+
+Every request is bounded (``app.upstream``): each answer within ``DISCOVERY_DEADLINE`` and
+``DISCOVERY_MAX_BYTES`` (the /metrics page within ``METRICS_MAX_BYTES``), so discovering a
+slow, huge or hostile instance fails with a ``DiscoveryError`` instead of hanging
+registration or filling memory.
 """
 
 from __future__ import annotations
@@ -30,11 +35,23 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import msgspec
 
 from kvroute.app.subscriber import WorkerEndpoint
+from kvroute.app.upstream import (
+    DISCOVERY_DEADLINE,
+    DISCOVERY_MAX_BYTES,
+    METRICS_MAX_BYTES,
+    UpstreamError,
+    fetch,
+)
 
 _WILDCARD_HOSTS = {"*", "0.0.0.0", "::", "[::]", ""}
-_BLOCK_SIZE = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
+_CACHE_CONFIG = "vllm:cache_config_info{"
+# At most 9 digits: int() of a hostile 10,000-digit value would raise.
+_BLOCK_SIZE = re.compile(r'[^}]*\bblock_size="(\d{1,9})"', re.ASCII)
+# Longer lines are not read: vLLM's cache_config_info line is a few hundred bytes.
+_MAX_CACHE_CONFIG_LINE = 16 * 1024
 
 
 class DiscoveryError(Exception):
@@ -187,34 +204,59 @@ def _models(url: str, body: Any) -> tuple[list[str], int | None, list[str]]:
 async def _block_size(client: httpx.AsyncClient, url: str, notes: list[str]) -> int | None:
     """From vllm:cache_config_info; None (with a note) when metrics say nothing."""
     try:
-        response = await client.get(f"{url}/metrics")
-    except httpx.HTTPError as exc:
-        notes.append(f"/metrics unreachable ({exc.__class__.__name__}): block size unknown "
-                     "until the first BlockStored")
+        answer = await fetch(client, "GET", f"{url}/metrics", max_bytes=METRICS_MAX_BYTES,
+                             deadline=DISCOVERY_DEADLINE)
+    except UpstreamError as exc:
+        notes.append(f"{exc}: block size unknown until the first BlockStored")
         return None
-    if response.status_code != 200:
-        notes.append(f"/metrics answered {response.status_code}: block size unknown")
+    if answer.status != 200:
+        notes.append(f"/metrics answered {answer.status}: block size unknown")
         return None
-    found = _BLOCK_SIZE.search(response.text)
+    # latin-1 decodes any bytes one to one; the line searched for is ASCII.
+    found = block_size_in(answer.body.decode("latin-1"))
     if found is None:
         notes.append("/metrics has no vllm:cache_config_info block_size: block size unknown")
         return None
-    return int(found.group(1))
+    return found
+
+
+def block_size_in(page: str) -> int | None:
+    """The block size on a /metrics page's first ``vllm:cache_config_info`` line.
+
+    It runs on the event loop, so every step is one C-speed scan of at most the page
+    (``str.find``, under a millisecond for the largest page fetched) or of one line of
+    bounded length; a regex over the whole page would take tens of milliseconds for a
+    hostile one, or quadratic time for many unclosed ``{`` lines."""
+    if page.startswith(_CACHE_CONFIG):
+        start = 0
+    else:
+        start = page.find("\n" + _CACHE_CONFIG)
+        if start < 0:
+            return None
+        start += 1
+    end = page.find("\n", start)
+    line = page[start:end if end >= 0 else len(page)]
+    if len(line) > _MAX_CACHE_CONFIG_LINE:
+        return None
+    found = _BLOCK_SIZE.match(line, len(_CACHE_CONFIG))
+    return int(found.group(1)) if found else None
 
 
 async def _get_json(client: httpx.AsyncClient, url: str, path: str,
                     headers: dict[str, str] | None = None) -> Any:
     try:
-        response = await client.get(f"{url}{path}", headers=headers)
-    except httpx.HTTPError as exc:
-        raise DiscoveryError(url, f"GET {path} failed: {exc.__class__.__name__}: {exc}"
-                             .rstrip(": ")) from exc
-    if response.status_code == 404 and path == "/kv_event_sources":
+        answer = await fetch(client, "GET", f"{url}{path}", headers=headers,
+                             max_bytes=DISCOVERY_MAX_BYTES, deadline=DISCOVERY_DEADLINE)
+    except UpstreamError as exc:
+        raise DiscoveryError(url, str(exc)) from None
+    if answer.status == 404 and path == "/kv_event_sources":
         raise DiscoveryError(url, "GET /kv_event_sources: 404; this vLLM is too old to report "
                                   "its KV-event endpoints, give them explicitly")
-    if response.status_code != 200:
-        raise DiscoveryError(url, f"GET {path} answered HTTP {response.status_code}")
+    if answer.status != 200:
+        raise DiscoveryError(url, f"GET {path} answered HTTP {answer.status}")
     try:
-        return response.json()
-    except ValueError as exc:
-        raise DiscoveryError(url, f"GET {path} did not answer JSON") from exc
+        # msgspec: a 1 MiB answer decodes in a few ms of the event loop (json: 2-4x that).
+        return msgspec.json.decode(answer.body)
+    except (ValueError, RecursionError):  # msgspec.DecodeError is a ValueError
+        # RecursionError: nesting deeper than the decoder's stack (a hostile "[[[[...").
+        raise DiscoveryError(url, f"GET {path} did not answer JSON") from None

@@ -14,6 +14,7 @@ import pytest
 
 from kvroute.app.discovery import (
     DiscoveryError,
+    block_size_in,
     discover,
     offset_port,
     rewrite_host,
@@ -87,6 +88,7 @@ def test_missing_metrics_leave_the_block_size_unknown_with_a_note(http_instance)
     ("/kv_event_sources", 200, '{"0": {"topic": "t"}}', "rank 0 of /kv_event_sources has no"),
     ("/v1/models", 200, '{"data": []}', "lists no model"),
     ("/v1/models", 200, "[]", "no 'data' list"),
+    ("/v1/models", 200, "[" * 100_000, "did not answer JSON"),  # deeper than any decoder
 ])
 def test_malformed_answers_are_clear_discovery_errors(http_instance, path, status, body, reason):
     url, routes = http_instance
@@ -190,3 +192,16 @@ def test_lora_adapters_are_the_models_with_a_parent(http_instance):
     info = asyncio.run(_discover(url))
     assert info.models == ["/models/tiny-llama", "sql-lora"]
     assert info.lora_adapters == ["sql-lora"]
+
+
+def test_the_block_size_is_read_from_the_first_cache_config_line_only():
+    line = 'vllm:cache_config_info{block_size="16",engine="0"} 1.0'
+    assert block_size_in(line) == 16
+    assert block_size_in(METRICS_0_32) == 32
+    assert block_size_in(f"# x\n{line}\n" + line.replace("16", "32")) == 16
+    assert block_size_in("# vllm:cache_config_info{block_size=\"16\"} 1.0\n") is None
+    assert block_size_in('vllm:cache_config_info{engine="0"} 1.0\n' + line) is None
+    # Hostile pages: unclosed braces on every line, an endless line, an endless number.
+    assert block_size_in("vllm:cache_config_info{\n" * 100_000) is None
+    assert block_size_in("vllm:cache_config_info{" + "a" * 1_000_000 + 'block_size="8"') is None
+    assert block_size_in('vllm:cache_config_info{block_size="' + "9" * 5000 + '"}') is None
