@@ -122,7 +122,8 @@ class Service:
             max_blocks_per_worker=settings.max_blocks_per_worker),
             max_instances=settings.max_instances, endpoint_hosts=settings.zmq_endpoint_hosts)
         self.metrics = ServiceMetrics(self.registry)
-        self.tokenizer: Tokenizer | None = make_tokenizer(settings.tokenizer, self.client)
+        self.tokenizer: Tokenizer | None = make_tokenizer(
+            settings.tokenizer, self.client, max_prompt_tokens=settings.max_prompt_tokens)
         self.ties = TieBreaker()
         self.weights = CostWeights(
             miss_token=settings.cost_miss_token, cpu_hit_token=settings.cost_cpu_hit_token,

@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
+import msgspec
 
-from kvroute.app.errors import MalformedRequest, NoEligibleWorker, UpstreamFailed
+from kvroute.app.errors import MalformedRequest, NoEligibleWorker, TooLarge, UpstreamFailed
+from kvroute.app.upstream import UpstreamError, fetch, tokenize_max_bytes
 
 __all__ = ["InstanceTokenizer", "LocalTokenizer", "TokenizerError", "Tokenizer", "make_tokenizer"]
 
@@ -83,32 +85,51 @@ class LocalTokenizer:
         return list(ids)
 
 
-class InstanceTokenizer:
-    """Asks an instance's `/tokenize`; its failures are `UpstreamFailed` naming the instance."""
+class _TokenizeAnswer(msgspec.Struct):
+    """The part of vLLM's `/tokenize` answer kvroute reads."""
 
-    def __init__(self, client: httpx.AsyncClient, timeout: float = 10.0) -> None:
+    tokens: list[int]
+
+
+class InstanceTokenizer:
+    """Asks an instance's `/tokenize`; its failures are `UpstreamFailed` naming the instance.
+
+    Each call is bounded (`app.upstream.fetch`): the whole answer within `timeout` seconds,
+    and within the bytes that `max_prompt_tokens` tokens take. A larger answer holds more
+    tokens than any prompt is allowed, so it is the prompt's `TooLarge`, as a counted one
+    would be; a slow, broken or unreachable instance is `UpstreamFailed`, and the service
+    asks the next one."""
+
+    def __init__(self, client: httpx.AsyncClient, timeout: float = 10.0, *,
+                 max_prompt_tokens: int) -> None:
         self._client = client
         self._timeout = timeout
+        self._max_prompt_tokens = max_prompt_tokens
+        self._max_bytes = tokenize_max_bytes(max_prompt_tokens)
 
     async def _tokenize(self, url: str | None, body: dict[str, Any]) -> list[int]:
         if url is None:
             raise NoEligibleWorker("no live instance to tokenize with")
         try:
-            response = await self._client.post(f"{url}/tokenize", json=body,
-                                               timeout=self._timeout)
-        except httpx.HTTPError as exc:
-            raise UpstreamFailed(f"{url}/tokenize unreachable: {exc!r}") from None
-        if response.status_code >= 400:
+            answer = await fetch(self._client, "POST", f"{url}/tokenize", json=body,
+                                 max_bytes=self._max_bytes, deadline=self._timeout)
+        except UpstreamError as exc:
+            if exc.kind == "too_large":
+                raise TooLarge(f"the prompt is over the limit of {self._max_prompt_tokens} "
+                               f"tokens ({url}: {exc})") from None
+            raise UpstreamFailed(f"{url}: {exc}") from None
+        if answer.status >= 400:
             # The instance refusing the prompt (4xx) is the prompt's fault, not the instance's.
-            kind = UpstreamFailed if response.status_code >= 500 else MalformedRequest
-            raise kind(f"{url}/tokenize answered {response.status_code}: {response.text[:300]}")
+            # Its reason is shown, cut short: vLLM says there why it refused the prompt.
+            kind = UpstreamFailed if answer.status >= 500 else MalformedRequest
+            reason = answer.body[:300].decode("utf-8", "replace")
+            raise kind(f"{url}/tokenize answered {answer.status}: {reason}")
         try:
-            tokens = response.json()["tokens"]
-        except (ValueError, KeyError, TypeError):
-            raise UpstreamFailed(f"{url}/tokenize gave no `tokens` list") from None
-        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
-            raise UpstreamFailed(f"{url}/tokenize gave a malformed `tokens` list")
-        return tokens
+            # Decoding into the declared type checks every token in C: an answer of the
+            # largest size costs a few ms of the event loop, not a Python loop over it.
+            return msgspec.json.decode(answer.body, type=_TokenizeAnswer).tokens
+        except (ValueError, RecursionError):  # msgspec.DecodeError is a ValueError
+            raise UpstreamFailed(f"{url}/tokenize gave no `tokens` list of integers") from None
 
     async def encode_prompt(self, text: str, *, url: str | None, model: str | None) -> list[int]:
         body: dict[str, Any] = {"prompt": text}
@@ -125,10 +146,11 @@ class InstanceTokenizer:
         return await self._tokenize(url, body)
 
 
-def make_tokenizer(setting: str | None, client: httpx.AsyncClient) -> Tokenizer | None:
+def make_tokenizer(setting: str | None, client: httpx.AsyncClient, *,
+                   max_prompt_tokens: int) -> Tokenizer | None:
     """The tokenizer a `tokenizer` setting names, or None when text is not accepted."""
     if setting is None:
         return None
     if setting == "instance":
-        return InstanceTokenizer(client)
+        return InstanceTokenizer(client, max_prompt_tokens=max_prompt_tokens)
     return LocalTokenizer(setting)
