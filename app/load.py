@@ -16,8 +16,16 @@ Invariants:
 - A reading older than `stale_after` intervals is not trusted: `get` returns None
   for it, and the policy then uses only what kvroute itself knows (its in-flight
   count). An instance whose /metrics fails keeps no reading at all.
-- Scrapes of one round run concurrently, each bounded by a timeout, so one slow
-  instance cannot delay the readings of the others.
+- Scrapes of one round run concurrently, each bounded by one deadline for the whole
+  exchange (`max(0.2, interval)`) and a page of at most `METRICS_MAX_BYTES`
+  (`app.upstream`), so one slow, dripping or huge instance cannot delay the readings of
+  the others, nor routes. A failed scrape drops the instance's readings (as any failure
+  does) and is kept, for the operator, until the next scrape that succeeds (`failure`).
+- A page is parsed on a worker thread: at the size cap a hostile page takes ~0.2 s of
+  parsing, a stall of every route if it ran on the event loop. On the thread, no single
+  C call (a `str.find` over the page, one regex over one line of bounded length) holds
+  the GIL for more than about a millisecond, so the loop waits at most the GIL's switch
+  interval (5 ms) at a time; measured so with every hostile page shape at the cap.
 """
 
 from __future__ import annotations
@@ -27,11 +35,13 @@ import contextlib
 import logging
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import httpx
 
 from kvroute.app.registry import Instance, Registry
+from kvroute.app.upstream import METRICS_MAX_BYTES, UpstreamError, fetch
 
 __all__ = ["Load", "LoadMonitor", "parse_load"]
 
@@ -45,9 +55,15 @@ _SAMPLES = {
     "vllm:generation_tokens_total": "work",
 }
 _PREFIXES = tuple(_SAMPLES)
+# Longer lines are skipped: vLLM's sample lines are a few hundred bytes (labels engine and
+# model_name), and one regex call over a line holds the GIL for all of it.
+_MAX_SAMPLE_LINE = 16 * 1024
 # One sample line of the Prometheus text format: name, optional {labels}, value, optional
-# timestamp. Label values are quoted strings in which \\, \" and \n are escaped.
-_SAMPLE = re.compile(r'([^{\s]+)(?:\{((?:[^"}]|"(?:[^"\\]|\\.)*")*)\})?\s+(\S+)(?:\s+\S+)?\s*')
+# timestamp. Label values are quoted strings in which \\, \" and \n are escaped. The
+# possessive `*+` never gives back what the labels matched (a shorter match could not be
+# followed by "}" anyway): without it, a line with no closing "}" backtracks through
+# every character, ~3 s for one 4 MiB line.
+_SAMPLE = re.compile(r'([^{\s]+)(?:\{((?:[^"}]|"(?:[^"\\]|\\.)*+")*+)\})?\s+(\S+)(?:\s+\S+)?\s*')
 _LABEL = re.compile(r'([a-zA-Z_]\w*)\s*=\s*"((?:[^"\\]|\\.)*)"')
 
 
@@ -65,10 +81,11 @@ def parse_load(text: str, read_at: float) -> dict[int, Load]:
     """Readings per data-parallel rank from a /metrics page (rank 0 when unlabelled).
 
     Only the few samples above are read, by their names at the start of a line: a full
-    parse of vLLM's page (about 50 KB of histograms) costs ~10 ms of the event loop per
-    instance and scrape, this ~0.2 ms. Lines that do not parse are skipped."""
+    parse of vLLM's page (about 50 KB of histograms) costs ~10 ms per instance and scrape,
+    this ~0.2 ms. Lines that do not parse, or are longer than `_MAX_SAMPLE_LINE`, are
+    skipped."""
     values: dict[int, dict[str, float]] = {}
-    for line in text.splitlines():
+    for line in _lines_starting(text, "vllm:", _MAX_SAMPLE_LINE):
         if not line.startswith(_PREFIXES):
             continue
         sample = _SAMPLE.fullmatch(line)
@@ -90,6 +107,27 @@ def parse_load(text: str, read_at: float) -> dict[int, Load]:
     return {rank: Load(read_at=read_at, **fields) for rank, fields in values.items()}
 
 
+def _lines_starting(text: str, prefix: str, max_length: int) -> Iterator[str]:
+    """The lines of `text` (ended by "\\n", as the format says) that start with `prefix`
+    and are at most `max_length` characters long.
+
+    Found with `str.find`, so the other lines cost no Python step and no string each:
+    `splitlines()` of a 4 MiB page of empty lines would hold 4 million strings (~250 MB)."""
+    needle = "\n" + prefix
+
+    def after(newline: int) -> int:  # where the line after a found needle starts; -1: none
+        return newline + 1 if newline >= 0 else -1
+
+    start = 0 if text.startswith(prefix) else after(text.find(needle))
+    while start >= 0:
+        end = text.find("\n", start)
+        if end < 0:
+            end = len(text)
+        if end - start <= max_length:
+            yield text[start:end]
+        start = after(text.find(needle, end))
+
+
 class LoadMonitor:
     def __init__(self, registry: Registry, client: httpx.AsyncClient, *,
                  interval: float = 1.0, stale_after: float = 3.0) -> None:
@@ -98,6 +136,7 @@ class LoadMonitor:
         self.interval = interval
         self._max_age = interval * stale_after
         self._loads: dict[tuple[str, int], Load] = {}
+        self._failures: dict[str, str] = {}  # instance id -> why its last scrape failed
         self._task: asyncio.Task[None] | None = None
 
     def get(self, worker_key: tuple[str, int]) -> Load | None:
@@ -105,6 +144,11 @@ class LoadMonitor:
         if load is None or time.monotonic() - load.read_at > self._max_age:
             return None
         return load
+
+    def failure(self, instance_id: str) -> str | None:
+        """Why the instance's last scrape failed (no body text in it); None once one
+        succeeds, and before the first."""
+        return self._failures.get(instance_id)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="load monitor")
@@ -122,6 +166,8 @@ class LoadMonitor:
         known = {worker.key for worker in self._registry.workers()}
         for key in [key for key in self._loads if key not in known]:
             del self._loads[key]
+        for instance_id in [i for i in self._failures if i not in self._registry]:
+            del self._failures[instance_id]
 
     async def _run(self) -> None:
         while True:
@@ -132,15 +178,22 @@ class LoadMonitor:
     async def _scrape(self, instance: Instance) -> None:
         sent = time.monotonic()  # the reading shows every request the instance had by then
         try:
-            response = await self._client.get(f"{instance.url}/metrics",
-                                              timeout=max(0.2, self.interval))
-            response.raise_for_status()
-            readings = parse_load(response.text, sent)
-        except (httpx.HTTPError, ValueError) as exc:
-            log.debug("instance %s: load not read: %r", instance.id, exc)
-            for worker in instance.workers:
-                self._loads.pop(worker.key, None)
+            answer = await fetch(self._client, "GET", f"{instance.url}/metrics",
+                                 max_bytes=METRICS_MAX_BYTES, deadline=max(0.2, self.interval))
+        except UpstreamError as exc:
+            self._failed(instance, str(exc))
             return
+        if answer.status != 200:
+            self._failed(instance, f"GET /metrics answered HTTP {answer.status}")
+            return
+        try:
+            # Off the event loop: see the module's invariants.
+            readings = await asyncio.to_thread(_read_page, answer.body, sent)
+        except ValueError:  # int() of an engine label of thousands of digits
+            self._failed(instance, "GET /metrics: a page that does not parse")
+            return
+        if self._failures.pop(instance.id, None) is not None:
+            log.info("instance %s: load read again", instance.id)
         for worker in instance.workers:
             reading = readings.get(worker.endpoint.dp_rank)
             if reading is None:
@@ -155,3 +208,19 @@ class LoadMonitor:
                 # No step for that long: the gauges are the last step's leftovers.
                 reading = replace(reading, running=0.0, waiting=0.0)
             self._loads[worker.key] = reading
+
+    def _failed(self, instance: Instance, reason: str) -> None:
+        """No reading: the policy falls back to what kvroute knows itself (its in-flight
+        count). Said once when an instance starts failing, not every interval."""
+        if instance.id not in self._failures:
+            log.warning("instance %s: load not read (%s); routing without its metrics until "
+                        "a scrape succeeds", instance.id, reason)
+        self._failures[instance.id] = reason
+        for worker in instance.workers:
+            self._loads.pop(worker.key, None)
+
+
+def _read_page(body: bytes, read_at: float) -> dict[int, Load]:
+    # latin-1 decodes any bytes one to one, at C speed and one byte per character (UTF-8
+    # could take four); the names and numbers read are ASCII.
+    return parse_load(body.decode("latin-1"), read_at)

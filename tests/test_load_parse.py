@@ -70,3 +70,21 @@ def test_any_page_reads_like_the_full_parse(lines):
         f"# HELP {name} x\n# TYPE {name} {'counter' if name.endswith('_total') else 'gauge'}\n"
         + "".join(f"{line}\n" for line in body) for name, body in families.items())
     assert parse_load(text, read_at=0.0) == reference(text)
+
+
+def test_long_lines_are_skipped_and_any_line_ending_is_read():
+    sample = 'vllm:num_requests_running{engine="1",model_name="m"} 3.0'
+    assert parse_load(sample, 0.0) == {1: Load(running=3.0)}  # first line, no newline at end
+    assert parse_load(f"# x\r\n{sample}\r\n", 0.0) == {1: Load(running=3.0)}
+    long_name = sample.replace('"m"', '"' + "m" * 20_000 + '"')
+    assert parse_load(f"{long_name}\n", 0.0) == {}
+
+
+def test_hostile_pages_read_as_nothing():
+    """Shapes that made a regex backtrack through a whole line, or splitlines() hold a
+    string per line (the scraper caps a page at 4 MiB; these are smaller, same shapes)."""
+    for page in ("vllm:num_requests_running{" + "a" * 200_000,
+                 'vllm:num_requests_running{x="' + '\\"' * 100_000,
+                 ("vllm:num_requests_running{" + 'a="b",' * 2000 + "\n") * 20,
+                 "\n" * 1_000_000, "vllm:\n" * 100_000):
+        assert parse_load(page, 0.0) == {}
