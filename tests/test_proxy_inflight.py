@@ -37,8 +37,9 @@ def cluster() -> Iterator[SimCluster]:
 
 
 def proxy_settings() -> Settings:
+    # Some tests below address the app in-process as http://kvroute.
     return Settings(host="127.0.0.1", port=0, log_level="warning", proxy=True,
-                    placement_ttl=0.0, load_interval=0.0)
+                    placement_ttl=0.0, load_interval=0.0, allowed_hosts=("kvroute", "127.0.0.1"))
 
 
 def test_overlapping_requests_that_end_every_way_are_all_released(cluster: SimCluster):
