@@ -11,9 +11,10 @@ with the status the caller's STATUS_OF gives their kind (app.api owns that mappi
   streamed proxy response counts until it finishes). A flood then costs one small refusal
   per request instead of unbounded tasks, buffers and upstream connections.
 
-The probes /healthz and /readyz pass both checks: under a flood they must still answer,
-and Kubernetes probes send the pod's IP address as Host, which no allowed_hosts lists.
-They read nothing a rebinding page could use beyond readiness.
+The probes /healthz and /readyz and the /metrics page pass both checks: under a flood
+they must still answer, and Kubernetes probes and Prometheus send the pod's IP address
+as Host, which no allowed_hosts lists. They are open without a token anyway, and change
+nothing.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvroute.app.config import Settings
 from kvroute.app.errors import Busy, MalformedRequest, RequestError
 
-__all__ = ["PROBES", "AllowedHosts", "HttpGuard", "allowed_hosts_of", "host_name"]
+__all__ = ["OPEN_PATHS", "AllowedHosts", "HttpGuard", "allowed_hosts_of", "host_name"]
 
-PROBES = frozenset({"/healthz", "/readyz"})
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 # name or [IPv6], then an optional :port. The name part is not validated further: anything
@@ -101,7 +102,7 @@ class HttpGuard:
         self.in_progress = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PROBES:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         refusal = self._refusal(scope)

@@ -214,7 +214,7 @@ def test_requests_past_the_limit_are_refused_429_while_probes_answer() -> None:
 
         refused = wait_for(refused_third, "a third request to be refused")
         assert_refusal(refused.status_code, refused.json(), 429, None)
-        for probe in ("/healthz", "/readyz"):
+        for probe in ("/healthz", "/readyz", "/metrics"):
             assert http.get(probe).status_code == 200, probe
         # Both finish (with whatever answer routing gives: no instance is registered) ...
         for sock in (first, second):
@@ -235,8 +235,10 @@ def test_a_foreign_host_is_refused_on_a_loopback_address() -> None:
         for host in (f"127.0.0.1:{server.port}", "localhost", f"LocalHost:{server.port}",
                      f"[::1]:{server.port}"):
             assert http.get("/v1/instances", headers={"host": host}).status_code == 200, host
-        # Probes answer whatever Host they name (Kubernetes sends the pod's address).
-        assert http.get("/healthz", headers={"host": "10.1.2.3:8000"}).status_code == 200
+        # Probes and scrapes answer whatever Host they name (Kubernetes and Prometheus send
+        # the pod's address).
+        for path in ("/healthz", "/metrics"):
+            assert http.get(path, headers={"host": "10.1.2.3:8000"}).status_code == 200
         with connection(server) as sock:  # no Host header at all
             status, answer = exchange(sock, b"GET /v1/instances HTTP/1.1\r\n\r\n")
             assert_refusal(status, answer, 400, "host")
