@@ -91,6 +91,24 @@ class _TokenizeAnswer(msgspec.Struct):
     tokens: list[int]
 
 
+class _ErrorAnswer(msgspec.Struct):
+    """vLLM's OpenAI-style error answer: `{"error": {"message": ...}}`, or the older flat
+    `{"message": ...}`."""
+
+    error: dict[str, Any] | None = None
+    message: str | None = None
+
+
+def _error_message(body: bytes) -> str | None:
+    """The `message` of a vLLM error answer, cut to 300 characters; None for anything else."""
+    try:
+        answer = msgspec.json.decode(body, type=_ErrorAnswer)
+    except (ValueError, RecursionError):
+        return None
+    message = (answer.error or {}).get("message", answer.message)
+    return message[:300] if isinstance(message, str) else None
+
+
 class InstanceTokenizer:
     """Asks an instance's `/tokenize`; its failures are `UpstreamFailed` naming the instance.
 
@@ -118,12 +136,14 @@ class InstanceTokenizer:
                 raise TooLarge(f"the prompt is over the limit of {self._max_prompt_tokens} "
                                f"tokens ({url}: {exc})") from None
             raise UpstreamFailed(f"{url}: {exc}") from None
+        if answer.status >= 500:
+            raise UpstreamFailed(f"{url}/tokenize answered {answer.status}")
         if answer.status >= 400:
             # The instance refusing the prompt (4xx) is the prompt's fault, not the instance's.
-            # Its reason is shown, cut short: vLLM says there why it refused the prompt.
-            kind = UpstreamFailed if answer.status >= 500 else MalformedRequest
-            reason = answer.body[:300].decode("utf-8", "replace")
-            raise kind(f"{url}/tokenize answered {answer.status}: {reason}")
+            # vLLM's error message says why; nothing else of the answer is repeated.
+            reason = _error_message(answer.body)
+            raise MalformedRequest(f"{url}/tokenize answered {answer.status}"
+                                   + (f": {reason}" if reason else ""))
         try:
             # Decoding into the declared type checks every token in C: an answer of the
             # largest size costs a few ms of the event loop, not a Python loop over it.

@@ -227,7 +227,9 @@ def live_instance_at(client: httpx.Client, url: str, instance_id: str) -> Iterat
 @pytest.mark.parametrize(("tokenize", "status"), [
     (Answer("drip"), 502),
     (Answer("huge", size=64 * 1024 * 1024, declared=False), 413),
-], ids=["dripping /tokenize", "huge /tokenize"])
+    (Answer("ok", 400, MARK + b" is no vLLM error answer"), 400),
+    (Answer("ok", 500, MARK), 502),
+], ids=["dripping /tokenize", "huge /tokenize", "400 not JSON", "500"])
 def test_a_text_prompt_tokenized_by_a_hostile_instance_is_refused_not_held(tokenize, status):
     """A drip is the instance's failure (502, after the tokenizer's deadline); an answer
     larger than max_prompt_tokens tokens can be is the prompt's (413), as counting would."""
@@ -240,6 +242,22 @@ def test_a_text_prompt_tokenized_by_a_hostile_instance_is_refused_not_held(token
             assert answer.status_code == status, answer.text
             error = answer.json()
             assert error["field"] == "prompt" and "/tokenize" in error["error"]
+            assert MARK.decode() not in answer.text
+    finally:
+        server.stop()
+
+
+def test_only_the_message_of_a_vllm_error_answer_reaches_the_client():
+    server = start_service(tokenizer="instance", load_interval=0)
+    refusal = {"error": {"message": "'messages' must be a non-empty list", "code": 400},
+               "internal": MARK.decode()}
+    try:
+        with hostile_http({"/tokenize": Answer("ok", 400, json.dumps(refusal).encode())}) \
+                as url, httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as client, \
+                live_instance_at(client, url, "refuses"):
+            answer = client.post("/v1/route", json={"prompt": "hello there", "probe": True})
+            assert answer.status_code == 400, answer.text
+            assert "'messages' must be a non-empty list" in answer.json()["error"]
             assert MARK.decode() not in answer.text
     finally:
         server.stop()
