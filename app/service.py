@@ -362,6 +362,9 @@ class Service:
         }
         if instance.discovery_error:
             out["discovery_error"] = instance.discovery_error
+        load_error = self.load.failure(instance.id)
+        if load_error:
+            out["load_error"] = load_error
         if detail:
             holdings = self.index.stats().holdings
             out["workers"] = [

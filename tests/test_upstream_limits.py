@@ -283,6 +283,10 @@ def test_routes_keep_answering_while_an_instances_metrics_are_hostile(metrics: A
                                   "the scraper to record the hostile instance's failure")
                 assert reason.startswith("GET /metrics failed: ")
                 assert MARK.decode() not in reason
+                # Operators see it in the instance list.
+                listed = wait_for(lambda: client.get("/v1/instances/hostile").json().get(
+                    "load_error"), "the instance detail to show the scrape failure")
+                assert listed.startswith("GET /metrics failed: ")
 
                 prompt = unique_tokens(4242, 40)
                 for _ in range(30):
