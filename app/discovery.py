@@ -187,6 +187,16 @@ async def discover(url: str, client: httpx.AsyncClient, *,
     return InstanceInfo(url, models, block_size, workers, max_len, notes, adapters)
 
 
+async def discover_models(url: str, client: httpx.AsyncClient, *,
+                          api_key: str | None = None) -> tuple[list[str], list[str]]:
+    """The models an instance serves and which of them are LoRA adapters, from its
+    /v1/models alone (for instances registered with explicit endpoints)."""
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    models, _, adapters = _models(url, await _get_json(client, url, "/v1/models",
+                                                       headers=auth))
+    return models, adapters
+
+
 def _models(url: str, body: Any) -> tuple[list[str], int | None, list[str]]:
     data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list):

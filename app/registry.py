@@ -30,7 +30,7 @@ import httpx
 import zmq.asyncio
 
 from kvroute.app.config import InstanceConfig, default_instance_id, foreign_endpoints
-from kvroute.app.discovery import DiscoveryError, WorkerEndpoint, discover
+from kvroute.app.discovery import DiscoveryError, WorkerEndpoint, discover, discover_models
 from kvroute.app.errors import InvalidRequest, LimitReached
 from kvroute.app.subscriber import Subscriber, SubscriberOptions, WorkerState
 from kvroute.index import PrefixIndex
@@ -146,6 +146,10 @@ class Registry:
                             models=(config.model,) if config.model else (),
                             block_size=config.block_size)
         if config.events:
+            if wait_for_discovery and config.url:
+                await self._learn_models(instance)
+                if instance_id in self._instances:
+                    raise DuplicateInstance(instance_id)
             endpoints = [
                 WorkerEndpoint(instance_id=instance_id, dp_rank=rank, endpoint=endpoint,
                                replay_endpoint=config.replay[rank] if config.replay else None,
@@ -195,10 +199,7 @@ class Registry:
     async def _discover(self, instance: Instance) -> list[WorkerEndpoint]:
         assert instance.url is not None
         info = await discover(instance.url, self._client, api_key=instance.config.api_key)
-        wanted = instance.config.model
-        if wanted is not None and wanted not in info.models:
-            raise DiscoveryError(instance.url, f"it serves {', '.join(info.models)}; not "
-                                               f"{wanted!r} (the registration's `model`)")
+        self._check_model(instance, info.models)
         foreign = foreign_endpoints(instance.url, [
             e for w in info.workers for e in (w.endpoint, w.replay_endpoint) if e],
             self._endpoint_hosts)
@@ -217,6 +218,32 @@ class Registry:
                            replay_endpoint=w.replay_endpoint, topic=topic or w.topic)
             for w in info.workers
         ]
+
+    async def _learn_models(self, instance: Instance) -> None:
+        """An instance with explicit endpoints: its models from its /v1/models when that
+        answers, so a registration cannot claim a model the instance does not serve; the
+        registration's `model` when it does not (its HTTP server may be elsewhere)."""
+        assert instance.url is not None
+        self._adding += 1
+        try:
+            models, adapters = await discover_models(instance.url, self._client,
+                                                     api_key=instance.config.api_key)
+        except DiscoveryError as exc:
+            log.info("instance %s: models from its registration (%s)", instance.id, exc)
+            return
+        finally:
+            self._adding -= 1
+        self._check_model(instance, models)
+        instance.models = tuple(models)
+        instance.lora_adapters = frozenset(adapters)
+
+    @staticmethod
+    def _check_model(instance: Instance, models: list[str]) -> None:
+        wanted = instance.config.model
+        if wanted is not None and wanted not in models:
+            raise DiscoveryError(instance.url or instance.id,
+                                 f"it serves {', '.join(models)}; not {wanted!r} (the "
+                                 "registration's `model`)")
 
     async def _discover_until_found(self, instance: Instance) -> None:
         delay = DISCOVERY_RETRY_FIRST

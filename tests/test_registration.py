@@ -16,7 +16,9 @@ import pytest
 from kvroute.app.config import Settings
 from kvroute.app.server import BackgroundServer
 from kvroute.sim.cluster import SimCluster
+from kvroute.sim.instance import SimInstance
 from kvroute.sim.publisher import EventPublisher
+from kvroute.sim.spec import SimInstanceSpec
 from tests.conftest import HTTP_TIMEOUT, wait_for
 from tests.support.canned_http import canned_http
 
@@ -106,3 +108,22 @@ def test_models_come_from_the_instance_not_the_registration(cluster: SimCluster)
         named = http.post("/v1/instances", json={"url": cluster.urls[0], "model": "sim-model"})
         assert named.status_code == 201, named.text
         assert named.json()["models"] == ["sim-model"]
+
+
+def test_explicit_endpoints_take_their_models_from_the_instance_when_it_answers():
+    spec = SimInstanceSpec(block_size=BLOCK, num_blocks=64, model="sim-model")
+    with SimInstance(spec) as sim, served() as server, client_of(server) as http:
+        (sources,) = sim.kv_event_sources()
+        body = {"url": sim.url, "events": [sources["endpoint"]],
+                "replay": [sources["replay_endpoint"]]}
+        claimed = http.post("/v1/instances", json={**body, "model": "gpt-9"})
+        assert claimed.status_code == 502 and "sim-model" in claimed.json()["error"]
+        answer = http.post("/v1/instances", json=body)
+        assert answer.status_code == 201, answer.text
+        assert answer.json()["models"] == ["sim-model"]
+    # Whose HTTP server does not answer: the registration's model stands.
+    with EventPublisher() as events, served() as server, client_of(server) as http:
+        answer = http.post("/v1/instances", json={"url": "http://127.0.0.1:9", "model": "m",
+                                                  "events": [events.endpoint]})
+        assert answer.status_code == 201, answer.text
+        assert answer.json()["models"] == ["m"]
