@@ -44,6 +44,7 @@ from kvroute.app.upstream import (
     METRICS_MAX_BYTES,
     UpstreamError,
     fetch,
+    url_at,
 )
 
 _WILDCARD_HOSTS = {"*", "0.0.0.0", "::", "[::]", ""}
@@ -214,7 +215,7 @@ def _models(url: str, body: Any) -> tuple[list[str], int | None, list[str]]:
 async def _block_size(client: httpx.AsyncClient, url: str, notes: list[str]) -> int | None:
     """From vllm:cache_config_info; None (with a note) when metrics say nothing."""
     try:
-        answer = await fetch(client, "GET", f"{url}/metrics", max_bytes=METRICS_MAX_BYTES,
+        answer = await fetch(client, "GET", url_at(url, "/metrics"), max_bytes=METRICS_MAX_BYTES,
                              deadline=DISCOVERY_DEADLINE)
     except UpstreamError as exc:
         notes.append(f"{exc}: block size unknown until the first BlockStored")
@@ -255,7 +256,7 @@ def block_size_in(page: str) -> int | None:
 async def _get_json(client: httpx.AsyncClient, url: str, path: str,
                     headers: dict[str, str] | None = None) -> Any:
     try:
-        answer = await fetch(client, "GET", f"{url}{path}", headers=headers,
+        answer = await fetch(client, "GET", url_at(url, path), headers=headers,
                              max_bytes=DISCOVERY_MAX_BYTES, deadline=DISCOVERY_DEADLINE)
     except UpstreamError as exc:
         raise DiscoveryError(url, str(exc)) from None

@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 import httpx
 
 from kvroute.app.registry import Instance, Registry
-from kvroute.app.upstream import METRICS_MAX_BYTES, UpstreamError, fetch
+from kvroute.app.upstream import METRICS_MAX_BYTES, UpstreamError, fetch, url_at
 
 __all__ = ["Load", "LoadMonitor", "parse_load"]
 
@@ -178,7 +178,7 @@ class LoadMonitor:
     async def _scrape(self, instance: Instance) -> None:
         sent = time.monotonic()  # the reading shows every request the instance had by then
         try:
-            answer = await fetch(self._client, "GET", f"{instance.url}/metrics",
+            answer = await fetch(self._client, "GET", url_at(instance.url, "/metrics"),
                                  max_bytes=METRICS_MAX_BYTES, deadline=max(0.2, self.interval))
         except UpstreamError as exc:
             self._failed(instance, str(exc))

@@ -51,6 +51,7 @@ from kvroute.app.json_body import decode_json, field_of
 from kvroute.app.registry import Worker
 from kvroute.app.request_body import read_body
 from kvroute.app.service import RouteRequest, Service
+from kvroute.app.upstream import url_at
 
 __all__ = ["MAX_CONNECT_ATTEMPTS", "Proxy", "proxy_router", "route_request_of"]
 
@@ -237,7 +238,7 @@ class Proxy:
     async def _attempt(self, request: Request, path: str, body: bytes, worker: Worker,
                        attempt: int, uncached_tokens: int) -> Response | None:
         """The relayed response, or None when the worker refused the connection."""
-        url = f"{worker.instance.url}{path}"
+        url = url_at(worker.instance.url, path)
         upstream_request = self.client.build_request(
             "POST", url, content=body, params=request.url.query or None,
             headers=_forwarded_headers(request, worker, self.instance_key))
@@ -259,7 +260,9 @@ class Proxy:
         except _ClientGone:
             return Response(status_code=499)  # nobody reads it; nginx's "client closed"
         except httpx.HTTPError as exc:
-            raise UpstreamFailed(f"{url} failed before answering: {exc!r}") from None
+            # Only the class: a protocol error's text may quote what the instance sent.
+            raise UpstreamFailed(f"{url} failed before answering: "
+                                 f"{exc.__class__.__name__}") from None
         finally:
             if not relayed:  # from here on the relay owns the ticket
                 ticket.close()

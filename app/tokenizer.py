@@ -19,7 +19,7 @@ import httpx
 import msgspec
 
 from kvroute.app.errors import MalformedRequest, NoEligibleWorker, TooLarge, UpstreamFailed
-from kvroute.app.upstream import UpstreamError, fetch, tokenize_max_bytes
+from kvroute.app.upstream import UpstreamError, fetch, tokenize_max_bytes, url_at
 
 __all__ = ["InstanceTokenizer", "LocalTokenizer", "TokenizerError", "Tokenizer", "make_tokenizer"]
 
@@ -129,7 +129,7 @@ class InstanceTokenizer:
         if url is None:
             raise NoEligibleWorker("no live instance to tokenize with")
         try:
-            answer = await fetch(self._client, "POST", f"{url}/tokenize", json=body,
+            answer = await fetch(self._client, "POST", url_at(url, "/tokenize"), json=body,
                                  max_bytes=self._max_bytes, deadline=self._timeout)
         except UpstreamError as exc:
             if exc.kind == "too_large":

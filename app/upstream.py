@@ -33,7 +33,7 @@ import httpx
 
 __all__ = [
     "DISCOVERY_DEADLINE", "DISCOVERY_MAX_BYTES", "METRICS_MAX_BYTES", "Answer",
-    "UpstreamError", "fetch", "tokenize_max_bytes",
+    "UpstreamError", "fetch", "tokenize_max_bytes", "url_at",
 ]
 
 MiB = 1024 * 1024
@@ -79,6 +79,13 @@ class Answer:
 
     status: int
     body: bytes
+
+
+def url_at(origin: str, path: str) -> str:
+    """`path` on an instance's origin (`scheme://host[:port]`, as app.config leaves every
+    instance URL), built by the URL library rather than by pasting strings, so a path can
+    only ever replace the path."""
+    return str(httpx.URL(origin).copy_with(path=path))
 
 
 async def fetch(client: httpx.AsyncClient, method: str, url: str, *, max_bytes: int,
