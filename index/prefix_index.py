@@ -26,6 +26,9 @@ Invariants (``PrefixIndex._check()`` verifies them; the property tests call it):
   and such an entry is never all zero;
 - a worker's aggregated count for a key is ``node_counts.get(key, GPU_ONCE)`` while its bit
   is set, and is what decides its fastest tier;
+- a worker has a handle for an engine hash iff it holds that hash in some medium (stored
+  counts are never zero); so ``len(handles)`` is the number of blocks it holds, which
+  ``blocks_held`` reports in O(1) and store, remove, clear and drop keep exact;
 - after ``drop_worker`` of every worker all containers are empty; ``clear_worker`` leaves
   only the worker's slot, block size and group kinds.
 - Nothing is mutated before an event has been validated: a ``ValueError`` (bad medium,
@@ -238,9 +241,15 @@ class PrefixIndex:
             parent_key = found
             flag = 0
         step = block_size * TOKEN_BYTES
-        if self.placements.has(worker) and suffixes is None:
-            # Real blocks replace guesses, so a later eviction of one shows at once.
-            self.placements.confirm(worker, chain_keys(tokens, block_size, parent=parent_key))
+        if self.placements.has(worker):
+            # Real blocks replace guesses, so a later eviction of one shows at once. Guesses
+            # are chains of plain token keys: only the blocks before the first one with extra
+            # keys can be guessed (every key after it hashes that block's suffix in). This
+            # also makes a chain stored in consecutive pieces confirm what it would whole.
+            plain = blocks if suffixes is None else next(k for k, s in enumerate(suffixes) if s)
+            if plain:
+                self.placements.confirm(
+                    worker, chain_keys(tokens[: plain * step], block_size, parent=parent_key))
         if suffixes is not None or tier != GPU:
             self._store_chain(w, block_hashes, parent_key, flag, tokens, step, suffixes, tier)
             return
@@ -539,6 +548,29 @@ class PrefixIndex:
         return w
 
     # ------------------------------------------------------------------ queries
+
+    def blocks_held(self, worker: Worker) -> int:
+        """How many blocks (engine hashes) ``worker`` holds in at least one medium; 0 for a
+        worker the index does not know.
+
+        O(1): it is the size of the worker's handle table, which every store, removal, clear
+        and drop keeps exact (see the module's invariants), so no second count can drift
+        from it. All the index keeps for a worker (handles, reference counts, its nodes)
+        grows with this number, which makes it the measure for a cap on one worker.
+        """
+        w = self._workers.get(worker)
+        return 0 if w is None else len(w.handles)
+
+    def holds_hash(self, worker: Worker, block_hash: BlockHash) -> bool:
+        """Whether ``worker`` holds ``block_hash`` (signed and unsigned spellings alike) in
+        some medium: exactly when a chain naming it as parent would be placed."""
+        w = self._workers.get(worker)
+        if w is None:
+            return False
+        try:
+            return _normalized_hash(block_hash) in w.handles
+        except ValueError:
+            return False  # not a hash at all: nobody holds it
 
     def block_size(self, worker: Worker) -> int | None:
         """The block size the worker last stored with, None before its first store."""

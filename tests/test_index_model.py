@@ -448,6 +448,16 @@ class IndexMachine(RuleBasedStateMachine):
             assert self.index.block_size(name) == (model_size or None)
 
     @invariant()
+    def holdings_per_worker_agree(self):
+        """The O(1) count a per-worker cap reads, and the parent test a sliced store uses."""
+        for name in [*SPECS, NOT_A_WORKER]:
+            w = self.model.workers.get(name)
+            assert self.index.blocks_held(name) == (len(w.refs) if w else 0)
+            for block_hash in sorted(w.ever, key=repr)[:8] if w else [12345]:
+                assert self.index.holds_hash(name, block_hash) == (
+                    w is not None and block_hash in w.refs)
+
+    @invariant()
     def internal_layout_is_consistent(self):
         self.index._check()
 

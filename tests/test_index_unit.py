@@ -237,6 +237,35 @@ def test_mla_and_unnamed_kinds_are_indexed() -> None:
 # ---------------------------------------------------------------- clear and drop
 
 
+def test_blocks_held_counts_hashes_held_in_any_medium() -> None:
+    index = PrefixIndex()
+    assert index.blocks_held(A) == 0 and not index.holds_hash(A, 1)
+    store(index, A, [1, 2], None, TOKENS[:8])
+    store(index, A, [1, 2], None, TOKENS[:8])  # stored again: still two blocks
+    index.apply_stored(A, [2], None, [], 0, medium="CPU")  # offloaded: a medium more
+    assert index.blocks_held(A) == 2 and index.holds_hash(A, 2)
+    index.apply_removed(A, [2, 2])  # both GPU references gone, the CPU one stays
+    assert index.blocks_held(A) == 2
+    index.apply_removed(A, [2], medium="CPU")
+    assert index.blocks_held(A) == 1 and not index.holds_hash(A, 2)
+    store(index, A, [-3], 1, TOKENS[8:12])
+    assert index.holds_hash(A, (1 << 64) - 3) and index.holds_hash(A, -3)
+    assert not index.holds_hash(A, 1.5)  # type: ignore[arg-type]
+    index.clear_worker(A)
+    assert index.blocks_held(A) == 0 and index.blocks_held(B) == 0
+
+
+def test_storing_confirms_the_guesses_its_plain_blocks_stand_for() -> None:
+    """Blocks before the first one with extra keys are plain token keys, which guesses
+    are made of: storing them ends those guesses even when later blocks carry extras."""
+    index = PrefixIndex()
+    assert index.place(A, TOKENS[:12], block_size=4, expires=10.0) == 3
+    store(index, A, [1, 2, 3], None, TOKENS[:12], extra_keys=[None, None, ["img"]])
+    # Block 2 is the only guess left: block 3 as stored has an image in it.
+    assert len(index.placements) == 1
+    assert index.match(TOKENS[:12])[A].pending == 1
+
+
 def test_clear_leaves_the_worker_known_and_holding_nothing() -> None:
     index = PrefixIndex()
     store(index, A, [1, 2], None, TOKENS[:8], medium="CPU")
