@@ -20,17 +20,22 @@ Invariants:
   ``AllBlocksCleared`` classes, whichever encoding they came in.
 - ``apply_batch`` applies each event to the index on its own; an event the index rejects
   (``ValueError``) is counted as malformed and the rest of the batch still applies.
+- A decoded event's token ids are in ``[0, 2**32)`` (vLLM's are; the index takes no others):
+  one outside makes its event malformed at decode time, never half-way through applying it.
+- ``slices`` cuts an event into consecutive events that change an index exactly as the whole
+  event would (see there); it never copies an event that fits in one slice.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Literal, Protocol
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
 
 Hash = int | bytes
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
 Encoding = Literal["map", "array"]
 
 #: The 8-byte seq frame vLLM's replay ROUTER sends after the last buffered batch.
@@ -57,7 +62,7 @@ class BlockStored(
 
     block_hashes: list[Hash]
     parent_block_hash: Hash | None = None
-    token_ids: list[int] = []
+    token_ids: list[TokenId] = []
     block_size: int = 0
     lora_id: int | None = None
     medium: str | None = None
@@ -354,9 +359,11 @@ def apply_event(index: IndexWriter, worker: Any, event: Event) -> int:
     return 0
 
 
-def coalesced(events: Iterable[Event]) -> Iterator[Event]:
+def coalesced(events: Iterable[Event], max_run: int | None = None) -> Iterator[Event]:
     """``events`` with each run of consecutive BlockRemoved events of one medium and
-    KV-cache group merged into one event.
+    KV-cache group merged into one event (a run already ``max_run`` hashes long is
+    yielded before it takes the next event, so a consumer gets back control at least that
+    often; one event longer than that still comes whole).
 
     vLLM sends one hash per BlockRemoved event, so in a steady state half of all events
     are single removals. Removals of one medium and group next to each other commute, so
@@ -368,7 +375,8 @@ def coalesced(events: Iterable[Event]) -> Iterator[Event]:
     group: int | None = None
     for event in events:
         if isinstance(event, BlockRemoved):
-            if run and event.medium == medium and event.group_idx == group:
+            if (run and event.medium == medium and event.group_idx == group
+                    and (max_run is None or len(run) < max_run)):
                 run.extend(event.block_hashes)
                 continue
             if run:
@@ -381,6 +389,64 @@ def coalesced(events: Iterable[Event]) -> Iterator[Event]:
         yield event
     if run:
         yield BlockRemoved(run, medium=medium, group_idx=group)
+
+
+#: A slice of a store holds at most this many tokens per block it may hold (blocks of
+#: vLLM's default size): the index's work per block grows with the block's tokens.
+SLICE_TOKENS_PER_BLOCK = 16
+
+
+def slices(event: BlockStored | BlockRemoved, max_blocks: int,
+           holds: Callable[[Hash], bool] | None = None) -> Iterator[BlockStored | BlockRemoved]:
+    """``event`` as consecutive events of at most ``max_blocks`` blocks each (a store's also
+    of at most ``max_blocks * SLICE_TOKENS_PER_BLOCK`` tokens, but one block at least) that,
+    applied in order to a ``PrefixIndex``, leave it exactly as ``event`` applied whole.
+
+    - A store's slice after the first hangs off the previous slice's last hash, with the
+      token ids and extra keys of its own blocks (block k keeps
+      ``token_ids[k*block_size:(k+1)*block_size]`` whichever slice it is in).
+    - When the worker does not hold the event's parent (``holds(parent)`` is false; asked
+      only when the event is split, None means it does), the whole chain is orphaned:
+      every slice then names that parent, so none is placed under a slice boundary's hash
+      the worker might happen to hold from before.
+    - A store without tokens (CPU offload) resolves each hash on its own, and removals are
+      independent per hash: their slices split the hashes, nothing else.
+    - A store whose token ids, block size or extra keys do not fit its blocks is yielded
+      whole: the index rejects it before changing anything. Nothing else can be rejected
+      half-way: a decoded event's token ids are in range and its extra keys are plain
+      msgpack values.
+
+    An event that fits in one slice is yielded as it is (no copy).
+    """
+    hashes = event.block_hashes
+    count = len(hashes)
+    if isinstance(event, BlockRemoved) or not event.token_ids:
+        if count <= max_blocks:
+            yield event
+            return
+        for start in range(0, count, max_blocks):
+            yield msgspec.structs.replace(event, block_hashes=hashes[start:start + max_blocks])
+        return
+    tokens, block_size, extra = event.token_ids, event.block_size, event.extra_keys
+    if (type(block_size) is not int or block_size <= 0 or len(tokens) != count * block_size
+            or (extra is not None and len(extra) != count)):
+        yield event
+        return
+    per_slice = max(1, min(max_blocks, max_blocks * SLICE_TOKENS_PER_BLOCK // block_size))
+    if count <= per_slice:
+        yield event
+        return
+    parent = event.parent_block_hash
+    chained = parent is None or holds is None or holds(parent)
+    for start in range(0, count, per_slice):
+        end = start + per_slice
+        piece = hashes[start:end]
+        yield msgspec.structs.replace(
+            event, block_hashes=piece, parent_block_hash=parent,
+            token_ids=tokens[start * block_size:end * block_size],
+            extra_keys=None if extra is None else extra[start:end])
+        if chained:
+            parent = piece[-1]
 
 
 def apply_batch(index: IndexWriter, worker: Any, batch: EventBatch) -> int:
