@@ -21,12 +21,32 @@ Sequence tracking (docs/decisions.md; each seq is classified by ``sequence.class
   ``last_seq + 1`` picks up batches whose live copies were dropped at the end of a burst
   (a gap is otherwise only visible when the next batch arrives).
 - ``degraded`` means the worker's entry may under-report what the engine holds (history
-  lost, a gap that could not be filled). It ends when the state is known to be exact again:
-  an ``AllBlocksCleared`` was applied, or a rebuild got the publisher's history from seq 0.
+  lost, a gap that could not be filled, a store skipped for a cap). It ends when the state
+  is known to be exact again: an ``AllBlocksCleared`` was applied after the last skip, or a
+  rebuild got the publisher's history from seq 0.
+
+Bounds against a hostile or broken publisher (``SubscriberOptions``):
+
+- No frame over ``max_message_bytes`` is received, live or replayed: ZMQ drops a connection
+  that sends one (``MAXMSGSIZE``) and gives it up. A dropped live connection is like any
+  disconnect (down, cleared, rebuilt on reconnect; kvroute reconnects by hand where ZMQ
+  gave up). A dropped replay connection loses the batch after the last one received: the
+  worker is cleared and degraded, and the replay goes on after that batch.
+- At most ``rcvhwm`` live messages wait in kvroute's memory; past that ZMQ stops reading and
+  the backlog waits at the publisher, whose drops are sequence gaps that replay recovers.
+- A BlockStored of more than ``max_blocks_per_event`` blocks, or one that would take the
+  worker past ``max_blocks_per_worker`` blocks held, is counted and skipped, and the worker
+  turns degraded. Removals are never skipped: a skipped one would over-report.
+- Applying holds the event loop for at most ``slice_blocks`` blocks of index work (or
+  ``chunk_events`` events): bigger events are applied in slices (``wire.slices``) that
+  leave the index exactly as one call would, with a yield to the loop between them. Not
+  sliced: decoding one payload (bounded by ``max_message_bytes``) and a clear (one call,
+  O(blocks held), bounded by ``max_blocks_per_worker``).
 
 Ownership: the subscriber is the only writer of its worker's entries in the index. All index
-calls are synchronous and happen on the event loop, so each event is applied atomically; big
-batches yield to the loop between chunks of events, never inside one.
+calls are synchronous and happen on the event loop; a batch is applied in chunks of events
+and an event in slices of blocks, with yields to the loop between them. A disconnect during
+a yield abandons the batch (the worker was cleared, and will be rebuilt).
 """
 
 from __future__ import annotations
@@ -38,7 +58,7 @@ import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
@@ -46,7 +66,12 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvroute.app.sequence import Kind, Verdict, classify
 from kvroute.app.wire import (
+    SLICE_TOKENS_PER_BLOCK,
     AllBlocksCleared,
+    BlockStored,
+    Event,
+    Hash,
+    IndexWriter,
     WireError,
     apply_event,
     coalesced,
@@ -54,6 +79,7 @@ from kvroute.app.wire import (
     decode_replay_frame,
     decode_seq,
     encode_seq,
+    slices,
 )
 
 log = logging.getLogger(__name__)
@@ -91,11 +117,20 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "unknown": ("kvroute_unknown_events", "events of a type kvroute does not know, skipped"),
     "duplicates": ("kvroute_duplicate_batches",
                    "live batches a replay had already applied, skipped"),
-    "degraded_count": ("kvroute_degraded", "times history was lost and the worker was rebuilt"),
+    "degraded_count": ("kvroute_degraded",
+                       "times the worker turned degraded: history lost or a store skipped"),
     "restarts": ("kvroute_engine_restarts", "engine restarts detected (sequence went back)"),
     "disconnects": ("kvroute_disconnects", "connections to the publisher lost"),
     "rank_mismatches": ("kvroute_rank_mismatches",
                         "batches whose payload named another data-parallel rank"),
+    "oversized_events": ("kvroute_oversized_events",
+                         "BlockStored events over max_blocks_per_event, skipped"),
+    "over_capacity": ("kvroute_over_capacity_events",
+                      "BlockStored events that would take the worker past "
+                      "max_blocks_per_worker blocks, skipped"),
+    "unreceivable": ("kvroute_unreceivable_batches",
+                     "replayed batches lost with their connection (a frame over "
+                     "max_message_bytes drops it), skipped after clearing the worker"),
 }
 
 
@@ -131,6 +166,9 @@ class WorkerStatus:
     restarts: int = 0
     disconnects: int = 0
     rank_mismatches: int = 0
+    oversized_events: int = 0
+    over_capacity: int = 0
+    unreceivable: int = 0
     last_event_time: float | None = None
     last_error: str | None = None
 
@@ -141,6 +179,14 @@ class WorkerStatus:
 
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+
+
+class SubscriberIndex(IndexWriter, Protocol):
+    """What a subscriber needs of its index besides applying events (``PrefixIndex``)."""
+
+    def blocks_held(self, worker: Any) -> int: ...
+
+    def holds_hash(self, worker: Any, block_hash: Any) -> bool: ...
 
 
 class SubscriberHooks:
@@ -159,7 +205,19 @@ class SubscriberOptions:
     reconnect_ivl_max_ms: int = 5_000
     idle_check: float = 5.0         # quiet live stream: look for dropped tail batches
     chunk_events: int = 256         # events applied between two yields to the loop
-    rcvhwm: int = 0                 # 0 = unbounded: never drop on kvroute's side
+    # Blocks of index work between two yields to the loop (a block of more than
+    # wire.SLICE_TOKENS_PER_BLOCK tokens counts as one per that many): about 2 ms of
+    # PrefixIndex work, so a 65,536-block store holds the loop 16 times ~2 ms, not ~35 ms.
+    slice_blocks: int = 4096
+    # Live messages ZMQ may hold for kvroute while the subscriber is busy (a replay, a big
+    # batch). Bounded so that a publisher cannot grow kvroute's memory: at most rcvhwm
+    # messages of at most max_message_bytes each (256 MiB at the defaults, for a publisher
+    # that sends nothing but maximum-size frames; real batches are KBs). Nothing is lost
+    # by a small queue: when it is full ZMQ stops reading the connection, so the backlog
+    # waits in the publisher's send queue (vLLM's holds 100,000 messages), and what the
+    # publisher drops past that becomes sequence gaps, which replay recovers. Measured on
+    # loopback: the same ~20k messages/s received with 16, 64, 1,000 or unbounded.
+    rcvhwm: int = 16
     # Bounds against a hostile or broken publisher (Settings' max_event_message_bytes,
     # max_blocks_per_event, max_blocks_per_worker).
     max_message_bytes: int = 16 * 1024 * 1024
@@ -190,7 +248,7 @@ class Subscriber:
     def __init__(
         self,
         endpoint: WorkerEndpoint,
-        index: Any,
+        index: SubscriberIndex,
         *,
         ctx: zmq.asyncio.Context | None = None,
         hooks: SubscriberHooks | None = None,
@@ -218,6 +276,11 @@ class Subscriber:
         # of one of them from a restarted engine's batch with the same seq.
         self._replayed: dict[int, int] = {}
         self._unyielded = 0  # events applied since the last yield to the event loop
+        self._unyielded_work = 0  # blocks of index work since then (see slice_blocks)
+        # When the live connection dropped without ZMQ scheduling a reconnect (it gives a
+        # connection up after a protocol error, e.g. a message over MAXMSGSIZE); None
+        # while connected or while ZMQ reconnects by itself.
+        self._given_up_at: float | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -227,6 +290,7 @@ class Subscriber:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.options.rcvhwm)
+        sub.setsockopt(zmq.MAXMSGSIZE, self.options.max_message_bytes)
         sub.setsockopt(zmq.RECONNECT_IVL, self.options.reconnect_ivl_ms)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, self.options.reconnect_ivl_max_ms)
         sub.setsockopt(zmq.SUBSCRIBE, self.endpoint.topic.encode())
@@ -267,8 +331,17 @@ class Subscriber:
             frames = await monitor.recv_multipart()
             event = parse_monitor_message(frames)["event"]
             if event == _UP:
+                self._given_up_at = None
                 self._connected.set()
-            elif event == zmq.EVENT_DISCONNECTED or not self._connected.is_set():
+                continue
+            # ZMQ follows a dropped connection with EVENT_CONNECT_RETRIED at once when it
+            # will reconnect by itself. After a protocol error (a message over MAXMSGSIZE)
+            # it drops the connection for good, and says nothing more.
+            if event == zmq.EVENT_DISCONNECTED:
+                self._given_up_at = time.monotonic()
+            elif event == zmq.EVENT_CONNECT_RETRIED:
+                self._given_up_at = None
+            if event == zmq.EVENT_DISCONNECTED or not self._connected.is_set():
                 self._went_down(event)
 
     def _went_down(self, event: int) -> None:
@@ -292,6 +365,7 @@ class Subscriber:
             self._working_generation = self._generation
             try:
                 if not self._connected.is_set():
+                    self._reconnect_if_given_up(sub)
                     await self._wait_or_stop(self._connected.wait(), _POLL_MS / 1000)
                 elif self._needs_rebuild:
                     self._needs_rebuild = False
@@ -313,6 +387,24 @@ class Subscriber:
                 log.exception("%s: unexpected error", self.worker)
                 self.status.last_error = f"internal error: {exc!r}"
                 await asyncio.sleep(_POLL_MS / 1000)
+
+    def _reconnect_if_given_up(self, sub: zmq.asyncio.Socket) -> None:
+        """Connect again where ZMQ gave the connection up (see ``_watch``), one reconnect
+        interval after it dropped: a publisher whose every connection ends in an oversized
+        message is retried at that pace, not in a tight loop."""
+        since = self._given_up_at
+        if since is None or time.monotonic() - since < self.options.reconnect_ivl_ms / 1000:
+            return
+        self._given_up_at = None
+        endpoint = self.endpoint.endpoint
+        self.status.last_error = (
+            f"{endpoint} sent something that made ZMQ drop the connection for good (a "
+            f"message over max_message_bytes={self.options.max_message_bytes} does); "
+            "connecting again")
+        log.warning("%s: %s", self.worker, self.status.last_error)
+        with contextlib.suppress(zmq.ZMQError):  # ZMQ may have forgotten the endpoint
+            sub.disconnect(endpoint)
+        sub.connect(endpoint)
 
     def _check_connection(self) -> None:
         """Called after every await inside a step: a disconnect meanwhile voids the step."""
@@ -409,16 +501,21 @@ class Subscriber:
         for attempt in range(self.options.replay_retries):
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.MAXMSGSIZE, self.options.max_message_bytes)
+            dropped = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             try:
                 dealer.connect(self.endpoint.replay_endpoint)
                 await dealer.send_multipart([b"", encode_seq(start)])
-                return await self._consume_replay(dealer, start)
+                return await self._consume_replay(dealer, dropped, start)
             except TimeoutError:
                 self.status.last_error = (
                     f"replay from {self.endpoint.replay_endpoint} timed out "
                     f"(attempt {attempt + 1}/{self.options.replay_retries})"
                 )
             finally:
+                with contextlib.suppress(zmq.ZMQError):
+                    dealer.disable_monitor()
+                dropped.close(0)
                 dealer.close(0)
             if self._stopping.is_set():
                 break
@@ -429,15 +526,13 @@ class Subscriber:
         log.warning("%s: %s", self.worker, self.status.last_error)
         return "failed"
 
-    async def _consume_replay(self, dealer: zmq.asyncio.Socket, start: int) -> str:
+    async def _consume_replay(self, dealer: zmq.asyncio.Socket, dropped: zmq.asyncio.Socket,
+                              start: int) -> str:
         first = True
         while True:
-            ready = await dealer.poll(int(self.options.replay_timeout * 1000), zmq.POLLIN)
-            self._check_connection()
-            if not ready:
-                raise TimeoutError
-            frames = await dealer.recv_multipart()
-            self._check_connection()
+            frames = await self._next_reply(dealer, dropped)
+            if frames is None:
+                return self._replay_cut(start)
             try:
                 reply = decode_replay_frame(frames)
             except WireError as exc:
@@ -457,6 +552,45 @@ class Subscriber:
             if verdict.kind is Kind.GAP:
                 return "hole"  # the ROUTER dropped frames (its HWM): ask again from here
             await self._apply(reply.seq, reply.payload, replayed=True)
+
+    async def _next_reply(self, dealer: zmq.asyncio.Socket,
+                          dropped: zmq.asyncio.Socket) -> list[bytes] | None:
+        """The next reply's frames; None once the connection has dropped (``dropped`` is its
+        EVENT_DISCONNECTED monitor) and every reply it delivered has been read. Raises
+        TimeoutError after ``replay_timeout`` without either."""
+        poller: zmq.asyncio.Poller | None = None
+        while True:
+            # Replies delivered before a drop stay queued, and ZMQ makes them readable
+            # before it reports the drop: read them all first.
+            if await dealer.poll(0, zmq.POLLIN):
+                frames = await dealer.recv_multipart()
+                self._check_connection()
+                return frames
+            if await dropped.poll(0, zmq.POLLIN):
+                return None
+            if poller is None:
+                poller = zmq.asyncio.Poller()
+                poller.register(dealer, zmq.POLLIN)
+                poller.register(dropped, zmq.POLLIN)
+            ready = await poller.poll(int(self.options.replay_timeout * 1000))
+            self._check_connection()
+            if not ready:
+                raise TimeoutError
+
+    def _replay_cut(self, start: int) -> str:
+        """The replay connection dropped mid-answer. ZMQ drops one that sends a frame over
+        max_message_bytes, and the ROUTER cannot send the rest to a new connection, so the
+        batch after the last one received (the one such a frame held) cannot be had. Like a
+        gap nothing can fill it clears the worker (the batch may have removed blocks: holding
+        them would over-report); the replay is then asked again from the batch after it."""
+        last = self.status.last_seq
+        lost = start if last is None else max(start, last + 1)
+        self._count("unreceivable")
+        self._give_up(f"replayed batch {lost} could not be received: the replay connection "
+                      "dropped (ZMQ drops one that sends a frame over max_message_bytes="
+                      f"{self.options.max_message_bytes})")
+        self.status.last_seq = lost
+        return "hole"
 
     def _lost_history(self, asked: int, got: int) -> None:
         log.warning("%s: replay asked from %d starts at %d: history lost, rebuilding degraded",
@@ -491,16 +625,21 @@ class Subscriber:
         blocks = 0
         exact_again = False
         chunk = self.options.chunk_events
-        for event in coalesced(batch.events):
+        # Runs of removals are cut at slice_blocks hashes, so that coalescing them does not
+        # hold the loop longer than applying them may.
+        for event in coalesced(batch.events, self.options.slice_blocks):
             # Counted across batches, so that a replay of thousands of small batches yields
             # too, whether or not zmq's own awaits happen to.
             self._unyielded += 1
             if self._unyielded >= chunk:
-                self._unyielded = 0
-                await asyncio.sleep(0)
-                self._check_connection()
+                await self._yield_to_loop()
+            if isinstance(event, BlockStored) and self._over_a_cap(seq, event):
+                exact_again = False  # only a clear after the skip makes the worker exact
+                continue
             try:
-                blocks += apply_event(self.index, self.worker, event)
+                blocks += await self._apply_event(event)
+            except _Disconnected:
+                raise
             except ValueError as exc:
                 batch.malformed += 1
                 status.last_error = f"seq {seq}: event rejected by the index: {exc}"
@@ -525,6 +664,75 @@ class Subscriber:
             self._degraded = False
         if status.state.serving:
             self._settle()
+
+    async def _apply_event(self, event: Event) -> int:
+        """Apply one event; returns the blocks it stored or removed. An event of more work
+        than ``slice_blocks`` goes in slices (``wire.slices``: the index ends up exactly as
+        after one call), and the loop runs before any slice that would take the work done
+        since its last turn past ``slice_blocks``. A ``ValueError`` can only come from the
+        first slice, before anything changed."""
+        budget = self.options.slice_blocks
+        work = self._work(event)
+        if work <= budget:  # nearly every event: one call
+            if self._unyielded_work + work > budget:
+                await self._yield_to_loop()
+            self._unyielded_work += work
+            return apply_event(self.index, self.worker, event)
+        assert not isinstance(event, AllBlocksCleared)  # a clear is one call, whatever it costs
+        applied = 0
+        for piece in slices(event, budget, self._holds):
+            work = self._work(piece)
+            if self._unyielded_work and self._unyielded_work + work > budget:
+                await self._yield_to_loop()
+            self._unyielded_work += work
+            applied += apply_event(self.index, self.worker, piece)
+        return applied
+
+    def _work(self, event: Event) -> int:
+        """Blocks of index work ``event`` costs (see ``SubscriberOptions.slice_blocks``)."""
+        if isinstance(event, AllBlocksCleared):
+            return min(self.index.blocks_held(self.worker), self.options.slice_blocks)
+        tokens = len(event.token_ids) if isinstance(event, BlockStored) else 0
+        return max(len(event.block_hashes), tokens // SLICE_TOKENS_PER_BLOCK)
+
+    def _holds(self, block_hash: Hash) -> bool:
+        return self.index.holds_hash(self.worker, block_hash)
+
+    async def _yield_to_loop(self) -> None:
+        """Let the loop run (queries, other workers); a disconnect meanwhile voids the step."""
+        self._unyielded = 0
+        self._unyielded_work = 0
+        await asyncio.sleep(0)
+        self._check_connection()
+
+    def _over_a_cap(self, seq: int, event: BlockStored) -> bool:
+        """Whether a store is refused for a cap. A refused store is counted and skipped,
+        and the worker turns degraded: it may now under-report. Removals are never refused:
+        a skipped one would over-report."""
+        options = self.options
+        blocks = len(event.block_hashes)
+        if blocks > options.max_blocks_per_event:
+            self._skip_store("oversized_events", f"seq {seq}: a BlockStored of {blocks} blocks "
+                             f"is over max_blocks_per_event ({options.max_blocks_per_event})")
+            return True
+        if not event.token_ids:
+            return False  # an offload adds a medium to blocks the worker holds, never a block
+        # Every block counts as new, also one stored again (that adds a reference, not a
+        # block): telling them apart would cost a lookup per block.
+        held = self.index.blocks_held(self.worker)
+        if held + blocks > options.max_blocks_per_worker:
+            self._skip_store("over_capacity", f"seq {seq}: storing {blocks} blocks would take "
+                             f"the worker past max_blocks_per_worker "
+                             f"({options.max_blocks_per_worker}); it holds {held}")
+            return True
+        return False
+
+    def _skip_store(self, counter: str, reason: str) -> None:
+        self._count(counter)
+        self.status.last_error = f"{reason}; skipped"
+        if not self._degraded:  # logged once per spell, however many stores follow
+            log.warning("%s: %s; skipped, the worker is degraded", self.worker, reason)
+            self._mark_degraded()
 
     # --- bookkeeping --------------------------------------------------------------------------
 

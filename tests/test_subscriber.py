@@ -13,8 +13,6 @@ import asyncio
 import contextlib
 import dataclasses
 import random
-from collections.abc import AsyncIterator
-from typing import Any, NamedTuple
 
 import msgspec
 import pytest
@@ -41,6 +39,7 @@ from tests.support.events import (
     caught_up,
     endpoint_of,
     run,
+    subscribed,
 )
 
 SERVING = ("live", "degraded")
@@ -58,36 +57,6 @@ async def barrier(sub: Subscriber, index: OpLog, ledger: Ledger, source: EventSo
     (the live queue is FIFO), so counters are final."""
     ledger.publish(source.batch())
     await synced(sub, index, ledger, "barrier batch")
-
-
-class Rig(NamedTuple):
-    pub: EventPublisher
-    ledger: Ledger
-    source: EventSource
-    index: OpLog
-    sub: Subscriber
-
-
-@contextlib.asynccontextmanager
-async def subscribed(ctx, seed: int, *, index: OpLog | None = None, options=TEST_OPTIONS,
-                     backlog: int = 0, wait_live: bool = True,
-                     **publisher: Any) -> AsyncIterator[Rig]:
-    """A publisher (built with `publisher`), its ledger, `EventSource(seed)` and a running
-    subscriber into `index` (a fresh OpLog by default). `backlog` batches are published and
-    flushed before the subscriber starts, so it can only learn them by replay; with
-    `wait_live` the body starts once the first connection is live."""
-    with EventPublisher(**publisher) as pub:
-        ledger, source = Ledger(pub), EventSource(seed)
-        index = OpLog() if index is None else index
-        for _ in range(backlog):
-            ledger.publish(source.batch())
-        if backlog:
-            pub.flush()
-        sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=options)
-        async with Running(sub):
-            if wait_live:
-                await wait_until(lambda: sub.status.state == "live", "first connection")
-            yield Rig(pub, ledger, source, index, sub)
 
 
 FORMATS = [("map", "new"), ("array", "old"), ("map", "old"), ("array", "new")]

@@ -10,10 +10,11 @@ inside a polling loop on the event loop being measured.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
-from collections import defaultdict
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NamedTuple
 
 import zmq.asyncio
 
@@ -21,7 +22,7 @@ from kvroute.app.subscriber import Subscriber, SubscriberOptions, WorkerEndpoint
 from kvroute.app.wire import BlockRemoved, BlockStored, Event, EventBatch, apply_batch
 from kvroute.index import PrefixIndex
 from kvroute.sim.publisher import EventPublisher
-from tests.conftest import run_async, scaled
+from tests.conftest import run_async, scaled, wait_until
 
 # Subscriber options for tests: quick reconnects, and a replay timeout a loaded event loop
 # meets with room to spare. A test that needs a replay to fail quickly sets its own.
@@ -38,23 +39,44 @@ def _freeze(value: Any) -> Any:
 
 
 class OpLog:
-    """A recording stand-in for PrefixIndex: per worker, the operations since its last clear."""
+    """A recording stand-in for PrefixIndex: per worker, the operations since its last clear.
+
+    For the subscriber's caps it also answers ``blocks_held`` and ``holds_hash`` from a
+    reference count per hash (stores with tokens add, removals take away; mediums, orphans
+    and group kinds are not modelled): tests of the caps themselves use a real PrefixIndex.
+    """
 
     def __init__(self) -> None:
         self.ops: dict[Any, list[tuple[Any, ...]]] = defaultdict(list)
+        self.refs: dict[Any, Counter[Any]] = defaultdict(Counter)
 
     def apply_stored(self, worker, block_hashes, parent_block_hash, token_ids, block_size,
                      **kwargs) -> None:
         self.ops[worker].append(("stored", _freeze(block_hashes), parent_block_hash,
                                  _freeze(token_ids), block_size,
                                  tuple(sorted((k, _freeze(v)) for k, v in kwargs.items()))))
+        if token_ids:
+            self.refs[worker].update(block_hashes)
 
     def apply_removed(self, worker, block_hashes, **kwargs) -> None:
         self.ops[worker].append(("removed", _freeze(block_hashes),
                                  tuple(sorted(kwargs.items()))))
+        refs = self.refs[worker]
+        for block_hash in block_hashes:
+            if refs[block_hash] > 1:
+                refs[block_hash] -= 1
+            else:
+                del refs[block_hash]  # a Counter forgives a missing key
 
     def clear_worker(self, worker) -> None:
         self.ops[worker] = []
+        self.refs[worker] = Counter()
+
+    def blocks_held(self, worker) -> int:
+        return len(self.refs.get(worker, ()))
+
+    def holds_hash(self, worker, block_hash) -> bool:
+        return self.refs.get(worker, Counter())[block_hash] > 0
 
     def log(self, worker) -> list[tuple[Any, ...]]:
         return list(self.ops.get(worker, []))
@@ -176,3 +198,33 @@ class Running:
 
 def endpoint_of(pub: EventPublisher, rank: int = 0, instance: str = "vllm-a") -> WorkerEndpoint:
     return WorkerEndpoint(instance, rank, pub.endpoint, pub.replay_endpoint)
+
+
+class Rig(NamedTuple):
+    pub: EventPublisher
+    ledger: Ledger
+    source: EventSource
+    index: Any  # an OpLog unless the test gave its own
+    sub: Subscriber
+
+
+@contextlib.asynccontextmanager
+async def subscribed(ctx, seed: int, *, index: Any = None, options=TEST_OPTIONS,
+                     backlog: int = 0, wait_live: bool = True,
+                     **publisher: Any) -> AsyncIterator[Rig]:
+    """A publisher (built with `publisher`), its ledger, `EventSource(seed)` and a running
+    subscriber into `index` (a fresh OpLog by default). `backlog` batches are published and
+    flushed before the subscriber starts, so it can only learn them by replay; with
+    `wait_live` the body starts once the first connection is live."""
+    with EventPublisher(**publisher) as pub:
+        ledger, source = Ledger(pub), EventSource(seed)
+        index = OpLog() if index is None else index
+        for _ in range(backlog):
+            ledger.publish(source.batch())
+        if backlog:
+            pub.flush()
+        sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=options)
+        async with Running(sub):
+            if wait_live:
+                await wait_until(lambda: sub.status.state == "live", "first connection")
+            yield Rig(pub, ledger, source, index, sub)
