@@ -1,0 +1,409 @@
+"""A hostile or broken publisher can neither exhaust kvroute's memory nor freeze its loop.
+
+Through real ZMQ sockets on loopback: a frame over ``max_message_bytes`` never reaches the
+index (live or replayed) and the worker recovers; a store over ``max_blocks_per_event`` or
+past ``max_blocks_per_worker`` is counted and skipped while the rest of the stream applies;
+garbage is counted as malformed; a huge store that is allowed is applied in slices with the
+loop running between them. Without sockets: an event applied in slices (``wire.slices``)
+leaves a PrefixIndex exactly as one call would, over random histories.
+
+Nothing here measures time: the loop's responsiveness is asserted as the most blocks of
+index work done between two turns of the loop (a concurrent task counts the turns).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import random
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvroute.app.subscriber import Subscriber
+from kvroute.app.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    apply_event,
+    slices,
+)
+from kvroute.index import PrefixIndex
+from kvroute.sim.publisher import EventPublisher
+from tests.conftest import wait_until
+from tests.support.events import (
+    TEST_OPTIONS,
+    EventSource,
+    Ledger,
+    Running,
+    endpoint_of,
+    run,
+    subscribed,
+    truth_index,
+)
+
+WORKER = ("vllm-a", 0)
+SERVING = ("live", "degraded")
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+def snapshot(index: PrefixIndex, *, counters: bool = True) -> dict[str, Any]:
+    """A deep copy of everything a PrefixIndex holds, comparable between two indexes whose
+    workers arrived in the same order. ``counters=False`` leaves out the cumulative counters
+    (orphaned blocks, unknown removals, ...), which a clear does not reset; the estimate of
+    memory is always left out (a dict's table size depends on its history)."""
+    workers = {name: (w.slot, w.block_size, w.handles, w.counts, w.node_counts, w.held,
+                      w.groups) for name, w in index._workers.items()}
+    state: dict[str, Any] = {"nodes": index._nodes, "tiered": index._tiered,
+                             "workers": workers, "guesses": index.placements._guessed}
+    stats = dataclasses.replace(index.stats(), estimated_bytes=0)
+    state["stats"] = stats if counters else (stats.nodes, stats.workers, stats.holdings)
+    return copy.deepcopy(state)
+
+
+def chain(first_hash: int, blocks: int, *, parent: int | None = None, block_size: int = 4,
+          seed: int = 0, **fields: Any) -> BlockStored:
+    """A BlockStored of ``blocks`` blocks hashed first_hash, first_hash + 1, ..."""
+    rng = random.Random(seed)
+    return BlockStored(
+        block_hashes=list(range(first_hash, first_hash + blocks)), parent_block_hash=parent,
+        token_ids=[rng.randrange(50_000) for _ in range(blocks * block_size)],
+        block_size=block_size, **fields)
+
+
+async def settled(sub: Subscriber, ledger: Ledger, states: tuple[str, ...] = SERVING,
+                  what: str = "the last batch") -> None:
+    """Until the subscriber is in one of ``states`` with the ledger's last batch applied."""
+    await wait_until(lambda: sub.status.state in states and sub.status.last_seq == ledger.last,
+                     what, detail=lambda: sub.status)
+
+
+def truth_of(ledger: Ledger, seqs: list[int] | None = None) -> PrefixIndex:
+    """A fresh PrefixIndex given the ledger's batches (all, or ``seqs``) whole, in order."""
+    truth = PrefixIndex()
+    ledger.apply_to(truth, WORKER, seqs)
+    return truth
+
+
+def oversized_batch(seed: int, min_bytes: int) -> list[Event]:
+    """One store whose encoded batch is over ``min_bytes`` (well under any block cap)."""
+    blocks = min_bytes // 40  # a block of 16 tokens encodes to more than 40 bytes
+    return [chain(1_000_000, blocks, block_size=16, seed=seed)]
+
+
+# --- frames over max_message_bytes --------------------------------------------------------------
+
+SMALL_FRAMES = dataclasses.replace(TEST_OPTIONS, max_message_bytes=64 * 1024)
+
+
+def test_a_live_frame_over_max_message_bytes_never_reaches_the_index_and_the_worker_recovers():
+    """ZMQ drops the connection (for good: kvroute connects again itself); the rebuild's
+    replay drops too at that frame, so the batch is skipped, the worker cleared and degraded,
+    and everything after it applied. A cache reset makes it exact, and live, again."""
+
+    async def scenario(ctx):
+        rig = subscribed(ctx, 1, index=PrefixIndex(), options=SMALL_FRAMES)
+        async with rig as (pub, ledger, source, index, sub):
+            for _ in range(3):
+                ledger.publish(source.batch())
+            await settled(sub, ledger, ("live",), "the batches before")
+            big = oversized_batch(1, 2 * SMALL_FRAMES.max_message_bytes)
+            big_seq = ledger.publish(big)
+            after = [ledger.publish(source.batch()) for _ in range(3)]
+            await settled(sub, ledger, ("degraded",), "the batches after the big frame")
+
+            status = sub.status
+            assert status.disconnects == 1 and status.unreceivable == 1
+            assert f"batch {big_seq} could not be received" in (status.last_error or "")
+            assert not any(index.holds_hash(WORKER, h) for h in big[0].block_hashes)
+            # Exactly what came after the lost batch: nothing stale, nothing of it.
+            assert snapshot(index, counters=False) == snapshot(truth_of(ledger, after),
+                                                               counters=False)
+
+            ledger.publish([AllBlocksCleared(), *source.batch()])
+            ledger.publish(source.batch())
+            await settled(sub, ledger, ("live",), "live again after a cache reset")
+            assert snapshot(index, counters=False) == snapshot(truth_of(ledger),
+                                                               counters=False)
+    run(scenario)
+
+
+def test_a_replayed_frame_over_max_message_bytes_is_skipped_and_the_replay_goes_on():
+    async def scenario(ctx):
+        with EventPublisher() as pub:
+            ledger, source, index = Ledger(pub), EventSource(2), PrefixIndex()
+            before = [ledger.publish(source.batch()) for _ in range(2)]
+            ledger.publish(oversized_batch(2, 2 * SMALL_FRAMES.max_message_bytes))
+            after = [ledger.publish(source.batch()) for _ in range(2)]
+            pub.flush()  # all buffered before the subscriber connects: only replay has them
+            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=SMALL_FRAMES)
+            async with Running(sub):
+                await settled(sub, ledger, ("degraded",), "the rebuild")
+                status = sub.status
+                assert status.unreceivable == 1 and status.disconnects == 0
+                assert status.batches == len(before) + len(after)
+                assert snapshot(index, counters=False) == snapshot(truth_of(ledger, after),
+                                                                   counters=False)
+    run(scenario)
+
+
+# --- caps on stores ---------------------------------------------------------------------------
+
+
+def test_a_store_over_max_blocks_per_event_is_counted_skipped_and_degrades_the_worker():
+    async def scenario(ctx):
+        options = dataclasses.replace(TEST_OPTIONS, max_blocks_per_event=64)
+        rig = subscribed(ctx, 3, index=PrefixIndex(), options=options)
+        async with rig as (pub, ledger, source, index, sub):
+            first, big, under = chain(1, 10), chain(100, 65, seed=1), chain(200, 5, parent=10)
+            seq = ledger.publish([first, big, under])
+            ledger.sent[seq] = [first, under]  # what must apply: all but the big store
+            # Removals are never skipped, however long: 10 held hashes and 90 unknown ones.
+            ledger.publish([BlockRemoved(block_hashes=list(range(1, 101)))])
+            ledger.publish([chain(300, 64, seed=2)])  # exactly the cap: applied
+            await settled(sub, ledger, ("degraded",), "the batches around the big store")
+            status = sub.status
+            assert status.oversized_events == 1 and status.degraded_count == 1
+            assert "65 blocks is over max_blocks_per_event (64)" in (status.last_error or "")
+            assert index.blocks_held(WORKER) == 5 + 64
+            assert snapshot(index) == snapshot(truth_of(ledger))
+
+            # A clear before a skipped store does not make the worker exact; one after does.
+            seq = ledger.publish([AllBlocksCleared(), big])
+            ledger.sent[seq] = [AllBlocksCleared()]
+            await settled(sub, ledger, ("degraded",), "a clear, then a big store")
+            assert sub.status.oversized_events == 2 and sub.status.degraded_count == 1
+            ledger.publish([big, AllBlocksCleared(), chain(400, 3)])
+            ledger.sent[ledger.last] = [AllBlocksCleared(), chain(400, 3)]
+            await settled(sub, ledger, ("live",), "a big store, then a clear")
+            assert sub.status.oversized_events == 3
+            assert snapshot(index) == snapshot(truth_of(ledger))
+    run(scenario)
+
+
+def test_a_store_past_max_blocks_per_worker_is_counted_and_skipped():
+    async def scenario(ctx):
+        options = dataclasses.replace(TEST_OPTIONS, max_blocks_per_worker=100)
+        rig = subscribed(ctx, 4, index=PrefixIndex(), options=options)
+        async with rig as (pub, ledger, source, index, sub):
+            ledger.publish([chain(1, 60)])
+            refused = [ledger.publish([chain(101, 50)])]  # 60 + 50: past the cap
+            ledger.publish([chain(201, 40)])  # 60 + 40: at the cap, applied
+            # An offload adds a medium to held blocks, never a block: never refused.
+            ledger.publish([BlockStored(block_hashes=list(range(1, 11)), medium="CPU")])
+            ledger.publish([BlockRemoved(block_hashes=list(range(1, 31)))])  # 20 leave
+            ledger.publish([chain(301, 20)])  # back at 100
+            refused.append(ledger.publish([chain(401, 1)]))
+            await settled(sub, ledger, ("degraded",), "the stores around the cap")
+            status = sub.status
+            assert status.over_capacity == 2 and status.oversized_events == 0
+            assert "past max_blocks_per_worker (100); it holds 100" in (status.last_error or "")
+            assert index.blocks_held(WORKER) == 100
+            for seq in refused:
+                del ledger.sent[seq]  # the truth without them
+            assert snapshot(index) == snapshot(truth_of(ledger))
+    run(scenario)
+
+
+# --- garbage ----------------------------------------------------------------------------------
+
+
+def test_garbage_frames_are_counted_as_malformed_and_the_stream_goes_on():
+    rng = random.Random(5)
+    bad_event = {"type": "BlockStored", "block_hashes": "not a list", "block_size": 4}
+    garbage = [
+        rng.randbytes(60_000),  # noise, just under the frame limit
+        msgspec.msgpack.encode([1.0, [{"type": "AllBlocksCleared"}] * 500, 0])[:-100],
+        msgspec.msgpack.encode({"ts": "yesterday", "events": 5}),
+        msgspec.msgpack.encode([[[[[[[[1]]]]]]]] * 1000),  # nested, the wrong shape
+        msgspec.msgpack.encode([1.0, [bad_event] * 800, 0]),  # 800 malformed events
+        msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [1],
+                                       "token_ids": [2**32], "block_size": 1}], 0]),
+    ]
+
+    async def scenario(ctx):
+        rig = subscribed(ctx, 6, index=PrefixIndex(), options=SMALL_FRAMES)
+        async with rig as (pub, ledger, source, index, sub):
+            for payload in garbage:
+                assert len(payload) < SMALL_FRAMES.max_message_bytes
+                ledger.publish(source.batch())
+                ledger.publish_raw(payload)
+            ledger.publish(source.batch())
+            await settled(sub, ledger, ("live",), "the batches between the garbage")
+            status = sub.status
+            assert status.malformed == 4 + 800 + 1
+            assert status.gaps == 0 and status.disconnects == 0 and status.degraded_count == 0
+            assert snapshot(index) == snapshot(truth_index({WORKER: ledger}))
+    run(scenario)
+
+
+# --- a huge store that is allowed ---------------------------------------------------------------
+
+
+class LoopWatchingIndex(PrefixIndex):
+    """A PrefixIndex that records the most blocks applied between two turns of the event
+    loop; ``count_turns`` (a concurrent task) counts the turns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.turns = 0
+        self.turns_with_work: set[int] = set()
+        self.most_between_turns = 0
+        self._since_turn = 0
+
+    def _applying(self, blocks: int) -> None:
+        if self.turns not in self.turns_with_work:
+            self.turns_with_work.add(self.turns)
+            self._since_turn = 0
+        self._since_turn += blocks
+        self.most_between_turns = max(self.most_between_turns, self._since_turn)
+
+    def apply_stored(self, worker, block_hashes, *args, **kwargs) -> None:
+        self._applying(len(block_hashes))
+        super().apply_stored(worker, block_hashes, *args, **kwargs)
+
+    def apply_removed(self, worker, block_hashes, **kwargs) -> None:
+        self._applying(len(block_hashes))
+        super().apply_removed(worker, block_hashes, **kwargs)
+
+    async def count_turns(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            self.turns += 1
+            await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("path", ["live", "replayed"])
+def test_a_huge_allowed_store_is_applied_in_slices_with_the_loop_running_between(path):
+    """20,000 blocks in one store, 10,000 of them removed by one event and 5,000 by as many
+    single-hash events: never more than slice_blocks blocks between two turns of the loop,
+    and the index ends up exactly as whole events would leave it."""
+    slice_blocks = 256
+
+    async def scenario(ctx):
+        options = dataclasses.replace(TEST_OPTIONS, slice_blocks=slice_blocks)
+        huge = chain(1, 20_000, block_size=16, seed=7, extra_keys=[None] * 20_000)
+        batches = [
+            [huge],
+            [BlockRemoved(block_hashes=list(range(1, 20_001, 2)))],
+            [BlockRemoved(block_hashes=[h]) for h in range(2, 10_001, 2)],
+            [chain(30_000, 3, parent=20_000, block_size=16)],
+        ]
+        stop = asyncio.Event()
+        index = LoopWatchingIndex()
+        counting = asyncio.create_task(index.count_turns(stop))
+        try:
+            with EventPublisher() as pub:
+                ledger = Ledger(pub)
+                if path == "replayed":
+                    for events in batches:
+                        ledger.publish(events)
+                    pub.flush()
+                sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=options)
+                async with Running(sub):
+                    if path == "live":
+                        await wait_until(lambda: sub.status.state == "live", "connection")
+                        for events in batches:
+                            ledger.publish(events)
+                    await settled(sub, ledger, ("live",), "the huge store and its removals")
+        finally:
+            stop.set()
+            await counting
+        assert index.blocks_held(WORKER) == 20_000 - 10_000 - 5_000 + 3
+        assert 0 < index.most_between_turns <= slice_blocks
+        assert len(index.turns_with_work) >= (20_000 + 10_000 + 5_000) // slice_blocks
+        assert snapshot(index) == snapshot(truth_of(ledger))
+    run(scenario)
+
+
+# --- slices against one call, without sockets ---------------------------------------------------
+
+POOL = st.integers(0, 30)  # few hashes: repeats, conflicts, held hashes at slice boundaries
+BLOCK_SIZES = st.sampled_from([2, 4, 64])  # 64: a slice is bounded by tokens, not blocks
+
+
+@st.composite
+def stores(draw) -> BlockStored:
+    blocks = draw(st.integers(1, 12))
+    block_size = draw(BLOCK_SIZES)
+    fits = draw(st.sampled_from([True] * 9 + [False]))  # sometimes a malformed event
+    tokens = draw(st.lists(st.integers(0, 3), min_size=blocks * block_size - (not fits),
+                           max_size=blocks * block_size - (not fits)))
+    extra = draw(st.none() | st.lists(st.sampled_from([None, None, ("img",), ("x", "salt")]),
+                                      min_size=blocks, max_size=blocks))
+    offload = draw(st.sampled_from([False] * 5 + [True]))
+    return BlockStored(
+        block_hashes=draw(st.lists(POOL, min_size=blocks, max_size=blocks)),
+        parent_block_hash=draw(st.none() | POOL),
+        token_ids=[] if offload else tokens, block_size=0 if offload else block_size,
+        extra_keys=None if offload else extra,
+        medium=draw(st.sampled_from([None, None, "GPU", "CPU", "TAPE"])),
+        lora_name=draw(st.sampled_from([None, None, "x"])),
+        group_idx=draw(st.sampled_from([0, 0, 1])),
+        kv_cache_spec_kind=draw(st.sampled_from([None, None, "sliding_window"])))
+
+
+removals = st.builds(BlockRemoved, block_hashes=st.lists(POOL, min_size=1, max_size=15),
+                     medium=st.sampled_from([None, "CPU"]), group_idx=st.sampled_from([0, 1]))
+events = st.one_of(stores(), stores(), removals, st.just(AllBlocksCleared()))
+
+
+def outcome(apply: Any) -> str | None:
+    """None if ``apply()`` went through, the ValueError's message if the index refused."""
+    try:
+        apply()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@settings(max_examples=400, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(history=st.lists(events, max_size=10), event=st.one_of(stores(), removals),
+       max_blocks=st.integers(1, 5), guess=st.sampled_from(["nothing", "noise", "the event"]),
+       noise=st.lists(st.integers(0, 3), max_size=64))
+def test_an_event_applied_in_slices_leaves_the_index_as_one_call_would(history, event,
+                                                                       max_blocks, guess,
+                                                                       noise):
+    """Guesses of the event's own prompt check that slices confirm what the whole would."""
+    whole, sliced = PrefixIndex(), PrefixIndex()
+    own = isinstance(event, BlockStored) and event.block_size > 0
+    for index in (whole, sliced):
+        for earlier in history:
+            outcome(lambda index=index, earlier=earlier: apply_event(index, WORKER, earlier))
+        if guess == "noise":
+            index.place(WORKER, noise, block_size=4, expires=1.0)
+        elif guess == "the event" and own:
+            index.place(WORKER, event.token_ids, block_size=event.block_size, expires=1.0)
+    assert snapshot(sliced) == snapshot(whole)
+
+    def in_slices() -> None:
+        for piece in slices(event, max_blocks, lambda h: sliced.holds_hash(WORKER, h)):
+            apply_event(sliced, WORKER, piece)
+
+    assert outcome(in_slices) == outcome(lambda: apply_event(whole, WORKER, event))
+    assert snapshot(sliced) == snapshot(whole)
+    sliced._check()
+
+
+def test_slices_hold_at_most_max_blocks_and_chain_through_the_previous_slice():
+    event = chain(1, 10, parent=99, block_size=4, extra_keys=[None] * 9 + [("img",)])
+    pieces = list(slices(event, 4))
+    assert [p.block_hashes for p in pieces] == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]
+    assert [p.parent_block_hash for p in pieces] == [99, 4, 8]
+    assert [t for p in pieces for t in p.token_ids] == event.token_ids
+    assert [k for p in pieces for k in p.extra_keys] == event.extra_keys
+    # The worker does not hold the parent: every slice names it, all orphaned like the whole.
+    assert [p.parent_block_hash for p in slices(event, 4, lambda h: False)] == [99, 99, 99]
+    # 64-token blocks: at most 4 * 16 tokens per slice, so one block each.
+    assert len(list(slices(chain(1, 3, block_size=64), 4))) == 3
+    # What fits is not copied; a store whose tokens do not fit its blocks is not cut.
+    assert next(slices(event, 10)) is event
+    malformed = msgspec.structs.replace(event, token_ids=event.token_ids[:-1])
+    assert list(slices(malformed, 4)) == [malformed]
