@@ -14,7 +14,8 @@ Streaming (``"stream": true``): the engine runs the request as usual; the respon
 as one SSE event per generated token, ``stream_interval_s`` apart, so a client can go away
 mid-stream. A client that goes away, streaming or not, gets its request aborted in the engine
 if it is still there, as vLLM does. Every generation response is recorded on the instance
-(``SimInstance.record``), also one cut short.
+(``SimInstance.record``), also one cut short, and every generation request as it arrived, with
+the rank that ran it (``SimInstance.received``).
 
 ``/reset_prefix_cache`` behaves like vLLM's: refused (still 200) while blocks are in use, and the
 ``AllBlocksCleared`` event goes out with the rank's next step. ``/metrics`` carries vLLM's metric
@@ -30,6 +31,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -44,9 +46,24 @@ from kvroute.sim.rank import SimRank
 if TYPE_CHECKING:  # the instance builds this app, so only its type is needed here
     from kvroute.sim.instance import SimInstance
 
-__all__ = ["build_app", "detokenize", "planned_output", "tokenize_text"]
+__all__ = ["ReceivedRequest", "build_app", "detokenize", "planned_output", "tokenize_text"]
 
 _REQUEST_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class ReceivedRequest:
+    """One generation request as the instance received it (``SimInstance.received``)."""
+
+    path: str
+    headers: tuple[tuple[str, str], ...]  # as sent, names in lowercase
+    rank: int | None  # the rank that ran it; None when it was refused before reaching one
+    status: int  # the status it was answered with (200 for a stream)
+
+    def header(self, name: str) -> str | None:
+        """The value of the first header called ``name`` (any case), else None."""
+        name = name.lower()
+        return next((value for key, value in self.headers if key == name), None)
 
 
 def tokenize_text(text: str) -> list[int]:
@@ -168,13 +185,22 @@ def build_app(inst: SimInstance) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _generate(inst, request, chat=False)
+        return _noted(inst, request, await _generate(inst, request, chat=False))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _generate(inst, request, chat=True)
+        return _noted(inst, request, await _generate(inst, request, chat=True))
 
     return app
+
+
+def _noted(inst: SimInstance, request: Request, response: Response) -> Response:
+    """Records who received the request (``SimInstance.received``); returns ``response``."""
+    headers = tuple((key.decode("latin-1").lower(), value.decode("latin-1"))
+                    for key, value in request.headers.raw)
+    rank = getattr(request.state, "sim_rank", None)
+    inst.note_received(ReceivedRequest(request.url.path, headers, rank, response.status_code))
+    return response
 
 
 def _unauthorized(inst: SimInstance, request: Request) -> Response | None:
@@ -225,6 +251,7 @@ async def _generate(inst: SimInstance, request: Request, *, chat: bool) -> Respo
             return _error(400, f"no data-parallel rank {rank_header!r}")
         rank = int(rank_header)
     target = inst.pick_rank(rank)
+    request.state.sim_rank = target.rank
     request_id = ("chatcmpl-" if chat else "cmpl-") + (
         request.headers.get("x-request-id") or uuid.uuid4().hex)
     try:

@@ -8,7 +8,10 @@ vLLM, else to the least loaded; benchmarks drive the ranks' engines directly ins
 
 Observability for tests: ``responses`` holds the bytes of the last ``RECORDED_RESPONSES``
 generation responses by id (what was actually sent, also for a response cut short), and
-``aborted`` counts responses whose client went away before their end.
+``aborted`` counts responses whose client went away before their end. ``received`` lists the
+last ``RECORDED_RESPONSES`` generation requests as they arrived (path, headers, the rank that
+ran each, the status it was answered with), refused ones included: who served what, as a
+load balancer in front of the instances sent it.
 """
 
 from __future__ import annotations
@@ -18,20 +21,21 @@ import random
 import socket
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 import uvicorn
 
-from kvroute.sim.api import build_app
+from kvroute.sim.api import ReceivedRequest, build_app
 from kvroute.sim.engine import Engine
 from kvroute.sim.rank import SimRank
 from kvroute.sim.spec import SimInstanceSpec
 
-__all__ = ["HOST", "RECORDED_RESPONSES", "SimInstance"]
+__all__ = ["HOST", "RECORDED_RESPONSES", "ReceivedRequest", "SimInstance"]
 
 HOST = "127.0.0.1"
 RECORDED_RESPONSES = 256
+
 
 
 class SimInstance:
@@ -52,6 +56,7 @@ class SimInstance:
         self._next_rank = 0
         self.responses: OrderedDict[str, bytes] = OrderedDict()
         self.aborted = 0
+        self.received: deque[ReceivedRequest] = deque(maxlen=RECORDED_RESPONSES)
         self._record_lock = threading.Lock()
 
     @property
@@ -186,6 +191,16 @@ class SimInstance:
             while len(self.responses) > RECORDED_RESPONSES:
                 self.responses.popitem(last=False)
             self.aborted += aborted
+
+    def note_received(self, request: ReceivedRequest) -> None:
+        """Remember a generation request (see the module docstring)."""
+        with self._record_lock:
+            self.received.append(request)
+
+    def received_with(self, header: str, value: str) -> list[ReceivedRequest]:
+        """The recorded requests whose ``header`` is ``value`` (an X-Request-Id, say)."""
+        with self._record_lock:
+            return [r for r in self.received if r.header(header) == value]
 
     def reset_prefix_cache(self) -> bool:
         ok = True
