@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench bench-full bench-real lint e2e clean
+.PHONY: run test bench bench-full bench-real lint e2e e2e-lb clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ bench-full: $(STAMP)
 # kvroute against two real vLLM engines (CPU build, installed into .e2e/ on first use).
 e2e: $(STAMP)
 	$(BIN)/python -m e2e.run
+
+# nginx and HAProxy with deploy/'s files in front of kvroute and simulated vLLM; installs
+# nginx, libnginx-mod-http-js and haproxy with apt-get when they are missing.
+e2e-lb: $(STAMP)
+	$(BIN)/python -m e2e.lb_run
 
 # Hit rate per router on real vLLM engines (CPU build, installed into .e2e/ on first use).
 # Long: BENCH_REAL_ARGS=--quick for the short version; output in bench-out/real/.
