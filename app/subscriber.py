@@ -29,9 +29,9 @@ Bounds against a hostile or broken publisher (``SubscriberOptions``):
 
 - No frame over ``max_message_bytes`` is received, live or replayed: ZMQ drops a connection
   that sends one (``MAXMSGSIZE``) and gives it up. A dropped live connection is like any
-  disconnect (down, cleared, rebuilt on reconnect; kvroute reconnects by hand where ZMQ
-  gave up). A dropped replay connection loses the batch after the last one received: the
-  worker is cleared and degraded, and the replay goes on after that batch.
+  disconnect (down, cleared, rebuilt on reconnect; where ZMQ gave up, kvroute connects
+  again on a new socket). A dropped replay connection loses the batch after the last one
+  received: the worker is cleared and degraded, and the replay goes on after that batch.
 - At most ``rcvhwm`` live messages wait in kvroute's memory; past that ZMQ stops reading and
   the backlog waits at the publisher, whose drops are sequence gaps that replay recovers.
 - A BlockStored of more than ``max_blocks_per_event`` blocks, or one that would take the
@@ -270,7 +270,11 @@ class Subscriber:
         self._last_live: int | None = None
         self._degraded = False
         self._warned_rank = False
+        # The SUB socket, its monitor and the task watching it: replaced together when ZMQ
+        # gives a connection up (see _reopen_if_given_up).
         self._sub: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._watcher: asyncio.Task[None] | None = None
         self._task: asyncio.Task[None] | None = None
         # seq -> payload fingerprint of batches applied from a replay: tells a live duplicate
         # of one of them from a restarted engine's batch with the same seq.
@@ -287,29 +291,42 @@ class Subscriber:
     async def run(self) -> None:
         """Subscribe and apply until ``stop()``; never raises for wire or peer faults."""
         self._task = asyncio.current_task()
-        sub = self._ctx.socket(zmq.SUB)
+        try:
+            self._open()
+            await self._main_loop()
+        finally:
+            await self._close()
+            self._stopped.set()
+
+    def _open(self) -> None:
+        """A new SUB socket connecting to the endpoint, and a task watching its connection."""
+        sub = self._sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.options.rcvhwm)
         sub.setsockopt(zmq.MAXMSGSIZE, self.options.max_message_bytes)
         sub.setsockopt(zmq.RECONNECT_IVL, self.options.reconnect_ivl_ms)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, self.options.reconnect_ivl_max_ms)
         sub.setsockopt(zmq.SUBSCRIBE, self.endpoint.topic.encode())
-        monitor = sub.get_monitor_socket(_UP | _DOWN)
-        self._sub = sub
-        watcher = asyncio.create_task(self._watch(monitor), name=f"kv-monitor-{self.worker}")
-        try:
-            sub.connect(self.endpoint.endpoint)
-            await self._main_loop(sub)
-        finally:
+        monitor = self._monitor = sub.get_monitor_socket(_UP | _DOWN)
+        self._watcher = asyncio.create_task(self._watch(monitor),
+                                            name=f"kv-monitor-{self.worker}")
+        sub.connect(self.endpoint.endpoint)
+
+    async def _close(self) -> None:
+        """Close what ``_open`` made (whatever part of it exists)."""
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
+        sub, monitor = self._sub, self._monitor
+        self._sub = self._monitor = None
+        if sub is not None:
             with contextlib.suppress(zmq.ZMQError):
                 sub.disable_monitor()
-            monitor.close(0)
             sub.close(0)
-            self._sub = None
-            self._stopped.set()
+        if monitor is not None:
+            monitor.close(0)
 
     async def stop(self, timeout: float = 5.0) -> None:
         """Ask ``run()`` to return and wait for it (sockets closed when this returns)."""
@@ -359,17 +376,19 @@ class Subscriber:
         self._needs_rebuild = True
         self._set_state(WorkerState.DOWN)
 
-    async def _main_loop(self, sub: zmq.asyncio.Socket) -> None:
+    async def _main_loop(self) -> None:
         idle_since = time.monotonic()
         while not self._stopping.is_set():
             self._working_generation = self._generation
+            sub = self._sub
+            assert sub is not None
             try:
                 if not self._connected.is_set():
-                    self._reconnect_if_given_up(sub)
+                    await self._reopen_if_given_up()
                     await self._wait_or_stop(self._connected.wait(), _POLL_MS / 1000)
                 elif self._needs_rebuild:
                     self._needs_rebuild = False
-                    await self._drain(sub)
+                    await self._drain()
                     await self._rebuild()
                     idle_since = time.monotonic()
                 elif await sub.poll(_POLL_MS, zmq.POLLIN):
@@ -388,23 +407,27 @@ class Subscriber:
                 self.status.last_error = f"internal error: {exc!r}"
                 await asyncio.sleep(_POLL_MS / 1000)
 
-    def _reconnect_if_given_up(self, sub: zmq.asyncio.Socket) -> None:
-        """Connect again where ZMQ gave the connection up (see ``_watch``), one reconnect
-        interval after it dropped: a publisher whose every connection ends in an oversized
-        message is retried at that pace, not in a tight loop."""
+    async def _reopen_if_given_up(self) -> None:
+        """Where ZMQ gave the connection up (see ``_watch``), connect again on a new socket,
+        one reconnect interval after the drop: a publisher whose every connection ends in an
+        oversized message is retried at that pace, not in a tight loop.
+
+        A new socket, not ``disconnect()`` + ``connect()`` on this one: ZMQ ignores a
+        second connect of a SUB to an endpoint it still lists, and ``disconnect()`` drops
+        the messages still queued from that connection at once, which aborts the process
+        (libzmq 4.3.5, fq.cpp ``!_more``) when a poll had already taken the first frame of
+        one of them. Closing the socket is safe whatever it holds."""
         since = self._given_up_at
         if since is None or time.monotonic() - since < self.options.reconnect_ivl_ms / 1000:
             return
         self._given_up_at = None
-        endpoint = self.endpoint.endpoint
         self.status.last_error = (
-            f"{endpoint} sent something that made ZMQ drop the connection for good (a "
-            f"message over max_message_bytes={self.options.max_message_bytes} does); "
+            f"{self.endpoint.endpoint} sent something that made ZMQ drop the connection for "
+            f"good (a message over max_message_bytes={self.options.max_message_bytes} does); "
             "connecting again")
         log.warning("%s: %s", self.worker, self.status.last_error)
-        with contextlib.suppress(zmq.ZMQError):  # ZMQ may have forgotten the endpoint
-            sub.disconnect(endpoint)
-        sub.connect(endpoint)
+        await self._close()
+        self._open()
 
     def _check_connection(self) -> None:
         """Called after every await inside a step: a disconnect meanwhile voids the step."""
@@ -415,8 +438,10 @@ class Subscriber:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(awaitable, timeout)
 
-    async def _drain(self, sub: zmq.asyncio.Socket) -> None:
+    async def _drain(self) -> None:
         """Drop live batches queued before the replay that is about to cover them."""
+        sub = self._sub
+        assert sub is not None
         while await sub.poll(0, zmq.POLLIN):
             await sub.recv_multipart()
         self._last_live = None

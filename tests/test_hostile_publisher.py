@@ -17,10 +17,12 @@ import asyncio
 import copy
 import dataclasses
 import random
+import time
 from typing import Any
 
 import msgspec
 import pytest
+import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -132,6 +134,54 @@ def test_a_live_frame_over_max_message_bytes_never_reaches_the_index_and_the_wor
             await settled(sub, ledger, ("live",), "live again after a cache reset")
             assert snapshot(index, counters=False) == snapshot(truth_of(ledger),
                                                                counters=False)
+    run(scenario)
+
+
+class StallingIndex(PrefixIndex):
+    """Holds the event loop, applying the store of hash STALL, until the publisher has sent
+    everything queued so far and ZMQ had a moment to take it in: a busy subscriber."""
+
+    STALL = 777_777
+
+    def __init__(self, pub: EventPublisher) -> None:
+        super().__init__()
+        self.pub = pub
+
+    def apply_stored(self, worker, block_hashes, *args, **kwargs) -> None:
+        if list(block_hashes) == [self.STALL]:
+            self.pub.flush()
+            time.sleep(0.2)  # the loop is meant to be stuck here: nothing else can run
+        super().apply_stored(worker, block_hashes, *args, **kwargs)
+
+
+def test_a_big_frame_behind_queued_batches_is_survived():
+    """The frame arrives while the subscriber is busy and earlier batches wait in ZMQ's
+    queue. A poll on a SUB socket takes the first frame of the next queued message ahead
+    (pyzmq polls whenever it looks for readiness; here the test does it, at the moment
+    that matters); disconnecting that socket would then drop the rest of that message,
+    which aborts the process in libzmq 4.3.5. The subscriber opens a new socket instead.
+    A regression ends the test run with "Assertion failed: !_more (src/fq.cpp)"."""
+
+    async def scenario(ctx):
+        with EventPublisher() as pub:
+            ledger, source, index = Ledger(pub), EventSource(8), StallingIndex(pub)
+            # A yield after every event, so the drop is seen while batches are queued; a
+            # reconnect interval long enough to poll the socket before kvroute replaces it.
+            options = dataclasses.replace(SMALL_FRAMES, chunk_events=1, reconnect_ivl_ms=500)
+            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=options)
+            async with Running(sub):
+                await wait_until(lambda: sub.status.state == "live", "first connection")
+                ledger.publish([chain(StallingIndex.STALL, 1)])
+                for _ in range(10):
+                    ledger.publish(source.batch())
+                ledger.publish(oversized_batch(8, 2 * SMALL_FRAMES.max_message_bytes))
+                await wait_until(lambda: sub.status.state == "down", "the dropped connection")
+                assert sub._sub is not None and sub._sub.get(zmq.EVENTS) & zmq.POLLIN
+                after = [ledger.publish(source.batch()) for _ in range(3)]
+                await settled(sub, ledger, ("degraded",), "the batches after the big frame")
+                assert sub.status.disconnects == 1 and sub.status.unreceivable == 1
+                assert snapshot(index, counters=False) == snapshot(truth_of(ledger, after),
+                                                                   counters=False)
     run(scenario)
 
 
