@@ -10,12 +10,19 @@ at each concurrency level:
 - ``kvroute-route``: ``POST /v1/route {"token_ids"}`` on a fresh kvroute, then the request
   goes to the answer's ``url`` with ``X-data-parallel-rank: <dp_rank>``;
 - ``kvroute-proxy``: a fresh ``kvroute serve`` with ``KVROUTE_PROXY=true``; completions are
-  sent to kvroute itself.
+  sent to kvroute itself;
+- ``nginx-kvroute``, ``haproxy-kvroute``: nginx or HAProxy with deploy/'s files as shipped
+  (only ports and addresses set, the 50 ms deadline kept) in front of the engines, asking a
+  fresh kvroute; completions are sent to the balancer;
+- ``nginx-rr``, ``haproxy-rr``: the same balancers with the routing hook removed (plain
+  round robin over the same upstream group), the baseline of their added latency.
 
 Before every run each engine is idle and its prefix cache reset; hit rate is the engines' own
 ``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`` (deltas over the run,
 summed over engines). TTFT is measured by the client (``"stream": true``, time to the first
-SSE data event, routing included). After each kvroute run the ``load.inflight`` of every
+SSE data event, routing included), and so is the time to the response's headers: a
+balancer's or kvroute's added latency is that time beside its baseline's in the same run
+(``BASELINES``). After each kvroute run the ``load.inflight`` of every
 worker in a ``POST /v1/route`` answer must be 0: anything else is an in-flight accounting
 leak, printed prominently.
 
@@ -42,12 +49,14 @@ from typing import Any
 import httpx
 
 from benchmarks.real_parts import (
+    BALANCERS,
     ROUTERS,
     WORKLOADS,
     Outcome,
     Request,
     RunRecord,
     Workload,
+    add_added_latency,
     add_partition_share,
     cached_of,
     drive,
@@ -62,6 +71,7 @@ from benchmarks.real_parts import (
     table,
 )
 from e2e.engines import Engine, EngineSpec, wait_ready
+from e2e.lb import Balancer, ensure_installed, start_balancer, versions
 from e2e.model import write_model_dir
 from e2e.processes import ProcessSet, install_signal_handlers
 from e2e.run import VLLM_VERSION, setup_vllm
@@ -264,13 +274,17 @@ class Sender:
     """Sends one request the way its router says and measures it from the client."""
 
     def __init__(self, client: httpx.AsyncClient, fleet: Fleet, router: str, max_tokens: int,
-                 abandon_every: int, kvroute: Kvroute | None, ids: dict[str, str]) -> None:
+                 abandon_every: int, kvroute: Kvroute | None, ids: dict[str, str],
+                 balancer: Balancer | None = None) -> None:
         self.client = client
         self.fleet = fleet
         self.router = router
         self.max_tokens = max_tokens
         self.abandon_every = abandon_every
         self.kvroute = kvroute
+        self.balancer = balancer
+        # the answer names the engine (x-kvroute-instance) rather than the URL the client used
+        self.named_by_answer = router == "kvroute-proxy" or router in BALANCERS
         self.name_of_id = {iid: name for name, iid in ids.items()}
         self.name_of_url = {e.url.rstrip("/"): e.name for e in fleet.engines}
 
@@ -307,9 +321,12 @@ class Sender:
         elif self.router == "kvroute-proxy":
             assert self.kvroute is not None
             url = self.kvroute.url
+        elif self.router in BALANCERS:
+            assert self.balancer is not None
+            url = self.balancer.url
         else:
             raise ValueError(f"unknown router {self.router!r}")
-        if self.router != "kvroute-proxy":
+        if not self.named_by_answer:
             out.engine = self.name_of_url.get(url.rstrip("/"))
             if out.engine is None:
                 out.error = f"routed to an unknown URL {url}"
@@ -324,9 +341,11 @@ class Sender:
         try:
             async with self.client.stream("POST", f"{url}/v1/completions", json=self.body(req),
                                           headers=headers) as response:
-                if self.router == "kvroute-proxy":
+                out.headers_s = time.monotonic() - started
+                if self.named_by_answer:
                     iid = response.headers.get("x-kvroute-instance")
                     out.engine = self.name_of_id.get(iid or "")
+                    out.fallback = response.headers.get("x-kvroute-fallback")
                 if response.status_code != 200:
                     text = (await response.aread()).decode(errors="replace")
                     out.error = f"HTTP {response.status_code}: {text[:200]}"
@@ -386,18 +405,29 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
     clock.say(f"run {label}: resetting the engines' prefix caches")
     notes = fleet.prepare()
     kv: Kvroute | None = None
+    balancer: Balancer | None = None
     ids: dict[str, str] = {}
     inflight = None
+    tag = f"{workload.name}-c{concurrency}-{router}"
     try:
-        if router.startswith("kvroute"):
-            tag = f"{workload.name}-c{concurrency}-{router}"
+        if router.startswith("kvroute") or router.endswith("-kvroute"):
             kv, ids = start_kvroute(procs, fleet, log_dir / tag, router == "kvroute-proxy",
                                     clock.say)
             clock.say(f"  fresh kvroute at {kv.url} (log {log_dir.name}/{tag}/kvroute.log), "
                       f"engines live: {ids}")
+        if router in BALANCERS:
+            kind, routing = BALANCERS[router]
+            # the round-robin configuration never asks kvroute: any address will do
+            balancer = start_balancer(kind, procs, log_dir / tag,
+                                      instances=[e.url for e in fleet.engines],
+                                      kvroute=kv.url if kv else "http://127.0.0.1:9",
+                                      routing=routing, deadline_ms=args.lb_deadline_ms)
+            clock.say(f"  {balancer.name} at {balancer.url} (files and log in "
+                      f"{balancer.directory})")
         before = {e.name: fleet.metrics(e) for e in fleet.engines}
         sender_args = dict(fleet=fleet, router=router, max_tokens=args.max_tokens,
-                           abandon_every=args.abandon_every, kvroute=kv, ids=ids)
+                           abandon_every=args.abandon_every, kvroute=kv, ids=ids,
+                           balancer=balancer)
         started = time.monotonic()
         outcomes, timed_out = asyncio.run(client_phase(
             workload, concurrency, sender_args, args.run_timeout, clock.say, label))
@@ -415,6 +445,8 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
                 clock.say(f"  inflight after the run: {inflight['after_run']} -> "
                           f"{inflight['settled']} (ok)")
     finally:
+        if balancer is not None:
+            balancer.stop()
         if kv is not None:
             kv.stop()
             kv.close()
@@ -428,8 +460,10 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
                        timed_out, inflight, notes)
     row = summarize(record)
     clock.say(f"  {label}: hit rate {_fmt(row['hit_rate'])} (usage {_fmt(row['hit_rate_usage'])})"
-              f", TTFT p50 {row['ttft_p50_ms']} ms p90 {row['ttft_p90_ms']} ms, "
-              f"{row['errors']} errors, {wall:.0f}s, prompt tokens {row['engine_prompt_tokens']}")
+              f", TTFT p50 {row['ttft_p50_ms']} ms p90 {row['ttft_p90_ms']} ms, headers p50 "
+              f"{row['headers_p50_ms']} ms p99 {row['headers_p99_ms']} ms, "
+              f"{row['errors']} errors, {row['fallbacks']} not routed, {wall:.0f}s, "
+              f"prompt tokens {row['engine_prompt_tokens']}")
     return record
 
 
@@ -538,6 +572,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-blocks", type=int, default=64, help="KV blocks per engine")
     parser.add_argument("--abandon-every", type=int, default=0,
                         help="hang up every K-th stream after its first event (0: never)")
+    parser.add_argument("--lb-deadline-ms", type=int, default=None,
+                        help="the balancers' deadline for kvroute's answer (default: the "
+                             "shipped files' 50 ms)")
     parser.add_argument("--leak-wait", type=float, default=10.0,
                         help="seconds kvroute gets for its inflight counts to reach 0")
     parser.add_argument("--run-timeout", type=float, default=900.0,
@@ -557,8 +594,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if unknown or not given:
             parser.error(f"unknown or no {what}: {', '.join(unknown)}")
     if (args.engines < 1 or args.requests < 1 or args.repeat < 1 or not args.concurrency
-            or min(args.concurrency) < 1):
-        parser.error("--engines, --requests, --repeat and --concurrency must be positive")
+            or min(args.concurrency) < 1 or (args.lb_deadline_ms is not None
+                                             and args.lb_deadline_ms < 1)):
+        parser.error("--engines, --requests, --repeat, --concurrency and --lb-deadline-ms "
+                     "must be positive")
     return args
 
 
@@ -576,6 +615,10 @@ def main(argv: list[str] | None = None) -> int:
     for wl in workloads.values():
         clock.say(f"workload {wl.name}: {wl.summary()}")
 
+    if any(router in BALANCERS for router in args.routers):
+        ensure_installed(clock.say)
+        found = versions()
+        clock.say(f"balancers: {found['nginx']}; {found['haproxy']}")
     clock.say(f"vLLM {VLLM_VERSION}: creating or reusing its virtual environment")
     venv = setup_vllm(work, clock.say)
     model = write_model_dir(work / "real-hitrate" / "model-tiny-llama")
@@ -633,6 +676,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.close()
 
     add_partition_share(rows)
+    add_added_latency(rows)
     leaks = inflight_leaks(rows)
     boots = {e.name: round(e.boot_seconds, 1) for e in engines if e.boot_seconds is not None}
     report = {
@@ -645,6 +689,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_model_len": engines[0].spec.max_model_len if engines else None,
         "max_tokens": args.max_tokens,
         "abandon_every": args.abandon_every,
+        "lb_deadline_ms": args.lb_deadline_ms or 50,
         "seed": args.seed,
         "repeat": args.repeat,
         "concurrency": args.concurrency,

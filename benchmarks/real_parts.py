@@ -23,7 +23,15 @@ from e2e.workloads import random_tokens
 SHARED = "shared-system-prompts"
 CHAT = "multi-turn-chat"
 WORKLOADS = (SHARED, CHAT)
-ROUTERS = ("round-robin", "partition", "kvroute-route", "kvroute-proxy")
+ROUTERS = ("round-robin", "partition", "kvroute-route", "kvroute-proxy",
+           "nginx-kvroute", "haproxy-kvroute", "nginx-rr", "haproxy-rr")
+#: Router -> (balancer, whether it asks kvroute): nginx or HAProxy with deploy/'s files,
+#: routing with kvroute, or plain round robin (the same files, the routing hook removed).
+BALANCERS = {"nginx-kvroute": ("nginx", True), "haproxy-kvroute": ("haproxy", True),
+             "nginx-rr": ("nginx", False), "haproxy-rr": ("haproxy", False)}
+#: The router each one's added latency is measured against, in the same run.
+BASELINES = {"kvroute-route": "round-robin", "kvroute-proxy": "round-robin",
+             "nginx-kvroute": "nginx-rr", "haproxy-kvroute": "haproxy-rr"}
 
 
 # --- workloads ----------------------------------------------------------------------------------
@@ -130,6 +138,8 @@ class Outcome:
     ttft_s: float | None = None
     latency_s: float | None = None
     route_s: float | None = None
+    headers_s: float | None = None  # to the response's headers, routing included
+    fallback: str | None = None  # a balancer's x-kvroute-fallback: why it did not route
     error: str | None = None
     abandoned: bool = False
     waited_s: float = 0.0  # time spent waiting for the previous turn (not part of TTFT)
@@ -302,6 +312,8 @@ def summarize(run: RunRecord) -> dict[str, Any]:
     ttft = [o.ttft_s for o in ok if o.ttft_s is not None]
     latency = [o.latency_s for o in ok if o.latency_s is not None and not o.abandoned]
     route = [o.route_s for o in run.outcomes if o.route_s is not None]
+    headers = [o.headers_s for o in ok if o.headers_s is not None]
+    fallbacks = [o.fallback for o in run.outcomes if o.fallback is not None]
     sent_tokens = {e: 0 for e in run.engines}
     sent_requests = {e: 0 for e in run.engines}
     for o in run.outcomes:
@@ -336,6 +348,10 @@ def summarize(run: RunRecord) -> dict[str, Any]:
         "latency_p50_ms": ms(percentile(latency, 50)),
         "route_p50_ms": ms(percentile(route, 50)),
         "route_p99_ms": ms(percentile(route, 99)),
+        "headers_p50_ms": ms(percentile(headers, 50)),
+        "headers_p99_ms": ms(percentile(headers, 99)),
+        "fallbacks": len(fallbacks),
+        "fallback_samples": sorted(set(fallbacks))[:5],
         "wall_s": round(run.wall_s, 2),
         "repeats": max(1, len(run.repeat_hit_rates)),
         "hit_rate_repeats": run.repeat_hit_rates or [hit_rate(run.deltas.values())],
@@ -352,10 +368,11 @@ def summarize(run: RunRecord) -> dict[str, Any]:
     # its repetition), how long routing and its first token took, how much was cached.
     out["trace"] = {
         "columns": ["repeat", "index", "engine", "sent_ms", "route_ms", "ttft_ms",
-                    "prompt_tokens", "cached_tokens"],
+                    "prompt_tokens", "cached_tokens", "headers_ms", "fallback"],
         "rows": [[o.repeat, o.index, o.engine,
                   ms(o.sent_at - origin[o.repeat]) if o.sent_at is not None else None,
-                  ms(o.route_s), ms(o.ttft_s), o.prompt_tokens, o.cached_tokens]
+                  ms(o.route_s), ms(o.ttft_s), o.prompt_tokens, o.cached_tokens,
+                  ms(o.headers_s), o.fallback]
                  for o in run.outcomes],
     }
     return out
@@ -383,6 +400,21 @@ def add_partition_share(rows: list[dict[str, Any]]) -> None:
                                    else None)
 
 
+def add_added_latency(rows: list[dict[str, Any]]) -> None:
+    """Each routed row's time to the response headers beside its baseline's in the same
+    workload and concurrency (BASELINES: a balancer asking kvroute beside the same balancer
+    doing round robin): ``added_p50_ms`` and ``added_p99_ms``, the differences of the
+    percentiles (None without a baseline row), in place."""
+    cells = {(r["workload"], r["concurrency"], r["router"]): r for r in rows}
+    for r in rows:
+        base = cells.get((r["workload"], r["concurrency"], BASELINES.get(r["router"], "")))
+        for p in ("p50", "p99"):
+            mine = r.get(f"headers_{p}_ms")
+            theirs = base.get(f"headers_{p}_ms") if base else None
+            r[f"added_{p}_ms"] = (round(mine - theirs, 1)
+                                  if mine is not None and theirs is not None else None)
+
+
 def inflight_leaks(rows: list[dict[str, Any]]) -> list[str]:
     """One line per kvroute run whose in-flight counts did not return to 0 (or could not be
     read)."""
@@ -407,7 +439,20 @@ def _ms(value: float | None) -> str:
     return "     -" if value is None else f"{value:6.0f}"
 
 
-def _tokens(by_engine: dict[str, float]) -> str:
+def _ms1(value: float | None) -> str:
+    return "     -" if value is None else f"{value:6.1f}"
+
+
+def _added(row: dict[str, Any]) -> str:
+    p50, p99 = row.get("added_p50_ms"), row.get("added_p99_ms")
+    if p50 is None or p99 is None:
+        return "-"
+    return f"{p50:+.1f}/{p99:+.1f}"
+
+
+def _tokens(by_engine: dict[str, float], requests: dict[str, int] | None = None) -> str:
+    if requests is not None and not any(requests.values()):
+        return "-"  # a balancer's round robin does not say which engine served
     return "/".join(f"{v / 1000:.1f}k" for v in by_engine.values())
 
 
@@ -433,8 +478,9 @@ def _spread(values: list[float | None] | None) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'workload':<22} {'conc':>4} {'router':<14} {'hit':>6} {'runs':>9} {'usage':>6} "
-            f"{'of part':>7} {'TTFT50':>6} {'TTFT90':>6} {'err':>3} {'wall':>6}  "
+    head = (f"{'workload':<22} {'conc':>4} {'router':<15} {'hit':>6} {'runs':>9} {'usage':>6} "
+            f"{'of part':>7} {'TTFT50':>6} {'TTFT90':>6} {'hdr50':>6} {'hdr99':>6} "
+            f"{'added 50/99':>12} {'fb':>3} {'err':>3} {'wall':>6}  "
             f"{'tokens sent/engine':<20} {'inflight':<10}")
     lines = [head, "-" * len(head)]
     previous = None
@@ -444,16 +490,19 @@ def table(rows: list[dict[str, Any]]) -> str:
             lines.append("")
         previous = key
         if r.get("failed"):
-            lines.append(f"{r['workload']:<22} {r['concurrency']:>4} {r['router']:<14} "
+            lines.append(f"{r['workload']:<22} {r['concurrency']:>4} {r['router']:<15} "
                          f"FAILED: {r['failed'].splitlines()[0][:120]}")
             continue
         lines.append(
-            f"{r['workload']:<22} {r['concurrency']:>4} {r['router']:<14} "
+            f"{r['workload']:<22} {r['concurrency']:>4} {r['router']:<15} "
             f"{_pct(r['hit_rate'])} {_spread(r.get('hit_rate_repeats')):>9} "
             f"{_pct(r['hit_rate_usage'])} "
             f"{_pct(r.get('share_of_partition')):>7} {_ms(r['ttft_p50_ms'])} "
-            f"{_ms(r['ttft_p90_ms'])} {r['errors']:>3} {r['wall_s']:5.0f}s  "
-            f"{_tokens(r['sent_prompt_tokens']):<20} {_inflight(r.get('inflight')):<10}")
+            f"{_ms(r['ttft_p90_ms'])} {_ms1(r.get('headers_p50_ms'))} "
+            f"{_ms1(r.get('headers_p99_ms'))} {_added(r):>12} {r.get('fallbacks', 0):>3} "
+            f"{r['errors']:>3} {r['wall_s']:5.0f}s  "
+            f"{_tokens(r['sent_prompt_tokens'], r.get('sent_requests')):<20} "
+            f"{_inflight(r.get('inflight')):<10}")
     lines.append("")
     lines += [
         "hit: vllm:prefix_cache_hits / queries (the engines' /metrics, deltas over the run, "
@@ -462,6 +511,10 @@ def table(rows: list[dict[str, Any]]) -> str:
         "the static partition's hit",
         "TTFT: ms at the client to the first SSE event, routing included; tokens sent/engine: "
         "prompt tokens the client sent to each engine",
+        "hdr: ms at the client to the response's headers, routing included; added: hdr p50/p99 "
+        "minus the baseline's in the same run",
+        "  (kvroute-route and -proxy: round-robin; nginx- and haproxy-kvroute: the same balancer "
+        "without the routing hook); fb: requests a balancer did not route",
         "inflight: kvroute's load.inflight per worker after the run (a->b: right after -> "
         "settled); anything but 0 is a leak",
     ]

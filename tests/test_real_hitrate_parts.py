@@ -8,11 +8,15 @@ import pytest
 
 from benchmarks.real_hitrate import parse_args
 from benchmarks.real_parts import (
+    BALANCERS,
+    BASELINES,
     CHAT,
+    ROUTERS,
     SHARED,
     Outcome,
     Request,
     RunRecord,
+    add_added_latency,
     add_partition_share,
     cached_of,
     drive,
@@ -272,5 +276,49 @@ def test_a_failed_run_is_a_row_of_its_own() -> None:
     add_partition_share(rows)
     assert rows[1]["hit_rate"] is None and rows[1]["share_of_partition"] is None
     text = table(rows)
-    assert "kvroute-proxy  FAILED: KvrouteError: POST /v1/instances -> 502" in text
+    assert "kvroute-proxy   FAILED: KvrouteError: POST /v1/instances -> 502" in text
     assert "more" not in text
+
+
+def _balancer_record(router: str, headers_ms: list[float], fallbacks: int = 0) -> RunRecord:
+    outcomes = [Outcome(i, 500, engine="vllm-0", cached_tokens=0, ttft_s=0.1, latency_s=0.2,
+                        headers_s=ms / 1000) for i, ms in enumerate(headers_ms)]
+    for outcome in outcomes[:fallbacks]:
+        outcome.engine, outcome.fallback = None, "kvroute HTTP 504"
+    deltas = {"vllm-0": {"hits": 0.0, "queries": 1000.0, "prompt_tokens": 1000.0,
+                         "requests_ok": 4.0, "preemptions": 0.0}}
+    return RunRecord(SHARED, router, 4, ["vllm-0"], outcomes, deltas, 3.0)
+
+
+def test_balancer_rows_and_their_added_latency() -> None:
+    assert set(BALANCERS) <= set(ROUTERS) and set(BASELINES) <= set(ROUTERS)
+    assert all(BASELINES[r] in ROUTERS for r in BASELINES)
+    rr_record = _balancer_record("nginx-rr", [2.0, 3.0, 4.0, 30.0])
+    for outcome in rr_record.outcomes:
+        outcome.engine = None  # a balancer's round robin does not say where it went
+    rr = summarize(rr_record)
+    routed = summarize(_balancer_record("nginx-kvroute", [4.0, 5.0, 7.0, 50.0], fallbacks=1))
+    alone = summarize(_balancer_record("haproxy-kvroute", [4.0, 4.0, 4.0, 4.0]))
+    assert routed["headers_p50_ms"] == 5.0 and routed["headers_p99_ms"] == 50.0
+    assert routed["fallbacks"] == 1 and routed["fallback_samples"] == ["kvroute HTTP 504"]
+    assert routed["trace"]["columns"][-2:] == ["headers_ms", "fallback"]
+    rows = [rr, routed, alone]
+    add_added_latency(rows)
+    assert routed["added_p50_ms"] == 2.0 and routed["added_p99_ms"] == 20.0
+    assert rr["added_p50_ms"] is None  # a baseline has none
+    assert alone["added_p50_ms"] is None  # no haproxy-rr row in this run
+    text = table(rows)
+    line = next(ln for ln in text.splitlines() if "nginx-kvroute" in ln)
+    assert "+2.0/+20.0" in line and "   5.0   50.0" in line
+    rr_line = next(ln for ln in text.splitlines() if "nginx-rr" in ln)
+    assert "0.0k" not in rr_line  # no engine known: "-", not zero tokens
+    assert all(len(ln) <= 200 for ln in text.splitlines())
+
+
+def test_balancer_routers_are_arguments() -> None:
+    args = parse_args(["--routers", "nginx-kvroute,haproxy-kvroute,nginx-rr,haproxy-rr"])
+    assert args.routers == ["nginx-kvroute", "haproxy-kvroute", "nginx-rr", "haproxy-rr"]
+    assert args.lb_deadline_ms is None  # the shipped files' deadline
+    assert parse_args(["--lb-deadline-ms", "500"]).lb_deadline_ms == 500
+    with pytest.raises(SystemExit):
+        parse_args(["--lb-deadline-ms", "0"])
