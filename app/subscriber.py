@@ -39,9 +39,10 @@ Bounds against a hostile or broken publisher (``SubscriberOptions``):
   turns degraded. Removals are never skipped: a skipped one would over-report.
 - Applying holds the event loop for at most ``slice_blocks`` blocks of index work (or
   ``chunk_events`` events): bigger events are applied in slices (``wire.slices``) that
-  leave the index exactly as one call would, with a yield to the loop between them. Not
-  sliced: decoding one payload (bounded by ``max_message_bytes``) and a clear (one call,
-  O(blocks held), bounded by ``max_blocks_per_worker``).
+  leave the index exactly as one call would, with a yield to the loop between them. A big
+  payload is decoded ``chunk_events`` events at a time. Still one call each: a payload's
+  envelope and one event's decoding (bounded by ``max_message_bytes``), and a clear
+  (O(blocks held), bounded by ``max_blocks_per_worker``).
 
 Ownership: the subscriber is the only writer of its worker's entries in the index. All index
 calls are synchronous and happen on the event loop; a batch is applied in chunks of events
@@ -55,7 +56,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
@@ -70,12 +71,15 @@ from kvroute.app.wire import (
     AllBlocksCleared,
     BlockStored,
     Event,
+    EventBatch,
     Hash,
     IndexWriter,
     WireError,
     apply_event,
     coalesced,
     decode_batch,
+    decode_envelope,
+    decode_events,
     decode_replay_frame,
     decode_seq,
     encode_seq,
@@ -206,9 +210,11 @@ class SubscriberOptions:
     idle_check: float = 5.0         # quiet live stream: look for dropped tail batches
     chunk_events: int = 256         # events applied between two yields to the loop
     # Blocks of index work between two yields to the loop (a block of more than
-    # wire.SLICE_TOKENS_PER_BLOCK tokens counts as one per that many): about 2 ms of
-    # PrefixIndex work, so a 65,536-block store holds the loop 16 times ~2 ms, not ~35 ms.
-    slice_blocks: int = 4096
+    # wire.SLICE_TOKENS_PER_BLOCK tokens counts as one per that many): about 0.5 ms of
+    # PrefixIndex work. An HTTP answer takes 6 to 10 turns of the loop, and a busy
+    # subscriber may take one slice in each: so a flood adds a few ms to an answer, where
+    # one 65,536-block store applied whole held the loop ~35 ms (4096 blocks: ~20 ms).
+    slice_blocks: int = 1024
     # Live messages ZMQ may hold for kvroute while the subscriber is busy (a replay, a big
     # batch). Bounded so that a publisher cannot grow kvroute's memory: at most rcvhwm
     # messages of at most max_message_bytes each (256 MiB at the defaults, for a publisher
@@ -235,6 +241,11 @@ _UP = zmq.EVENT_HANDSHAKE_SUCCEEDED
 _DOWN = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CLOSED
 _POLL_MS = 100
 _MAX_REPLAYED_FINGERPRINTS = 20_000
+# A payload up to this size is decoded in one call (every real vLLM batch is far smaller):
+# ~10 ms at worst, for one full of malformed events, which decode one by one (~40 ms per
+# MiB). A bigger one is decoded chunk_events events at a time, with the loop running
+# between chunks; only its envelope is one call (~25 ms for 16 MiB of tiny events).
+_DECODE_WHOLE_BYTES = 256 * 1024
 
 
 def _fingerprint(payload: bytes) -> int:
@@ -634,8 +645,9 @@ class Subscriber:
         self._unyielded += 1  # even an empty or garbage batch is work
         if replayed:
             self._remember_replayed(seq, payload)
+        lazily = len(payload) > _DECODE_WHOLE_BYTES
         try:
-            batch = decode_batch(payload)
+            batch = decode_envelope(payload) if lazily else decode_batch(payload)
         except WireError as exc:
             self._malformed(str(exc))
             status.last_seq = seq
@@ -647,37 +659,40 @@ class Subscriber:
                 self._warned_rank = True
                 log.warning("%s: payload says data-parallel rank %s; keeping the endpoint's",
                             self.worker, batch.data_parallel_rank)
-        blocks = 0
+        blocks = n_events = 0
         exact_again = False
         chunk = self.options.chunk_events
-        # Runs of removals are cut at slice_blocks hashes, so that coalescing them does not
-        # hold the loop longer than applying them may.
-        for event in coalesced(batch.events, self.options.slice_blocks):
-            # Counted across batches, so that a replay of thousands of small batches yields
-            # too, whether or not zmq's own awaits happen to.
-            self._unyielded += 1
-            if self._unyielded >= chunk:
+        for number, events in enumerate(self._decoded(batch, lazily)):
+            if number:  # the loop runs between one chunk's decoding and the next
                 await self._yield_to_loop()
-            if isinstance(event, BlockStored) and self._over_a_cap(seq, event):
-                exact_again = False  # only a clear after the skip makes the worker exact
-                continue
-            try:
-                blocks += await self._apply_event(event)
-            except _Disconnected:
-                raise
-            except ValueError as exc:
-                batch.malformed += 1
-                status.last_error = f"seq {seq}: event rejected by the index: {exc}"
-            except Exception as exc:
-                # A bug, not bad input: the worker's entries may be half-updated. Hold
-                # nothing rather than something wrong, and carry on with the stream.
-                log.exception("%s: applying seq %d failed", self.worker, seq)
-                self._give_up(f"internal error applying seq {seq}: {exc!r}")
-                status.last_seq = seq
-                return
-            if isinstance(event, AllBlocksCleared):
-                exact_again = True
-        n_events = len(batch.events)
+            n_events += len(events)
+            # Runs of removals are cut at slice_blocks hashes, so that coalescing them does
+            # not hold the loop longer than applying them may.
+            for event in coalesced(events, self.options.slice_blocks):
+                # Counted across batches, so that a replay of thousands of small batches
+                # yields too, whether or not zmq's own awaits happen to.
+                self._unyielded += 1
+                if self._unyielded >= chunk:
+                    await self._yield_to_loop()
+                if isinstance(event, BlockStored) and self._over_a_cap(seq, event):
+                    exact_again = False  # only a clear after the skip makes the worker exact
+                    continue
+                try:
+                    blocks += await self._apply_event(event)
+                except _Disconnected:
+                    raise
+                except ValueError as exc:
+                    batch.malformed += 1
+                    status.last_error = f"seq {seq}: event rejected by the index: {exc}"
+                except Exception as exc:
+                    # A bug, not bad input: the worker's entries may be half-updated. Hold
+                    # nothing rather than something wrong, and carry on with the stream.
+                    log.exception("%s: applying seq %d failed", self.worker, seq)
+                    self._give_up(f"internal error applying seq {seq}: {exc!r}")
+                    status.last_seq = seq
+                    return
+                if isinstance(event, AllBlocksCleared):
+                    exact_again = True
         status.last_seq = seq
         status.last_event_time = time.time()
         self._count("batches")
@@ -689,6 +704,16 @@ class Subscriber:
             self._degraded = False
         if status.state.serving:
             self._settle()
+
+    def _decoded(self, batch: EventBatch, lazily: bool) -> Iterator[list[Event]]:
+        """The batch's events: all at once, or (``lazily``: its events are still encoded,
+        from ``decode_envelope``) ``chunk_events`` at a time, each decoded when asked for."""
+        if not lazily:
+            yield batch.events
+            return
+        raws, step = batch.events, self.options.chunk_events
+        for start in range(0, len(raws), step):
+            yield decode_events(raws[start:start + step], batch)
 
     async def _apply_event(self, event: Event) -> int:
         """Apply one event; returns the blocks it stored or removed. An event of more work

@@ -15,7 +15,9 @@ Invariants:
 - ``decode_batch`` raises ``WireError`` only when the payload as a whole is unusable (not
   msgpack, not an envelope, no event list). One bad event never costs the others: it is
   counted in ``EventBatch.malformed`` and left out; unknown event types are counted in
-  ``EventBatch.unknown`` and left out; unknown fields are ignored.
+  ``EventBatch.unknown`` and left out; unknown fields are ignored. ``decode_envelope`` and
+  then ``decode_events`` over consecutive slices of its events give the same events and
+  counts, a slice at a time.
 - Decoded events are always instances of the public ``BlockStored``, ``BlockRemoved`` and
   ``AllBlocksCleared`` classes, whichever encoding they came in.
 - ``apply_batch`` applies each event to the index on its own; an event the index rejects
@@ -163,6 +165,10 @@ _map_event = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksClear
 _array_event = msgspec.msgpack.Decoder(
     _ArrayBlockStored | _ArrayBlockRemoved | _ArrayAllBlocksCleared
 )
+_map_events = msgspec.msgpack.Decoder(list[BlockStored | BlockRemoved | AllBlocksCleared])
+_array_events = msgspec.msgpack.Decoder(
+    list[_ArrayBlockStored | _ArrayBlockRemoved | _ArrayAllBlocksCleared]
+)
 _any = msgspec.msgpack.Decoder()
 _encoder = msgspec.msgpack.Encoder()
 
@@ -181,6 +187,18 @@ def decode_batch(payload: bytes) -> EventBatch:
 
 
 def _decode_event_by_event(payload: bytes) -> EventBatch:
+    batch = decode_envelope(payload)
+    raws, batch.events = batch.events, []
+    batch.events = _decode_each(raws, batch)
+    return batch
+
+
+def decode_envelope(payload: bytes) -> EventBatch:
+    """A payload's envelope with its events left encoded: ``events`` holds one
+    ``msgspec.Raw`` per event, for ``decode_events`` to decode a slice at a time (a big
+    payload in one ``decode_batch`` call would hold the caller that long). Costs one pass
+    over the bytes that builds no event. Raises ``WireError`` where ``decode_batch`` does;
+    a garbled rank is counted in ``malformed``."""
     env: _RawEnvelope | _RawMapEnvelope | None = None
     error: Exception | None = None
     for decoder in (_raw_batch, _raw_map_batch):
@@ -192,18 +210,45 @@ def _decode_event_by_event(payload: bytes) -> EventBatch:
     if env is None:
         raise WireError(f"undecodable event batch ({len(payload)} bytes): {error}")
     rank = env.data_parallel_rank
-    batch = EventBatch(env.ts, [], rank if type(rank) is int else None)
+    batch = EventBatch(env.ts, env.events, rank if type(rank) is int else None)
     if rank is not None and type(rank) is not int:
         batch.malformed += 1  # a garbled rank is a defect of the batch, not of its events
-    for raw in env.events:
+    return batch
+
+
+def decode_events(raws: Sequence[msgspec.Raw], batch: EventBatch) -> list[Event]:
+    """Some of ``decode_envelope``'s raw events, decoded as ``decode_batch`` decodes them:
+    malformed and unknown ones are counted in ``batch`` and left out. One C call when they
+    all decode in one encoding; event by event otherwise."""
+    joined = _array_header(len(raws)) + b"".join(raws)
+    for decoder in (_map_events, _array_events):
+        try:
+            return decoder.decode(joined)  # type: ignore[no-any-return]
+        except _DECODE_ERRORS:
+            continue
+    return _decode_each(raws, batch)
+
+
+def _array_header(length: int) -> bytes:
+    """The msgpack header of an array of ``length`` elements."""
+    if length < 16:
+        return bytes((0x90 | length,))
+    if length < 1 << 16:
+        return b"\xdc" + length.to_bytes(2, "big")
+    return b"\xdd" + length.to_bytes(4, "big")
+
+
+def _decode_each(raws: Iterable[msgspec.Raw], batch: EventBatch) -> list[Event]:
+    events: list[Event] = []
+    for raw in raws:
         event = _decode_one(raw)
         if event is not None:
-            batch.events.append(event)
+            events.append(event)
         elif _is_unknown_type(raw):
             batch.unknown += 1
         else:
             batch.malformed += 1
-    return batch
+    return events
 
 
 def _decode_one(raw: msgspec.Raw) -> Event | None:

@@ -33,6 +33,10 @@ from kvroute.app.wire import (
     BlockStored,
     Event,
     apply_event,
+    decode_batch,
+    decode_envelope,
+    decode_events,
+    encode_batch,
     slices,
 )
 from kvroute.index import PrefixIndex
@@ -372,6 +376,69 @@ def test_a_huge_allowed_store_is_applied_in_slices_with_the_loop_running_between
     run(scenario)
 
 
+def test_a_big_payload_of_small_events_is_decoded_a_chunk_at_a_time():
+    """22,000 events in one 1 MB payload: decoded chunk_events at a time, so no turn of
+    the loop sees more than that many events' work, and every malformed and unknown event
+    is still counted."""
+
+    async def scenario(ctx):
+        options = dataclasses.replace(TEST_OPTIONS, chunk_events=128)
+        removal = msgspec.msgpack.encode({"type": "BlockRemoved", "block_hashes": [1]})
+        bad = msgspec.msgpack.encode({"type": "BlockStored", "block_hashes": "no"})
+        newer = msgspec.msgpack.encode({"type": "FromTheFuture", "x": 1})
+        raws = [bad if k % 11 == 0 else newer if k % 11 == 5 else removal
+                for k in range(22_000)]
+        payload = b"\x93" + msgspec.msgpack.encode(1.0) + b"\xdd" + \
+            len(raws).to_bytes(4, "big") + b"".join(raws) + b"\x00"
+        assert len(payload) > 512 * 1024  # well past the size decoded in one call
+        stop = asyncio.Event()
+        index = LoopWatchingIndex()
+        counting = asyncio.create_task(index.count_turns(stop))
+        try:
+            rig = subscribed(ctx, 9, index=index, options=options)
+            async with rig as (pub, ledger, source, index, sub):
+                ledger.publish([chain(1, 4)])
+                ledger.publish_raw(payload)
+                await settled(sub, ledger, ("live",), "the big payload")
+        finally:
+            stop.set()
+            await counting
+        assert sub.status.malformed == 2000 and sub.status.unknown == 2000
+        assert index.stats().unknown_removals == 18_000 - 1  # hash 1 was held once
+        assert 0 < index.most_between_turns <= 128
+    run(scenario)
+
+
+def test_decoding_the_envelope_then_slices_of_events_is_decode_batch():
+    good = [chain(1, 2), BlockRemoved(block_hashes=[1]), AllBlocksCleared(), chain(5, 1)]
+    unknown = {"type": "FromTheFuture"}
+    bad = {"type": "BlockRemoved", "block_hashes": "no"}
+
+    def mixed(*events: Any, rank: Any = 0) -> bytes:
+        return msgspec.msgpack.encode([1.0, list(events), rank])
+
+    as_maps = msgspec.msgpack.decode(encode_batch(good))[1]
+    as_arrays = msgspec.msgpack.decode(encode_batch(good, encoding="array"))[1]
+    payloads = [
+        encode_batch(good), encode_batch(good, encoding="array"),
+        mixed(*as_maps, *as_arrays),  # two encodings in one batch
+        mixed(as_maps[0], bad, unknown, as_arrays[1], bad, as_maps[3]),
+        mixed(*as_maps, rank="zero"),  # a garbled rank
+        msgspec.msgpack.encode({"ts": 1.0, "events": as_maps}),  # a map envelope
+        mixed(),
+    ]
+    for payload in payloads:
+        whole = decode_batch(payload)
+        for step in (1, 2, 3, 100):
+            batch = decode_envelope(payload)
+            raws = batch.events
+            events = [e for at in range(0, len(raws), step)
+                      for e in decode_events(raws[at:at + step], batch)]
+            assert events == whole.events
+            assert (batch.malformed, batch.unknown, batch.data_parallel_rank) == (
+                whole.malformed, whole.unknown, whole.data_parallel_rank)
+
+
 # --- slices against one call, without sockets ---------------------------------------------------
 
 POOL = st.integers(0, 30)  # few hashes: repeats, conflicts, held hashes at slice boundaries
@@ -413,7 +480,7 @@ def outcome(apply: Any) -> str | None:
     return None
 
 
-@settings(max_examples=400, deadline=None,
+@settings(max_examples=250, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(history=st.lists(events, max_size=10), event=st.one_of(stores(), removals),
        max_blocks=st.integers(1, 5), guess=st.sampled_from(["nothing", "noise", "the event"]),
