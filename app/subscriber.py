@@ -666,9 +666,7 @@ class Subscriber:
             if number:  # the loop runs between one chunk's decoding and the next
                 await self._yield_to_loop()
             n_events += len(events)
-            # Runs of removals are cut at slice_blocks hashes, so that coalescing them does
-            # not hold the loop longer than applying them may.
-            for event in coalesced(events, self.options.slice_blocks):
+            for event in coalesced(events):
                 # Counted across batches, so that a replay of thousands of small batches
                 # yields too, whether or not zmq's own awaits happen to.
                 self._unyielded += 1
@@ -729,6 +727,9 @@ class Subscriber:
             self._unyielded_work += work
             return apply_event(self.index, self.worker, event)
         assert not isinstance(event, AllBlocksCleared)  # a clear is one call, whatever it costs
+        # Decoding this event was one stretch already; slices() begins with another (a pass
+        # over its tokens): let the loop run between the two.
+        await self._yield_to_loop()
         applied = 0
         for piece in slices(event, budget, self._holds):
             work = self._work(piece)

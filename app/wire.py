@@ -22,8 +22,6 @@ Invariants:
   ``AllBlocksCleared`` classes, whichever encoding they came in.
 - ``apply_batch`` applies each event to the index on its own; an event the index rejects
   (``ValueError``) is counted as malformed and the rest of the batch still applies.
-- A decoded event's token ids are in ``[0, 2**32)`` (vLLM's are; the index takes no others):
-  one outside makes its event malformed at decode time, never half-way through applying it.
 - ``slices`` cuts an event into consecutive events that change an index exactly as the whole
   event would (see there); it never copies an event that fits in one slice.
 """
@@ -32,12 +30,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Annotated, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import msgspec
 
 Hash = int | bytes
-TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
 Encoding = Literal["map", "array"]
 
 #: The 8-byte seq frame vLLM's replay ROUTER sends after the last buffered batch.
@@ -64,7 +61,7 @@ class BlockStored(
 
     block_hashes: list[Hash]
     parent_block_hash: Hash | None = None
-    token_ids: list[TokenId] = []
+    token_ids: list[int] = []
     block_size: int = 0
     lora_id: int | None = None
     medium: str | None = None
@@ -404,11 +401,9 @@ def apply_event(index: IndexWriter, worker: Any, event: Event) -> int:
     return 0
 
 
-def coalesced(events: Iterable[Event], max_run: int | None = None) -> Iterator[Event]:
+def coalesced(events: Iterable[Event]) -> Iterator[Event]:
     """``events`` with each run of consecutive BlockRemoved events of one medium and
-    KV-cache group merged into one event (a run already ``max_run`` hashes long is
-    yielded before it takes the next event, so a consumer gets back control at least that
-    often; one event longer than that still comes whole).
+    KV-cache group merged into one event.
 
     vLLM sends one hash per BlockRemoved event, so in a steady state half of all events
     are single removals. Removals of one medium and group next to each other commute, so
@@ -420,8 +415,7 @@ def coalesced(events: Iterable[Event], max_run: int | None = None) -> Iterator[E
     group: int | None = None
     for event in events:
         if isinstance(event, BlockRemoved):
-            if (run and event.medium == medium and event.group_idx == group
-                    and (max_run is None or len(run) < max_run)):
+            if run and event.medium == medium and event.group_idx == group:
                 run.extend(event.block_hashes)
                 continue
             if run:
@@ -439,6 +433,7 @@ def coalesced(events: Iterable[Event], max_run: int | None = None) -> Iterator[E
 #: A slice of a store holds at most this many tokens per block it may hold (blocks of
 #: vLLM's default size): the index's work per block grows with the block's tokens.
 SLICE_TOKENS_PER_BLOCK = 16
+_TOKEN_LIMIT = 2**32  # the index takes token ids in [0, 2**32) (index.keys)
 
 
 def slices(event: BlockStored | BlockRemoved, max_blocks: int,
@@ -456,10 +451,11 @@ def slices(event: BlockStored | BlockRemoved, max_blocks: int,
       the worker might happen to hold from before.
     - A store without tokens (CPU offload) resolves each hash on its own, and removals are
       independent per hash: their slices split the hashes, nothing else.
-    - A store whose token ids, block size or extra keys do not fit its blocks is yielded
-      whole: the index rejects it before changing anything. Nothing else can be rejected
-      half-way: a decoded event's token ids are in range and its extra keys are plain
-      msgpack values.
+    - A store the index would reject for its token ids (not filling its blocks, or
+      outside ``[0, 2**32)``; checked only when the store is split: one pass over its
+      tokens), its block size or its extra keys' count is yielded whole: the index rejects
+      it before changing anything. Nothing else can be rejected half-way: a decoded
+      event's hashes are ints or bytes and its extra keys plain msgpack values.
 
     An event that fits in one slice is yielded as it is (no copy).
     """
@@ -478,7 +474,7 @@ def slices(event: BlockStored | BlockRemoved, max_blocks: int,
         yield event
         return
     per_slice = max(1, min(max_blocks, max_blocks * SLICE_TOKENS_PER_BLOCK // block_size))
-    if count <= per_slice:
+    if count <= per_slice or min(tokens) < 0 or max(tokens) >= _TOKEN_LIMIT:
         yield event
         return
     parent = event.parent_block_hash

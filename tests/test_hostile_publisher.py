@@ -452,6 +452,9 @@ def stores(draw) -> BlockStored:
     fits = draw(st.sampled_from([True] * 9 + [False]))  # sometimes a malformed event
     tokens = draw(st.lists(st.integers(0, 3), min_size=blocks * block_size - (not fits),
                            max_size=blocks * block_size - (not fits)))
+    bad_token = draw(st.sampled_from([None] * 8 + [-1, 2**32]))  # the index refuses these
+    if bad_token is not None and tokens:
+        tokens[draw(st.integers(0, len(tokens) - 1))] = bad_token
     extra = draw(st.none() | st.lists(st.sampled_from([None, None, ("img",), ("x", "salt")]),
                                       min_size=blocks, max_size=blocks))
     offload = draw(st.sampled_from([False] * 5 + [True]))
@@ -496,8 +499,9 @@ def test_an_event_applied_in_slices_leaves_the_index_as_one_call_would(history, 
             outcome(lambda index=index, earlier=earlier: apply_event(index, WORKER, earlier))
         if guess == "noise":
             index.place(WORKER, noise, block_size=4, expires=1.0)
-        elif guess == "the event" and own:
-            index.place(WORKER, event.token_ids, block_size=event.block_size, expires=1.0)
+        elif guess == "the event" and own:  # refused alike when a token is out of range
+            outcome(lambda index=index: index.place(WORKER, event.token_ids,
+                                                    block_size=event.block_size, expires=1.0))
     assert snapshot(sliced) == snapshot(whole)
 
     def in_slices() -> None:
@@ -522,5 +526,6 @@ def test_slices_hold_at_most_max_blocks_and_chain_through_the_previous_slice():
     assert len(list(slices(chain(1, 3, block_size=64), 4))) == 3
     # What fits is not copied; a store whose tokens do not fit its blocks is not cut.
     assert next(slices(event, 10)) is event
-    malformed = msgspec.structs.replace(event, token_ids=event.token_ids[:-1])
-    assert list(slices(malformed, 4)) == [malformed]
+    for malformed in (msgspec.structs.replace(event, token_ids=event.token_ids[:-1]),
+                      msgspec.structs.replace(event, token_ids=[*event.token_ids[:-1], 2**32])):
+        assert list(slices(malformed, 4)) == [malformed]
