@@ -56,7 +56,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
@@ -71,7 +71,6 @@ from kvroute.app.wire import (
     AllBlocksCleared,
     BlockStored,
     Event,
-    EventBatch,
     Hash,
     IndexWriter,
     WireError,
@@ -246,6 +245,13 @@ _MAX_REPLAYED_FINGERPRINTS = 20_000
 # MiB). A bigger one is decoded chunk_events events at a time, with the loop running
 # between chunks; only its envelope is one call (~25 ms for 16 MiB of tiny events).
 _DECODE_WHOLE_BYTES = 256 * 1024
+# Decoding cannot be cut into bounded pieces: one event, or one envelope, is one call (a
+# 65,536-block store: ~30-50 ms). After such a call took _LONG_DECODE or more, the
+# subscriber lets the loop run about as long (at most _MAX_PAUSE), because an HTTP answer
+# needs several turns of the loop and a flood of big frames would otherwise put one long
+# stretch in front of each of them. Real batches decode in well under a millisecond.
+_LONG_DECODE = 0.005
+_MAX_PAUSE = 0.05
 
 
 def _fingerprint(payload: bytes) -> int:
@@ -646,11 +652,15 @@ class Subscriber:
         if replayed:
             self._remember_replayed(seq, payload)
         lazily = len(payload) > _DECODE_WHOLE_BYTES
+        started = time.perf_counter()
         try:
             batch = decode_envelope(payload) if lazily else decode_batch(payload)
         except WireError as exc:
             self._malformed(str(exc))
             status.last_seq = seq
+            took = time.perf_counter() - started  # garbage can be a long read, too
+            if took >= _LONG_DECODE:
+                await self._pause(took)
             return
         if (batch.data_parallel_rank is not None
                 and batch.data_parallel_rank != self.endpoint.dp_rank):
@@ -662,9 +672,17 @@ class Subscriber:
         blocks = n_events = 0
         exact_again = False
         chunk = self.options.chunk_events
-        for number, events in enumerate(self._decoded(batch, lazily)):
-            if number:  # the loop runs between one chunk's decoding and the next
-                await self._yield_to_loop()
+        took = time.perf_counter() - started
+        if lazily or took >= _LONG_DECODE:  # a chunk's decoding is another stretch
+            await self._pause(took)
+        step = chunk if lazily else max(1, len(batch.events))
+        for start in range(0, len(batch.events), step):
+            if lazily:  # decoded a chunk at a time, with the loop running in between
+                started = time.perf_counter()
+                events = decode_events(batch.events[start:start + step], batch)
+                await self._pause(time.perf_counter() - started)
+            else:
+                events = batch.events
             n_events += len(events)
             for event in coalesced(events):
                 # Counted across batches, so that a replay of thousands of small batches
@@ -702,16 +720,6 @@ class Subscriber:
             self._degraded = False
         if status.state.serving:
             self._settle()
-
-    def _decoded(self, batch: EventBatch, lazily: bool) -> Iterator[list[Event]]:
-        """The batch's events: all at once, or (``lazily``: its events are still encoded,
-        from ``decode_envelope``) ``chunk_events`` at a time, each decoded when asked for."""
-        if not lazily:
-            yield batch.events
-            return
-        raws, step = batch.events, self.options.chunk_events
-        for start in range(0, len(raws), step):
-            yield decode_events(raws[start:start + step], batch)
 
     async def _apply_event(self, event: Event) -> int:
         """Apply one event; returns the blocks it stored or removed. An event of more work
@@ -754,6 +762,14 @@ class Subscriber:
         self._unyielded = 0
         self._unyielded_work = 0
         await asyncio.sleep(0)
+        self._check_connection()
+
+    async def _pause(self, took: float) -> None:
+        """``_yield_to_loop`` after decoding that took ``took`` seconds in one call: when
+        that was long, the loop gets about as long again (see ``_LONG_DECODE``)."""
+        self._unyielded = 0
+        self._unyielded_work = 0
+        await asyncio.sleep(min(took, _MAX_PAUSE) if took >= _LONG_DECODE else 0)
         self._check_connection()
 
     def _over_a_cap(self, seq: int, event: BlockStored) -> bool:

@@ -4,8 +4,9 @@ kvroute runs in-process (``app.server.BackgroundServer``, default limits) with t
 registered by explicit ``events``/``replay`` endpoints: "steady", a well-behaved publisher
 that cached the prompt the routes ask for (so every answer walks a real match), and
 "hostile", a publisher in a child process (its encoding and sending would otherwise hold
-this process's GIL and stall kvroute for reasons of the benchmark's own making), with every
-frame built before the measuring starts. One client, in a process of its own too, asks
+this process's GIL and stall kvroute for reasons of the benchmark's own making) at a lower
+CPU priority (it stands for another machine), with every frame built before the measuring
+starts. One client, in a process of its own too, asks
 ``POST /v1/route`` (a probe) in a closed loop and records each answer's latency, in two
 phases of one run:
 
@@ -36,6 +37,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import random
 import statistics
 import sys
@@ -110,6 +112,10 @@ def serve_hostile(conn: Connection, rounds: int, cap: int, limit: int) -> None:
     """The hostile publisher's process: builds every round, sends its endpoints, then
     sends one round per "round" request (answering with the last seq sent and what was
     in it) until "stop"."""
+    # Lower priority: on a machine of few cores, the publisher's sending would otherwise
+    # take CPU time from kvroute and the route client that, in production, it does not
+    # share with them (it is another machine).
+    os.nice(10)
     rng = random.Random(2)
     plan = [hostile_round(rng, r, cap, limit) for r in range(rounds)]
     with EventPublisher() as pub:
