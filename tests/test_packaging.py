@@ -106,3 +106,13 @@ def test_every_refusal_has_one_status() -> None:
     kinds = set(RequestError.__subclasses__())
     assert kinds == set(STATUS_OF), sorted(k.__name__ for k in kinds ^ set(STATUS_OF))
     assert all(400 <= status < 600 for status in STATUS_OF.values())
+
+
+def test_every_subscriber_counter_is_listed_in_the_readme() -> None:
+    from kvroute.app.subscriber import COUNTERS
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    metrics = readme.split("## Metrics")[1].split("\n## ")[0]
+    missing = [f"{name}_total" for name, _ in COUNTERS.values()
+               if f"`{name}_total`" not in metrics]
+    assert not missing
