@@ -239,6 +239,7 @@ class _Disconnected(Exception):
 _UP = zmq.EVENT_HANDSHAKE_SUCCEEDED
 _DOWN = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CLOSED
 _POLL_MS = 100
+_DROP_GRACE_MS = 200  # replies queued before a replay connection dropped, still surfacing
 _MAX_REPLAYED_FINGERPRINTS = 20_000
 # A payload up to this size is decoded in one call (every real vLLM batch is far smaller):
 # ~10 ms at worst, for one full of malformed events, which decode one by one (~40 ms per
@@ -609,6 +610,12 @@ class Subscriber:
                 self._check_connection()
                 return frames
             if await dropped.poll(0, zmq.POLLIN):
+                # The monitor's report travels on its own socket and can overtake replies
+                # already queued from that connection: give them a moment to surface.
+                if await dealer.poll(_DROP_GRACE_MS, zmq.POLLIN):
+                    frames = await dealer.recv_multipart()
+                    self._check_connection()
+                    return frames
                 return None
             if poller is None:
                 poller = zmq.asyncio.Poller()
