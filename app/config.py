@@ -40,8 +40,10 @@ import msgspec
 
 from kvroute.app.json_body import split_validation
 from kvroute.app.routing import CostWeights
+from kvroute.app.subscriber import SubscriberOptions
 
 _COSTS = CostWeights()  # the one place the cost defaults are written
+_PUBLISHER_BOUNDS = SubscriberOptions()  # and the publisher bounds
 
 __all__ = [
     "ConfigError", "InstanceConfig", "Settings", "default_instance_id", "foreign_endpoints",
@@ -170,9 +172,9 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
     # A hostile or broken publisher: bigger ZMQ messages close the connection; bigger
     # BlockStored events and stores past a worker's cap are counted and skipped (the
     # worker turns degraded).
-    max_event_message_bytes: Positive = 16 * 1024 * 1024
-    max_blocks_per_event: Positive = 65_536
-    max_blocks_per_worker: Positive = 4_194_304
+    max_event_message_bytes: Positive = _PUBLISHER_BOUNDS.max_message_bytes
+    max_blocks_per_event: Positive = _PUBLISHER_BOUNDS.max_blocks_per_event
+    max_blocks_per_worker: Positive = _PUBLISHER_BOUNDS.max_blocks_per_worker
 
     def __post_init__(self) -> None:
         for name in _FLOAT_SETTINGS:

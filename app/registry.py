@@ -89,7 +89,7 @@ class Instance:
 class Registry:
     def __init__(self, index: PrefixIndex, client: httpx.AsyncClient,
                  context: zmq.asyncio.Context | None = None,
-                 options: SubscriberOptions | None = None, *, max_instances: int = 4096,
+                 options: SubscriberOptions | None = None, *, max_instances: int,
                  endpoint_hosts: tuple[str, ...] = ()) -> None:
         self.index = index
         self._client = client
