@@ -47,7 +47,7 @@ _PUBLISHER_BOUNDS = SubscriberOptions()  # and the publisher bounds
 
 __all__ = [
     "ConfigError", "InstanceConfig", "Settings", "default_instance_id", "foreign_endpoints",
-    "load_settings", "parse_instance",
+    "is_loopback", "load_settings", "parse_instance",
 ]
 
 ENV_PREFIX = "KVROUTE_"
@@ -201,8 +201,9 @@ def _repr_without_secrets(struct: msgspec.Struct) -> str:
     return f"{type(struct).__name__}({shown})"
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address, IPv6 bracketed or not) is this machine only."""
+    if host.lower() == "localhost":
         return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
@@ -366,7 +367,7 @@ def load_settings(
         merged.update((name, getattr(checked, name)) for name in values if name != "instances")
         instances.extend(checked.instances)
     settings = Settings(**merged, instances=tuple(instances))
-    if not (_is_loopback(settings.host) or settings.api_token or settings.admin_token
+    if not (is_loopback(settings.host) or settings.api_token or settings.admin_token
             or settings.allow_unauthenticated):
         raise ConfigError(f"host {settings.host} is reachable from other machines and no "
                           "api_token/admin_token is set: set KVROUTE_API_TOKEN and "

@@ -19,7 +19,6 @@ nothing.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 import msgspec
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvroute.app.config import Settings
+from kvroute.app.config import Settings, is_loopback
 from kvroute.app.errors import Busy, MalformedRequest, RequestError
 
 __all__ = ["OPEN_PATHS", "AllowedHosts", "HttpGuard", "allowed_hosts_of", "host_name"]
@@ -68,22 +67,13 @@ def allowed_hosts_of(settings: Settings) -> AllowedHosts | None:
     entries = [entry.strip().lower().strip("[]").removesuffix(".")
                for entry in settings.allowed_hosts]
     if not entries:
-        if not _is_loopback(settings.host):
+        if not is_loopback(settings.host):
             return None
         # The bound address itself is always a correct Host (127.0.0.2 as well).
         entries = [*LOOPBACK_NAMES, settings.host.strip("[]").lower()]
     return AllowedHosts(
         names=frozenset(entry for entry in entries if not entry.startswith("*.")),
         suffixes=tuple(entry[1:] for entry in entries if entry.startswith("*.")))
-
-
-def _is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 class HttpGuard:
