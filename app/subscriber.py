@@ -613,9 +613,7 @@ class Subscriber:
                 # The monitor's report travels on its own socket and can overtake replies
                 # already queued from that connection: give them a moment to surface.
                 if await dealer.poll(_DROP_GRACE_MS, zmq.POLLIN):
-                    frames = await dealer.recv_multipart()
-                    self._check_connection()
-                    return frames
+                    continue  # read above
                 return None
             if poller is None:
                 poller = zmq.asyncio.Poller()
