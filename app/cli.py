@@ -27,6 +27,12 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--proxy", action="store_true", default=None,
                        help="also serve OpenAI-compatible /v1/completions, "
                             "/v1/chat/completions and /v1/models, forwarded to the chosen worker")
+    serve.add_argument("--state-dir", metavar="DIR",
+                       help="save the index here periodically and on shutdown, and resume "
+                            "from it on start")
+    serve.add_argument("--state-url", metavar="URL",
+                       help="redis://HOST:PORT/N (Valkey or Redis): replicas share saved "
+                            "state, placement guesses and load through it")
     serve.add_argument("--allow-unauthenticated", action="store_true", default=None,
                        help="serve without api_token/admin_token on a non-loopback address "
                             "(a trusted network only; tokens come from the config file or "
@@ -39,6 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
     flags = {"host": args.host, "port": args.port, "tokenizer": args.tokenizer,
              "log_level": args.log_level, "proxy": args.proxy,
              "allow_unauthenticated": args.allow_unauthenticated,
+             "state_dir": args.state_dir, "state_url": args.state_url,
              "instances": [{"url": url} for url in args.instance] or None}
     settings = load_settings(args.config, flags=flags)
     # log_level governs kvroute's own loggers too (debug: every proxy decision's scores).

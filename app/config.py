@@ -175,6 +175,17 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
     max_event_message_bytes: Positive = _PUBLISHER_BOUNDS.max_message_bytes
     max_blocks_per_event: Positive = _PUBLISHER_BOUNDS.max_blocks_per_event
     max_blocks_per_worker: Positive = _PUBLISHER_BOUNDS.max_blocks_per_worker
+    # Saved state (app.saved_state): the index is saved every state_save_interval seconds
+    # and on shutdown, to a directory or to Valkey/Redis (redis://, rediss://, unix://),
+    # and loaded on start. With state_url, replicas also share placement guesses and load.
+    state_dir: Text | None = None
+    state_url: Text | None = None
+    # A CA bundle to check a rediss:// server's certificate against (default: the system's).
+    state_ca_file: Text | None = None
+    state_save_interval: Seconds = 30.0
+    # Saved holdings that no replay could confirm count like placement guesses for this
+    # long, unless real events replace them first.
+    unconfirmed_ttl: Seconds = 600.0
 
     def __post_init__(self) -> None:
         for name in _FLOAT_SETTINGS:
@@ -186,7 +197,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
 
 
 # Secrets never appear in a repr, so never in logs or error messages.
-_SECRETS = frozenset({"api_key", "api_token", "admin_token"})
+_SECRETS = frozenset({"api_key", "api_token", "admin_token", "state_url"})
 _FLOAT_SETTINGS = tuple(f.name for f in msgspec.structs.fields(Settings)
                         if f.type in (NonNegative, Seconds))
 _LIST_SETTINGS = frozenset(f.name for f in msgspec.structs.fields(Settings)
@@ -386,6 +397,14 @@ def load_settings(
             raise ConfigError(f"instances[{number}]: endpoint {foreign[0]} is not on the "
                               f"instance's host ({instance.url}); list its host in "
                               "zmq_endpoint_hosts to allow it", f"instances[{number}].events")
+    if settings.state_dir is not None and settings.state_url is not None:
+        raise ConfigError("give state_dir (one process) or state_url (replicas sharing "
+                          "Valkey/Redis), not both", "state_url")
+    if settings.state_url is not None:
+        scheme = settings.state_url.partition("://")[0].lower()
+        if scheme not in ("redis", "rediss", "unix"):
+            raise ConfigError("state_url must be a redis://, rediss:// or unix:// URL",
+                              "state_url")
     ids = [default_instance_id(instance) for instance in settings.instances]
     repeated = sorted({i for i in ids if ids.count(i) > 1})
     if repeated:
