@@ -36,22 +36,35 @@ of a cold prefix follows the first answer instead of spreading over the fleet.
 
 A worker is *overloaded* when its waiting queue or its KV-cache usage reaches the
 configured limit; overloaded workers are skipped unless every worker is. The lowest
-cost wins; equal costs rotate among the tied workers, so a cold prefix nobody holds
-does not always land on the same worker. With an idle fleet the lowest cost is simply
-the most matched tokens (block sizes differ between instances; blocks are not comparable).
+cost wins. With an idle fleet the lowest cost is simply the most matched tokens (block
+sizes differ between instances; blocks are not comparable).
+
+Equal costs are broken by rendezvous (highest-random-weight) hashing: each tied worker
+weighs xxh3(the prompt's first block, the worker's key), and the heaviest wins. So a cold
+prefix nobody holds lands on the same worker in every kvroute replica, with no message
+exchanged (a burst of it through several replicas builds one copy, not one per replica),
+while different prefixes spread evenly over the fleet. The first block is the prompt's
+first `block size` tokens at the smallest block size among the scored workers, or the
+first block hash of a block-hash query: requests that could share a cached block share
+the key; a worker joining or leaving the tie moves only the prefixes it wins or won.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Mapping
+import sys
+from array import array
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from xxhash import xxh3_64_intdigest, xxh3_128_digest
 
 from kvroute.index import Match
 
 __all__ = ["CostWeights", "Score", "TieBreaker", "WorkerView", "best_of", "score_workers"]
 
 MEDIA = ("GPU", "CPU", "STORAGE")
+# The first block's length when no scored worker's block size is known: vLLM's default.
+DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,19 +186,49 @@ def score_workers(
 
 
 class TieBreaker:
-    """Rotates through equally good workers; one counter per process is enough."""
+    """Rendezvous hashing among equally cheap workers, keyed on one prompt's first block.
 
-    def __init__(self) -> None:
-        self._counter = itertools.count()
+    Invariants: the pick depends only on the prompt's first block and the tied workers'
+    keys, never on the process, the order of `tied` or earlier picks (xxh3 is seedless and
+    the same on every platform; token ids are hashed as little-endian uint32), so every
+    replica breaks the same tie the same way. Made per request; keeps no state.
+    """
 
-    def pick(self, tied: list[Score]) -> Score:
-        return tied[next(self._counter) % len(tied)]
+    __slots__ = ("_tokens", "_first_hash")
+
+    def __init__(self, tokens: Sequence[int] | None = None,
+                 first_hash: int | bytes | None = None) -> None:
+        self._tokens = tokens
+        self._first_hash = first_hash
+
+    def key(self, block_size: int) -> bytes:
+        """The digest of the prompt's first block (or all of it, when shorter)."""
+        if self._first_hash is not None:
+            value = self._first_hash
+            # A hash spelled signed or unsigned is the same hash (as the index treats it).
+            raw = value if isinstance(value, bytes) else (value % 2**64).to_bytes(8, "little")
+            return xxh3_128_digest(b"hash:" + raw)
+        first = array("I", self._tokens[:block_size] if self._tokens is not None else ())
+        if sys.byteorder != "little":
+            first.byteswap()
+        return xxh3_128_digest(b"tokens:" + first.tobytes())
+
+    def pick(self, tied: list[Score], block_size: int = DEFAULT_BLOCK_SIZE) -> Score:
+        key = self.key(block_size)
+        # Ordered by weight; a (practically impossible) equal weight falls back to the key.
+        return max(tied, key=lambda s: (
+            xxh3_64_intdigest(f"{s.instance}\0{s.dp_rank}\0".encode() + key),
+            s.instance, s.dp_rank))
 
 
 def best_of(scores: list[Score], ties: TieBreaker) -> Score:
-    """The cheapest score among those not overloaded (among all if every one is);
-    ties rotate. `scores` is not empty."""
+    """The cheapest score among those not overloaded (among all if every one is); ties
+    go to the rendezvous pick for the prompt's first block. `scores` is not empty."""
     pool = [score for score in scores if not score.overloaded] or scores
     lowest = min(score.cost for score in pool)
     tied = [score for score in pool if score.cost == lowest]
-    return tied[0] if len(tied) == 1 else ties.pick(tied)
+    if len(tied) == 1:
+        return tied[0]
+    # From every score, not only the tied ones: replicas whose loads differ still agree.
+    block_size = min((s.block_size for s in scores if s.block_size), default=DEFAULT_BLOCK_SIZE)
+    return ties.pick(tied, block_size)

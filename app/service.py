@@ -124,7 +124,6 @@ class Service:
         self.metrics = ServiceMetrics(self.registry)
         self.tokenizer: Tokenizer | None = make_tokenizer(
             settings.tokenizer, self.client, max_prompt_tokens=settings.max_prompt_tokens)
-        self.ties = TieBreaker()
         self.weights = CostWeights(
             miss_token=settings.cost_miss_token, cpu_hit_token=settings.cost_cpu_hit_token,
             storage_hit_token=settings.cost_storage_hit_token,
@@ -267,6 +266,7 @@ class Service:
         if request.block_hashes is not None:
             hashes = [_parse_hash(h, i) for i, h in enumerate(request.block_hashes)]
             matches = self.index.match_hashes(hashes, workers=[w.key for w in eligible])
+            ties = TieBreaker(first_hash=hashes[0] if hashes else None)
         else:
             tokens = await self._tokens(request, eligible)
             # Tokenizing awaited: an instance may have been removed meanwhile.
@@ -282,11 +282,12 @@ class Service:
             matches = self.index.match(tokens[:-1], lora_name=lora_name,
                                        workers=[w.key for w in eligible],
                                        now=time.monotonic())
+            ties = TieBreaker(tokens=tokens)
         scores = score_workers(
             [self._view(w) for w in eligible], matches, self.weights,
             prompt_tokens=len(tokens) if tokens is not None else None,
             prompt_blocks=len(request.block_hashes or ()))
-        best = best_of(scores, self.ties)
+        best = best_of(scores, ties)
         worker = next(w for w in eligible if w.key == (best.instance, best.dp_rank))
         if tokens and self.settings.placement_ttl > 0 and not request.probe:
             # Until its events arrive, the chosen worker counts as holding this prompt, so

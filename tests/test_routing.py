@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from kvroute.app.load import parse_load
 from kvroute.app.routing import CostWeights, TieBreaker, WorkerView, best_of, score_workers
 from kvroute.index import Match
+from tests.support.tokens import unique_tokens
 
 W = CostWeights()
 
@@ -99,10 +102,44 @@ def test_overloaded_workers_are_skipped_unless_all_are():
     assert best.instance == "hot"  # every worker overloaded: cost decides among all
 
 
-def test_ties_rotate():
-    ties = TieBreaker()
+def test_a_tie_goes_to_the_same_worker_for_the_same_first_block_in_any_process():
+    """Rendezvous hashing: no state, so two replicas (two TieBreakers) agree, whatever the
+    order of the scores; only the first block of the prompt (16 tokens here) counts."""
+    views = [view("a"), view("b"), view("c")]
+    scores = score_workers(views, {}, W, prompt_tokens=100)
+    prompt = unique_tokens(1, 40)
+    first = best_of(scores, TieBreaker(tokens=prompt))
+    assert best_of(scores[::-1], TieBreaker(tokens=prompt)) == first
+    assert best_of(scores, TieBreaker(tokens=prompt[:16] + unique_tokens(2, 30))) == first
+    # Removing a worker the prompt did not pick leaves the pick alone.
+    others = [s for s in scores if s is not first]
+    assert best_of([first, others[0]], TieBreaker(tokens=prompt)) == first
+    # A block-hash query: signed and unsigned spellings of one hash are one key.
+    assert (best_of(scores, TieBreaker(first_hash=-1))
+            == best_of(scores, TieBreaker(first_hash=2**64 - 1)))
+
+
+def test_ties_spread_cold_prefixes_evenly():
     scores = score_workers([view("a"), view("b"), view("c")], {}, W, prompt_tokens=100)
-    assert {best_of(scores, ties).instance for _ in range(3)} == {"a", "b", "c"}
+    picks = Counter(best_of(scores, TieBreaker(tokens=unique_tokens(seed, 20))).instance
+                    for seed in range(600))
+    assert set(picks) == {"a", "b", "c"}
+    assert min(picks.values()) >= 150  # 200 each expected; the seeds are fixed
+    hashes = Counter(best_of(scores, TieBreaker(first_hash=h * 7919)).instance
+                     for h in range(600))
+    assert min(hashes.values()) >= 150
+
+
+def test_the_first_block_is_at_the_smallest_block_size_of_the_scored_workers():
+    """Prompts that share the first 16 tokens but not 32 share a block of a 16-token
+    worker, so they tie-break alike; with only 32-token workers they may spread."""
+    small = [WorkerView(key=(n, 0), block_size=16, state="live") for n in "abcd"]
+    large = [WorkerView(key=(n, 0), block_size=32, state="live") for n in "abcd"]
+    prompts = [unique_tokens(7, 16) + unique_tokens(100 + i, 16) for i in range(40)]
+    scores = score_workers(small, {}, W, prompt_tokens=32)
+    assert len({best_of(scores, TieBreaker(tokens=p)).instance for p in prompts}) == 1
+    scores = score_workers(large, {}, W, prompt_tokens=32)
+    assert len({best_of(scores, TieBreaker(tokens=p)).instance for p in prompts}) == 4
 
 
 def test_block_hash_queries_count_prefill_per_block_size():
