@@ -16,7 +16,18 @@ COPY index ./index
 COPY app ./app
 COPY sim ./sim
 RUN pip install --no-cache-dir . \
-    && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin kvroute
+    && groupadd --system --gid 10001 kvroute \
+    && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin kvroute \
+    && install -d -o 10001 -g 10001 -m 0750 /var/lib/kvroute
+
+# Saved state (README, Saved state): the index is saved here every state_save_interval
+# seconds and on a graceful stop, and loaded on start, so a restart does not route blind
+# while the instances replay. A volume, so a read-only root filesystem still works; mount
+# a named volume or host directory (owned by uid 10001) to keep it across containers.
+# With KVROUTE_STATE_URL (Valkey/Redis shared by replicas) set KVROUTE_STATE_DIR= (empty):
+# the two exclude each other.
+ENV KVROUTE_STATE_DIR=/var/lib/kvroute
+VOLUME ["/var/lib/kvroute"]
 
 # Never run as root; a numeric uid lets Kubernetes verify runAsNonRoot.
 USER 10001

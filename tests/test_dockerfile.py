@@ -84,3 +84,33 @@ def test_hadolint_passes_clean() -> None:
     result = subprocess.run([hadolint, str(DOCKERFILE)], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr
+
+
+def env_values() -> dict[str, str]:
+    """Every ENV instruction's KEY=value pairs (the only form this Dockerfile uses)."""
+    values = {}
+    for _, args in (i for i in instructions() if i[0] == "ENV"):
+        for pair in args.split():
+            key, sep, value = pair.partition("=")
+            assert sep, f"ENV {args!r}: use KEY=value"
+            values[key] = value
+    return values
+
+
+def test_the_image_saves_state_in_a_volume_its_user_owns() -> None:
+    state_dir = env_values().get("KVROUTE_STATE_DIR")
+    assert state_dir and state_dir.startswith("/"), "no default KVROUTE_STATE_DIR"
+    volume = only("VOLUME")
+    volumes = json.loads(volume) if volume.startswith("[") else volume.split()
+    assert volumes == [state_dir]
+    # Created with the running user as owner, before VOLUME (later build changes to a
+    # volume's path are discarded): kvroute writes there on a read-only root filesystem.
+    uid = only("USER")
+    keywords = instructions()
+    volume_at = next(i for i, (kw, _) in enumerate(keywords) if kw == "VOLUME")
+    creators = [args for kw, args in keywords[:volume_at] if kw == "RUN" and state_dir in args]
+    assert creators, f"{state_dir} is not created before VOLUME"
+    assert re.search(rf"install -d\b[^&]*-o {uid}\b[^&]*{re.escape(state_dir)}", creators[-1]) \
+        or re.search(rf"chown {uid}\S* [^&]*{re.escape(state_dir)}", creators[-1])
+    runs = " ".join(args for kw, args in keywords if kw == "RUN")
+    assert re.search(rf"useradd\b[^&]*--uid {uid}\b", runs)
