@@ -89,6 +89,10 @@ class InFlight:
     def total(self) -> int:
         return sum(self._requests.values())
 
+    def workers(self) -> list[WorkerKey]:
+        """The workers with at least one open request (a copy)."""
+        return list(self._requests)
+
     def __len__(self) -> int:
         """Workers with at least one open request."""
         return len(self._requests)
@@ -125,6 +129,10 @@ class RecentAnswers:
 
     def get(self, key: WorkerKey) -> WorkerLoad:
         return self._ledger.get(key)
+
+    def workers(self) -> list[WorkerKey]:
+        """The workers with at least one answer counted (a copy)."""
+        return self._ledger.workers()
 
     def add(self, key: WorkerKey, prefill_tokens: int, now: float) -> None:
         ticket = self._ledger.open(key, prefill_tokens)
