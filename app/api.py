@@ -188,8 +188,12 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/readyz")
     async def readyz(request: Request) -> Response:
-        ready, reason = service_of(request).readiness()
-        return _json({"ready": ready, "reason": reason}, status=200 if ready else 503)
+        service = service_of(request)
+        ready, reason = service.readiness()
+        body: dict[str, Any] = {"ready": ready, "reason": reason}
+        if service.peers is not None:  # losing Valkey leaves a replica ready: it routes alone
+            body["replicas"] = service.peers.status()
+        return _json(body, status=200 if ready else 503)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -38,6 +38,7 @@ from kvroute.app.registry import Instance, Registry, Worker
 from kvroute.app.routing import CostWeights, Score, TieBreaker, WorkerView, best_of, score_workers
 from kvroute.app.subscriber import SubscriberOptions, WorkerState
 from kvroute.app.tokenizer import Tokenizer, make_tokenizer
+from kvroute.app.valkey import NO_LOAD, PeerLoad, Peers, PeersCollector
 from kvroute.index import PrefixIndex
 
 __all__ = ["Decision", "RouteRequest", "Service", "decode_route_request"]
@@ -139,8 +140,18 @@ class Service:
         self.started_at = time.monotonic()
         self._configured: list[Instance] = []
         self._ready = False
+        # Replicas sharing placement guesses and load through Valkey/Redis; None: alone.
+        self.peers: Peers | None = None
+        if settings.state_url is not None:
+            self.peers = Peers(settings.state_url, ca_file=settings.state_ca_file,
+                               index=self.index, is_worker=self._follows,
+                               own_load=self._own_load,
+                               apply_guesses=settings.placement_ttl > 0)
+            self.metrics.registry.register(PeersCollector(self.peers))
 
     async def start(self) -> None:
+        if self.peers is not None:
+            self.peers.start()
         if self.settings.load_interval > 0:
             self.load.start()
         for config in self.settings.instances:  # ids are unique: load_settings checked
@@ -148,6 +159,8 @@ class Service:
             self._configured.append(instance)
 
     async def close(self) -> None:
+        if self.peers is not None:
+            await self.peers.close()
         await self.load.stop()
         await self.registry.close()
         await self.client.aclose()
@@ -295,6 +308,10 @@ class Service:
             self.index.place(worker.key, tokens, block_size=worker.instance.block_size,
                              lora_name=lora_name,
                              expires=time.monotonic() + self.settings.placement_ttl)
+            if self.peers is not None:  # the other replicas follow it too
+                self.peers.publish_guess(worker.key, tokens,
+                                         block_size=worker.instance.block_size,
+                                         lora_name=lora_name, ttl=self.settings.placement_ttl)
         if tokens:
             self.metrics.match_ratio.observe(best.matched_tokens / len(tokens))
         return Decision(kind=given[0], worker=worker, best=best, scores=scores, tokens=tokens)
@@ -315,12 +332,16 @@ class Service:
         # The proxy knows its own requests exactly; an instance's gauges trail them by a
         # scrape and would only blur that. Route mode has nothing better than the gauges.
         queue = load if load and not self.settings.proxy else None
+        # The other replicas' own requests and answers, as they last said (app.valkey).
+        peers = self.peers.load(worker.key) if self.peers is not None else NO_LOAD
         return WorkerView(
             key=worker.key, block_size=worker.instance.block_size, state=worker.state,
             running=queue.running if queue else None, waiting=queue.waiting if queue else None,
-            kv_usage=load.kv_usage if load else None, inflight=forwarded.requests,
-            answered=answered.requests,
-            queued_prefill=forwarded.queued_prefill_tokens + answered.queued_prefill_tokens)
+            kv_usage=load.kv_usage if load else None,
+            inflight=forwarded.requests + peers.inflight,
+            answered=answered.requests + peers.answered,
+            queued_prefill=(forwarded.queued_prefill_tokens + answered.queued_prefill_tokens
+                            + peers.queued_prefill))
 
     async def route(self, body: bytes) -> tuple[str, dict[str, Any]]:
         """(input kind, answer) for a POST /v1/route body; raises a RequestError."""
@@ -342,6 +363,22 @@ class Service:
             "prompt_blocks": len(request.block_hashes) if request.block_hashes else None,
             "scores": [score.as_json() for score in _ranked(decision.scores)],
         }
+
+    # -- replicas (app.valkey) ----------------------------------------------
+    def _follows(self, key: tuple[str, int]) -> bool:
+        instance_id, rank = key
+        return instance_id in self.registry and any(
+            worker.endpoint.dp_rank == rank for worker in self.registry.get(instance_id).workers)
+
+    def _own_load(self) -> dict[tuple[str, int], PeerLoad]:
+        """This replica's own requests and answers per worker, for the other replicas."""
+        self.answers.settle(time.monotonic(), self._reading_taken)
+        loads = {}
+        for key in {*self.inflight.workers(), *self.answers.workers()}:
+            forwarded, answered = self.inflight.get(key), self.answers.get(key)
+            loads[key] = PeerLoad(forwarded.requests, answered.requests,
+                                  forwarded.queued_prefill_tokens + answered.queued_prefill_tokens)
+        return loads
 
     # -- instances -------------------------------------------------------
     def instance_json(self, instance: Instance, *, detail: bool = False) -> dict[str, Any]:
