@@ -230,3 +230,17 @@ def test_publishing_never_waits_and_drops_what_cannot_be_sent(valkey: RedisServe
         await peers.close()
 
     run_async(scenario)
+
+
+def test_every_peers_metric_is_listed_in_the_readme() -> None:
+    from pathlib import Path
+
+    from kvroute.app.valkey import DROP_REASONS, PeersCollector
+
+    peers = make_peers("unix:///nowhere.sock", PrefixIndex())  # never started: no I/O
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    metrics = readme.split("## Metrics")[1].split("\n## ")[0]
+    names = [f"{family.name}_total" if family.type == "counter" else family.name
+             for family in PeersCollector(peers).collect()]
+    assert [name for name in names if f"`{name}" not in metrics] == []
+    assert [reason for reason in DROP_REASONS if f"`{reason}`" not in metrics] == []
