@@ -27,7 +27,7 @@ Invariants:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Container, Hashable, Sequence
 
 from sortedcontainers import SortedList
 from xxhash import xxh3_128_digest
@@ -116,15 +116,17 @@ class Placements:
         return worker in self._guessed
 
     def extent(self, worker: Hashable, keys: Sequence[bytes],
-               really_holds: Callable[[bytes], bool]) -> tuple[int, int]:
-        """(blocks, of which guessed only): how many of `keys`, from the first, the
-        worker is guessed to hold or really holds."""
+               really_holds: Callable[[bytes], bool],
+               unconfirmed: Container[bytes] = ()) -> tuple[int, int]:
+        """(blocks, of which pending): how many of `keys`, from the first, the worker
+        really holds, is guessed to hold, or holds `unconfirmed` (saved holdings no replay
+        vouched for, which count like guesses)."""
         guessed = self._guessed.get(worker, {})
         count = pending = 0
         for key in keys:
             if really_holds(key):
                 count += 1
-            elif key in guessed:
+            elif key in guessed or key in unconfirmed:
                 count += 1
                 pending += 1
             else:

@@ -12,11 +12,13 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+import msgspec
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvroute.index import Match, PrefixIndex
+from kvroute.index.holdings import Holdings
 from tests.support.index_state import assert_empty
 
 TIERS = ("GPU", "CPU", "STORAGE")
@@ -385,6 +387,24 @@ class IndexMachine(RuleBasedStateMachine):
             return
         self.model.drop(name)
         self.index.drop_worker(name)
+
+    @rule(data=st.data(), piece_size=st.integers(1, 5), now=st.integers(0, 2))
+    def save_and_restore_into_a_new_index(self, data, piece_size, now):
+        """What a kvroute restart does with saved state: every worker captured, its pieces
+        through msgpack, restored into a new index; from then on that index must agree
+        with the model as the old one did (the counters start again from zero)."""
+        if now:
+            return
+        saved = {}
+        for name in sorted(self.index._workers, key=repr):
+            capture = self.index.capture(name)
+            saved[name] = msgspec.msgpack.decode(
+                msgspec.msgpack.encode(list(capture.pieces(piece_size))), type=list[Holdings])
+        self.index = PrefixIndex()
+        for name, pieces in saved.items():
+            assert self.index.restore(name, pieces) == sum(len(p) for p in pieces)
+        self.model.orphaned = self.model.unknown_removals = 0
+        self.model.ignored_blocks = self.model.ignored_removals = 0
 
     # ------------------------------------------------------------------ checks
 
