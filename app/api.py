@@ -193,6 +193,8 @@ def create_app(settings: Settings) -> FastAPI:
         body: dict[str, Any] = {"ready": ready, "reason": reason}
         if service.peers is not None:  # losing Valkey leaves a replica ready: it routes alone
             body["replicas"] = service.peers.status()
+        if service.state is not None:  # a failing save leaves it ready: it still routes
+            body["saved_state"] = service.state.status()
         return _json(body, status=200 if ready else 503)
 
     @app.get("/metrics")

@@ -185,7 +185,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
     state_save_interval: Seconds = 30.0
     # Saved holdings that no replay could confirm count like placement guesses for this
     # long, unless real events replace them first.
-    unconfirmed_ttl: Seconds = 600.0
+    unconfirmed_ttl: Seconds = _PUBLISHER_BOUNDS.unconfirmed_ttl
 
     def __post_init__(self) -> None:
         for name in _FLOAT_SETTINGS:
@@ -399,7 +399,8 @@ def load_settings(
                               "zmq_endpoint_hosts to allow it", f"instances[{number}].events")
     if settings.state_dir is not None and settings.state_url is not None:
         raise ConfigError("give state_dir (one process) or state_url (replicas sharing "
-                          "Valkey/Redis), not both", "state_url")
+                          "Valkey/Redis), not both (the container image sets "
+                          "KVROUTE_STATE_DIR: set it empty to use state_url)", "state_url")
     if settings.state_url is not None:
         scheme = settings.state_url.partition("://")[0].lower()
         if scheme not in ("redis", "rediss", "unix"):

@@ -36,7 +36,11 @@ class _RegistryCollector(Collector):
         holdings = GaugeMetricFamily("kvroute_worker_holdings",
                                      "blocks each worker holds in the index, per medium",
                                      labels=[*labels, "medium"])
-        stats = self._registry.index.stats()
+        unconfirmed = GaugeMetricFamily(
+            "kvroute_worker_unconfirmed_blocks",
+            "saved blocks of each worker that no replay or event confirmed yet", labels=labels)
+        index = self._registry.index
+        stats = index.stats()
         for worker in self._registry.workers():
             status = worker.subscriber.status
             key = [worker.instance.id, str(worker.endpoint.dp_rank)]
@@ -46,9 +50,11 @@ class _RegistryCollector(Collector):
                 state.add_metric([*key, name.value], 1.0 if worker.state == name else 0.0)
             for medium, count in stats.holdings.get(worker.key, {}).items():
                 holdings.add_metric([*key, medium], float(count))
+            unconfirmed.add_metric(key, float(index.unconfirmed_blocks(worker.key)))
         yield from counters.values()
         yield state
         yield holdings
+        yield unconfirmed
         yield GaugeMetricFamily("kvroute_index_nodes", "distinct cached blocks in the index",
                                 value=float(stats.nodes))
         yield GaugeMetricFamily("kvroute_index_bytes", "estimated memory of the index",

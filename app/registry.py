@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -32,6 +32,7 @@ import zmq.asyncio
 from kvroute.app.config import InstanceConfig, default_instance_id, foreign_endpoints
 from kvroute.app.discovery import DiscoveryError, WorkerEndpoint, discover, discover_models
 from kvroute.app.errors import InvalidRequest, LimitReached
+from kvroute.app.saved_state import SavedWorker
 from kvroute.app.subscriber import Subscriber, SubscriberOptions, WorkerState
 from kvroute.index import PrefixIndex
 
@@ -98,6 +99,8 @@ class Registry:
         self._endpoint_hosts = endpoint_hosts
         self._adding = 0  # API adds waiting for discovery: they count toward the maximum
         self._context = context or zmq.asyncio.Context.instance()
+        # Saved holdings for a worker whose subscriber is starting (app.state_keeper).
+        self.claim_saved: Callable[[WorkerEndpoint], SavedWorker | None] = _nothing_saved
         self._instances: dict[str, Instance] = {}
         self._discovery_tasks: dict[str, asyncio.Task[None]] = {}
         self._closed = False
@@ -264,7 +267,7 @@ class Registry:
     def _start_workers(self, instance: Instance, endpoints: list[WorkerEndpoint]) -> None:
         for endpoint in endpoints:
             subscriber = Subscriber(endpoint, self.index, ctx=self._context,
-                                    options=self._options)
+                                    options=self._options, saved=self.claim_saved(endpoint))
             worker = Worker(instance=instance, endpoint=endpoint, subscriber=subscriber)
             worker.task = asyncio.create_task(
                 subscriber.run(), name=f"subscriber {instance.id} rank {endpoint.dp_rank}")
@@ -279,3 +282,7 @@ class Registry:
             if worker.task is not None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await worker.task
+
+
+def _nothing_saved(endpoint: WorkerEndpoint) -> None:
+    return None

@@ -36,9 +36,11 @@ from kvroute.app.load import LoadMonitor
 from kvroute.app.metrics import ServiceMetrics
 from kvroute.app.registry import Instance, Registry, Worker
 from kvroute.app.routing import CostWeights, Score, TieBreaker, WorkerView, best_of, score_workers
+from kvroute.app.state_keeper import StateCollector, StateKeeper
+from kvroute.app.state_store import DirectoryStore, StateStore
 from kvroute.app.subscriber import SubscriberOptions, WorkerState
 from kvroute.app.tokenizer import Tokenizer, make_tokenizer
-from kvroute.app.valkey import NO_LOAD, PeerLoad, Peers, PeersCollector
+from kvroute.app.valkey import NO_LOAD, PeerLoad, Peers, PeersCollector, ValkeyStore
 from kvroute.index import PrefixIndex
 
 __all__ = ["Decision", "RouteRequest", "Service", "decode_route_request"]
@@ -120,7 +122,8 @@ class Service:
         self.registry = Registry(self.index, self.client, options=SubscriberOptions(
             max_message_bytes=settings.max_event_message_bytes,
             max_blocks_per_event=settings.max_blocks_per_event,
-            max_blocks_per_worker=settings.max_blocks_per_worker),
+            max_blocks_per_worker=settings.max_blocks_per_worker,
+            unconfirmed_ttl=settings.unconfirmed_ttl),
             max_instances=settings.max_instances, endpoint_hosts=settings.zmq_endpoint_hosts)
         self.metrics = ServiceMetrics(self.registry)
         self.tokenizer: Tokenizer | None = make_tokenizer(
@@ -148,8 +151,20 @@ class Service:
                                own_load=self._own_load,
                                apply_guesses=settings.placement_ttl > 0)
             self.metrics.registry.register(PeersCollector(self.peers))
+        # Saved state (app.state_keeper): loaded before any subscriber starts, saved
+        # periodically and before the subscribers stop; None: nothing is saved.
+        self.state: StateKeeper | None = None
+        store = _state_store(settings)
+        if store is not None:
+            self.state = StateKeeper(store, self.registry, self.index,
+                                     settings.state_save_interval)
+            self.registry.claim_saved = self.state.claim
+            self.metrics.registry.register(StateCollector(self.state))
 
     async def start(self) -> None:
+        if self.state is not None:
+            await self.state.load()
+            self.state.start()
         if self.peers is not None:
             self.peers.start()
         if self.settings.load_interval > 0:
@@ -159,6 +174,9 @@ class Service:
             self._configured.append(instance)
 
     async def close(self) -> None:
+        if self.state is not None:  # first: the subscribers still hold the index
+            await self.state.close()
+            await self.state.store.close()
         if self.peers is not None:
             await self.peers.close()
         await self.load.stop()
@@ -412,11 +430,20 @@ class Service:
                     "replay_endpoint": worker.endpoint.replay_endpoint,
                     "state": worker.state,
                     "holdings": dict(holdings.get(worker.key, {})),
+                    "unconfirmed_blocks": self.index.unconfirmed_blocks(worker.key),
                     "stats": worker.subscriber.status.as_dict(),
                 }
                 for worker in instance.workers
             ]
         return out
+
+
+def _state_store(settings: Settings) -> StateStore | None:
+    if settings.state_url is not None:
+        return ValkeyStore(settings.state_url, ca_file=settings.state_ca_file)
+    if settings.state_dir is not None:
+        return DirectoryStore(settings.state_dir)
+    return None
 
 
 def _ranked(scores: list[Score]) -> list[Score]:

@@ -17,6 +17,16 @@ Sequence tracking (docs/decisions.md; each seq is classified by ``sequence.class
 - On the first connection, and on every reconnection, the worker is rebuilt from a replay
   from 0 (state is never trusted across a disconnect; while disconnected it is ``down`` and
   holds nothing in the index).
+- Resume (``app.saved_state``): a subscriber given a saved worker asks, on its first
+  connection, for a replay from the saved seq instead. The first batch decides:
+  that seq with the saved fingerprint is the same engine, so the saved holdings are
+  restored exactly and the rest of the replay brings them up to date (``live`` at once);
+  no batch at or after it, or another payload under that seq, is another engine (the
+  holdings are dropped and the worker is rebuilt as above); a first batch past the saved
+  seq means the buffer moved on: the holdings are kept unconfirmed (they count like
+  placement guesses until real events replace them or ``unconfirmed_ttl`` passes) and the
+  worker rebuilds from what is buffered, degraded. Without any answer (no replay endpoint,
+  timeouts) it rebuilds as above, and the holdings are kept unconfirmed too.
 - When the live stream has been quiet for ``idle_check`` seconds, a replay from
   ``last_seq + 1`` picks up batches whose live copies were dropped at the end of a burst
   (a gap is otherwise only visible when the next batch arrives).
@@ -56,7 +66,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
@@ -65,6 +75,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from kvroute.app.saved_state import SavedWorker, payload_fingerprint
 from kvroute.app.sequence import Kind, Verdict, classify
 from kvroute.app.wire import (
     SLICE_TOKENS_PER_BLOCK,
@@ -84,6 +95,7 @@ from kvroute.app.wire import (
     encode_seq,
     slices,
 )
+from kvroute.index.holdings import Holdings
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +146,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "unreceivable": ("kvroute_unreceivable_batches",
                      "replayed batches lost with their connection (a frame over "
                      "max_message_bytes drops it), skipped after clearing the worker"),
+    "restored_blocks": ("kvroute_restored_blocks",
+                        "saved blocks restored exactly (the replay continued the saved seq)"),
+    "restored_unconfirmed": ("kvroute_restored_unconfirmed_blocks",
+                             "saved blocks restored unconfirmed (no replay reached back)"),
 }
 
 
@@ -172,6 +188,8 @@ class WorkerStatus:
     oversized_events: int = 0
     over_capacity: int = 0
     unreceivable: int = 0
+    restored_blocks: int = 0
+    restored_unconfirmed: int = 0
     last_event_time: float | None = None
     last_error: str | None = None
 
@@ -190,6 +208,11 @@ class SubscriberIndex(IndexWriter, Protocol):
     def blocks_held(self, worker: Any) -> int: ...
 
     def holds_hash(self, worker: Any, block_hash: Any) -> bool: ...
+
+    def restore(self, worker: Any, pieces: Iterable[Holdings]) -> int: ...
+
+    def restore_unconfirmed(self, worker: Any, pieces: Iterable[Holdings],
+                            expires: float) -> int: ...
 
 
 class SubscriberHooks:
@@ -229,6 +252,8 @@ class SubscriberOptions:
     max_blocks_per_event: int = 65_536
     max_blocks_per_worker: int = 4_194_304
     max_hole_retries: int = 5       # re-asks for holes inside replays, per gap
+    # Saved holdings no replay confirmed count like placement guesses this long (seconds).
+    unconfirmed_ttl: float = 600.0
 
 
 class _Disconnected(Exception):
@@ -271,6 +296,7 @@ class Subscriber:
         ctx: zmq.asyncio.Context | None = None,
         hooks: SubscriberHooks | None = None,
         options: SubscriberOptions | None = None,
+        saved: SavedWorker | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.worker = endpoint.worker
@@ -303,6 +329,15 @@ class Subscriber:
         # connection up after a protocol error, e.g. a message over MAXMSGSIZE); None
         # while connected or while ZMQ reconnects by itself.
         self._given_up_at: float | None = None
+        # Saved holdings to resume from on the first connection (taken by _resume), and,
+        # while its replay runs, the one whose first batch decides what they are worth.
+        self._saved = saved
+        self._resuming: SavedWorker | None = None
+        self._other_engine = False  # the resume's replay came from another engine
+        # The payload of the batch at last_seq (None when unknown) and whether a batch is
+        # being applied: the index matches last_seq only between batches (save_point).
+        self._last_payload: bytes | None = None
+        self._applying = False
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -407,7 +442,11 @@ class Subscriber:
                 elif self._needs_rebuild:
                     self._needs_rebuild = False
                     await self._drain()
-                    await self._rebuild()
+                    saved, self._saved = self._saved, None
+                    if saved is not None:
+                        await self._resume(saved)
+                    else:
+                        await self._rebuild()
                     idle_since = time.monotonic()
                 elif await sub.poll(_POLL_MS, zmq.POLLIN):
                     frames = await sub.recv_multipart()
@@ -524,6 +563,65 @@ class Subscriber:
                 self._mark_degraded()  # the engine may hold blocks we could not learn
         self._settle()
 
+    async def _resume(self, saved: SavedWorker) -> None:
+        """Learn the engine's state from saved holdings and a replay from the saved seq
+        (see the module docstring for what its first batch decides)."""
+        self._clear_worker()
+        self._degraded = False
+        self._set_state(WorkerState.REPLAYING)
+        self._resuming = saved
+        self._other_engine = False
+        try:
+            complete = await self._fill_from(saved.head.seq)
+        finally:
+            unjudged, self._resuming = self._resuming, None
+        if self._other_engine:
+            log.warning("%s: the saved state is another engine's (%s); rebuilding",
+                        self.worker, self.status.last_error)
+            self._count("restarts")
+            await self._rebuild()
+            return
+        if unjudged is not None:  # no batch said anything about the saved holdings
+            await self._rebuild()
+            self._restore_unconfirmed(unjudged)
+            return
+        if not complete:
+            self._mark_degraded()
+        self._settle()
+
+    def _judge_saved(self, start: int, seq: int | None, payload: bytes) -> bool:
+        """The first reply of a resume's replay (``seq`` None: the end marker): restore the
+        saved holdings as it says; False when they are another engine's."""
+        saved, self._resuming = self._resuming, None
+        assert saved is not None
+        if seq is None or (seq == start and payload_fingerprint(payload)
+                           != saved.head.fingerprint):
+            self.status.last_error = (
+                f"no batch at or after the saved seq {start} in the replay" if seq is None
+                else f"the batch at the saved seq {start} differs from the saved one")
+            self._other_engine = True
+            return False
+        if seq == start:
+            self._count("restored_blocks", self.index.restore(self.worker, saved.pieces))
+            self.status.last_seq = start
+            self._last_payload = payload
+            self._remember_replayed(start, payload)
+            if saved.head.degraded:
+                self._mark_degraded()
+            log.info("%s: resumed %d saved blocks at seq %d", self.worker,
+                     self.status.restored_blocks, start)
+            return True
+        self._lost_history(start, seq)
+        self._restore_unconfirmed(saved)
+        return True
+
+    def _restore_unconfirmed(self, saved: SavedWorker) -> None:
+        expires = time.monotonic() + self.options.unconfirmed_ttl
+        kept = self.index.restore_unconfirmed(self.worker, saved.pieces, expires)
+        self._count("restored_unconfirmed", kept)
+        log.warning("%s: %d saved blocks could not be confirmed by a replay; they count "
+                    "as guesses for %.0f s", self.worker, kept, self.options.unconfirmed_ttl)
+
     async def _fill_from(self, start: int) -> bool:
         """Apply replayed batches from ``start`` on, re-asking from each hole (bounded).
         Returns whether the replay reached its end marker without a hole left."""
@@ -581,6 +679,16 @@ class Subscriber:
             except WireError as exc:
                 self._malformed(f"replay: {exc}")
                 return "hole"
+            if first and self._resuming is not None:
+                first = False
+                if not self._judge_saved(start, reply.seq, reply.payload):
+                    return "failed"
+                if reply.seq is None:
+                    return "complete"
+                if reply.seq == start:
+                    continue  # the saved holdings end with this batch
+                await self._apply(reply.seq, reply.payload, replayed=True)
+                continue
             if reply.seq is None:
                 return "complete"
             if first:
@@ -637,6 +745,7 @@ class Subscriber:
                       "dropped (ZMQ drops one that sends a frame over max_message_bytes="
                       f"{self.options.max_message_bytes})")
         self.status.last_seq = lost
+        self._last_payload = None
         return "hole"
 
     def _lost_history(self, asked: int, got: int) -> None:
@@ -652,6 +761,15 @@ class Subscriber:
 
     async def _apply(self, seq: int, payload: bytes, *, replayed: bool = False) -> None:
         """Apply one batch; the seq counts even when the payload is garbage."""
+        self._applying = True
+        try:
+            await self._apply_batch(seq, payload, replayed)
+        finally:
+            self._applying = False
+        if self.status.last_seq == seq:
+            self._last_payload = payload
+
+    async def _apply_batch(self, seq: int, payload: bytes, replayed: bool) -> None:
         status = self.status
         self._unyielded += 1  # even an empty or garbage batch is work
         if replayed:
@@ -806,6 +924,19 @@ class Subscriber:
             log.warning("%s: %s; skipped, the worker is degraded", self.worker, reason)
             self._mark_degraded()
 
+    # --- saving -------------------------------------------------------------------------------
+
+    def save_point(self) -> tuple[int, int | None, bool] | None:
+        """(last applied seq, fingerprint of its payload, degraded) when the index holds
+        exactly what the batches up to that seq say and answers may use it; None in the
+        middle of a batch, or while connecting, replaying or down. Capture the worker's
+        holdings in the same step of the loop as this call."""
+        if self._applying or not self.status.state.serving or self.status.last_seq is None:
+            return None
+        payload = self._last_payload
+        return (self.status.last_seq, None if payload is None else payload_fingerprint(payload),
+                self._degraded)
+
     # --- bookkeeping --------------------------------------------------------------------------
 
     def _remember_replayed(self, seq: int, payload: bytes) -> None:
@@ -816,6 +947,7 @@ class Subscriber:
     def _clear_worker(self) -> None:
         self.index.clear_worker(self.worker)
         self.status.last_seq = None
+        self._last_payload = None
         self._replayed.clear()
 
     def _mark_degraded(self) -> None:
