@@ -176,7 +176,7 @@ class SimInstance:
                 "publisher": "zmq",
                 "endpoint": _wildcard(s["endpoint"]),
                 "replay_endpoint": _wildcard(s["replay_endpoint"]),
-                "buffer_steps": 10_000,
+                "buffer_steps": self.config.buffer_steps,
                 "hwm": 100_000,
                 "max_queue_size": 100_000,
                 "topic": s["topic"],

@@ -47,6 +47,7 @@ class SimRank:
             topic=config.topic,
             encoding=config.encoding,
             replay_format=config.replay_format,
+            buffer_steps=config.buffer_steps,
             dp_rank=rank,
         )
         self.lock = threading.Lock()

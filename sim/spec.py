@@ -27,6 +27,8 @@ class SimInstanceSpec:
     encoding: str = "map"  # "map" (vLLM >= ~0.26) or "array" (older)
     replay_format: str = "new"  # replay reply frames of 0.32.0 ("new") or older ("old")
     topic: str = "kv-events"
+    # Batches each rank's publisher keeps for replay (vLLM's --kv-events-config buffer_steps).
+    buffer_steps: int = 10_000
     time_scale: float = 0.0
     # /kv_event_sources answer shape: "v0.32" (vLLM 0.32.0: {rank: resolved config}, wildcard
     # bind host), "list" (a bare list of per-rank entries) or "sources" ({"sources": list}).
