@@ -584,6 +584,7 @@ class Subscriber:
         if unjudged is not None:  # no batch said anything about the saved holdings
             await self._rebuild()
             self._restore_unconfirmed(unjudged)
+            self._mark_degraded()  # what is really held may under-report the engine
             return
         if not complete:
             self._mark_degraded()
