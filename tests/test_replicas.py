@@ -216,3 +216,50 @@ def test_readyz_without_state_url_has_no_replicas_detail():
         assert "replicas" not in body
     finally:
         server.stop()
+
+
+def test_a_new_replica_answers_like_a_warm_one_from_its_first_request(
+        valkey: RedisServer) -> None:
+    """The replay buffer is far shorter than the traffic, so only the saved state in
+    Valkey can tell a new replica what the instances held before; a replica without it
+    starts cold (the contrast shows the test means something)."""
+    hot = [unique_tokens(500 + k, 8 * BLOCK + 3) for k in range(4)]
+    with SimCluster(n=2, block_size=BLOCK, num_blocks=512, model="sim-model",
+                    buffer_steps=8) as sim:
+        first = replica(sim, valkey.url(), state_save_interval=0.2, placement_ttl=0.0)
+        try:
+            with httpx.Client(base_url=first.url, timeout=HTTP_TIMEOUT) as a:
+                sim.drive([(k % 2, prompt) for k, prompt in enumerate(hot)], max_tokens=1)
+                sim.drive([(k % 2, unique_tokens(900 + k, BLOCK + 1)) for k in range(40)],
+                          max_tokens=1, concurrency=1)
+                wait_for(lambda: all(max(s["matched_tokens"] for s in scores_of(
+                    route(a, prompt, probe=True)).values()) == 8 * BLOCK for prompt in hot),
+                    "the first replica to learn the hot prompts live")
+                saves = metric(a, "kvroute_state_saves_total")
+                wait_for(lambda: metric(a, "kvroute_state_saves_total") >= saves + 2,
+                         "two saves after the first replica was live")
+                before = [scores_of(route(a, prompt, probe=True)) for prompt in hot]
+        finally:
+            first.stop()
+
+        second = replica(sim, valkey.url(), placement_ttl=0.0)
+        cold = replica(sim, valkey.url(db=1), placement_ttl=0.0)  # nothing saved there
+        try:
+            with (httpx.Client(base_url=second.url, timeout=HTTP_TIMEOUT) as b,
+                  httpx.Client(base_url=cold.url, timeout=HTTP_TIMEOUT) as c):
+                after = [scores_of(route(b, prompt, probe=True)) for prompt in hot]
+                assert [{name: s["matched_tokens"] for name, s in answer.items()}
+                        for answer in after] == [
+                    {name: s["matched_tokens"] for name, s in answer.items()}
+                    for answer in before]
+                assert all(s["state"] == "live" for answer in after for s in answer.values())
+                assert all(s["pending_blocks"] == 0 for answer in after
+                           for s in answer.values())
+                assert sum(metric(b, "kvroute_restored_blocks_total", instance=name,
+                                  dp_rank="0") for name in after[0]) > 0
+                without = [max(s["matched_tokens"] for s in scores_of(
+                    route(c, prompt, probe=True)).values()) for prompt in hot]
+                assert without == [0] * len(hot)
+        finally:
+            second.stop()
+            cold.stop()
