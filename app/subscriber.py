@@ -333,7 +333,8 @@ class Subscriber:
         # while its replay runs, the one whose first batch decides what they are worth.
         self._saved = saved
         self._resuming: SavedWorker | None = None
-        self._other_engine = False  # the resume's replay came from another engine
+        # Why a resume's saved holdings were refused: "other engine" or "unusable".
+        self._refused: str | None = None
         # The payload of the batch at last_seq (None when unknown) and whether a batch is
         # being applied: the index matches last_seq only between batches (save_point).
         self._last_payload: bytes | None = None
@@ -570,15 +571,20 @@ class Subscriber:
         self._degraded = False
         self._set_state(WorkerState.REPLAYING)
         self._resuming = saved
-        self._other_engine = False
+        self._refused = None
         try:
             complete = await self._fill_from(saved.head.seq)
+        except _Disconnected:
+            if self._resuming is not None:  # not judged yet: try on the next connection
+                self._saved = self._resuming
+            raise
         finally:
             unjudged, self._resuming = self._resuming, None
-        if self._other_engine:
-            log.warning("%s: the saved state is another engine's (%s); rebuilding",
-                        self.worker, self.status.last_error)
-            self._count("restarts")
+        if self._refused is not None:
+            log.warning("%s: saved state not used: %s; rebuilding", self.worker,
+                        self.status.last_error)
+            if self._refused == "other engine":
+                self._count("restarts")
             await self._rebuild()
             return
         if unjudged is not None:  # no batch said anything about the saved holdings
@@ -590,20 +596,28 @@ class Subscriber:
             self._mark_degraded()
         self._settle()
 
-    def _judge_saved(self, start: int, seq: int | None, payload: bytes) -> bool:
+    async def _judge_saved(self, start: int, seq: int | None, payload: bytes) -> bool:
         """The first reply of a resume's replay (``seq`` None: the end marker): restore the
-        saved holdings as it says; False when they are another engine's."""
+        saved holdings as it says; False when they are refused (another engine's)."""
         saved, self._resuming = self._resuming, None
         assert saved is not None
-        if seq is None or (seq == start and payload_fingerprint(payload)
-                           != saved.head.fingerprint):
+        fingerprint = saved.head.fingerprint
+        if seq is None or (seq == start and fingerprint is not None
+                           and payload_fingerprint(payload) != fingerprint):
             self.status.last_error = (
                 f"no batch at or after the saved seq {start} in the replay" if seq is None
                 else f"the batch at the saved seq {start} differs from the saved one")
-            self._other_engine = True
+            self._refused = "other engine"
             return False
-        if seq == start:
-            self._count("restored_blocks", self.index.restore(self.worker, saved.pieces))
+        if seq == start and fingerprint is not None:
+            try:
+                for piece in saved.pieces:  # a piece at a time, with the loop running between
+                    self._count("restored_blocks", self.index.restore(self.worker, [piece]))
+                    await self._yield_to_loop()
+            except ValueError as exc:  # a sound blob of unsound holdings: a bug somewhere
+                self.status.last_error = f"saved holdings rejected by the index: {exc}"
+                self._refused = "unusable"
+                return False
             self.status.last_seq = start
             self._last_payload = payload
             self._remember_replayed(start, payload)
@@ -618,7 +632,11 @@ class Subscriber:
 
     def _restore_unconfirmed(self, saved: SavedWorker) -> None:
         expires = time.monotonic() + self.options.unconfirmed_ttl
-        kept = self.index.restore_unconfirmed(self.worker, saved.pieces, expires)
+        try:
+            kept = self.index.restore_unconfirmed(self.worker, saved.pieces, expires)
+        except ValueError as exc:
+            log.warning("%s: saved holdings rejected by the index: %s", self.worker, exc)
+            return
         self._count("restored_unconfirmed", kept)
         log.warning("%s: %d saved blocks could not be confirmed by a replay; they count "
                     "as guesses for %.0f s", self.worker, kept, self.options.unconfirmed_ttl)
@@ -682,12 +700,12 @@ class Subscriber:
                 return "hole"
             if first and self._resuming is not None:
                 first = False
-                if not self._judge_saved(start, reply.seq, reply.payload):
+                if not await self._judge_saved(start, reply.seq, reply.payload):
                     return "failed"
                 if reply.seq is None:
                     return "complete"
-                if reply.seq == start:
-                    continue  # the saved holdings end with this batch
+                if self.status.last_seq == reply.seq:
+                    continue  # restored: the saved holdings end with this batch
                 await self._apply(reply.seq, reply.payload, replayed=True)
                 continue
             if reply.seq is None:

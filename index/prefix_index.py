@@ -585,14 +585,20 @@ class PrefixIndex:
                                w.block_size, list(w.groups.items()))
 
     def restore(self, worker: Worker, pieces: Iterable[Holdings]) -> int:
-        """Make ``worker``, which must hold nothing, hold exactly the saved blocks, as if
-        their stores had been applied; returns how many. Raises ``ValueError`` (before
-        changing anything) for pieces that break ``Holdings``' invariants."""
+        """Make ``worker`` hold the saved blocks, as if their stores had been applied;
+        returns how many. A worker's pieces may be restored in several calls (a caller
+        yielding to its loop between them); none may name a hash the worker holds already.
+        Raises ``ValueError`` (before changing anything) for pieces that break
+        ``Holdings``' invariants or that name a hash the worker holds."""
         pieces = list(pieces)
         self._check_pieces(pieces)
         w = self._workers.get(worker)
-        if w is not None and w.handles:
-            raise ValueError(f"worker {worker!r} holds blocks: restore only into an empty one")
+        if w is not None and w.handles and any(
+                h in w.handles for piece in pieces for h in piece.hashes):
+            raise ValueError(f"worker {worker!r} already holds a hash being restored")
+        if w is not None and w.block_size and pieces and w.handles and (
+                pieces[0].block_size != w.block_size):
+            raise ValueError("restored pieces disagree with the worker's block size")
         w = w or self._worker(worker)
         if not pieces:
             return 0

@@ -50,11 +50,17 @@ def test_restore_gives_the_same_answers_and_layout() -> None:
     assert new.stats().holdings == old.stats().holdings
 
 
-def test_restore_refuses_a_worker_that_holds_blocks() -> None:
+def test_restore_refuses_a_hash_the_worker_holds_and_takes_pieces_one_call_each() -> None:
     index = PrefixIndex()
     stored(index)
-    with pytest.raises(ValueError, match="holds blocks"):
+    with pytest.raises(ValueError, match="already holds"):
         index.restore(A, saved_pieces(index))
+    restored = PrefixIndex()
+    pieces = saved_pieces(index, size=1)
+    for piece in pieces:
+        restored.restore(A, [piece])
+    restored._check()
+    assert restored.match(PROMPT) == index.match(PROMPT)
 
 
 @pytest.mark.parametrize("broken", [

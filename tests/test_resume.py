@@ -232,19 +232,47 @@ def test_without_a_replay_the_saved_blocks_are_unconfirmed() -> None:
     run(scenario)
 
 
+def altered(saved: SavedWorker, **changes: object) -> SavedWorker:
+    fields = {name: getattr(saved.head, name) for name in WorkerHead.__struct_fields__}
+    return SavedWorker(WorkerHead(**{**fields, **changes}), saved.pieces)
+
+
 def test_a_saved_degraded_worker_resumes_degraded() -> None:
     async def scenario(ctx) -> None:
         with EventPublisher(buffer_steps=BUFFER) as pub:
             ledger, source = Ledger(pub), EngineLikeSource(seed=8)
-            saved = await first_run(ctx, pub, ledger, source, batches=5)
-            head = saved.head
-            saved = SavedWorker(WorkerHead(head.instance_id, head.dp_rank, head.endpoint,
-                                           head.seq, head.fingerprint, True, head.pieces,
-                                           head.blocks), saved.pieces)
+            saved = altered(await first_run(ctx, pub, ledger, source, batches=5),
+                            degraded=True)
             sub, _, running = await resumed(ctx, endpoint_of(pub), saved, ledger,
                                             states=("degraded",))
             try:
-                assert sub.status.restored_blocks == head.blocks
+                assert sub.status.restored_blocks == saved.head.blocks
+            finally:
+                await running.__aexit__(None, None, None)
+
+    run(scenario)
+
+
+def test_a_save_without_a_fingerprint_cannot_be_confirmed() -> None:
+    """The last batch's payload was not known when it was saved: the engine cannot be
+    told from another, so the blocks are kept unconfirmed and the replay rebuilds from the
+    saved seq on (the batch at that seq included)."""
+
+    async def scenario(ctx) -> None:
+        with EventPublisher(buffer_steps=BUFFER) as pub:
+            ledger, source = Ledger(pub), EngineLikeSource(seed=9)
+            saved = altered(await first_run(ctx, pub, ledger, source, batches=10),
+                            fingerprint=None)
+            sub, index, running = await resumed(ctx, endpoint_of(pub), saved, ledger,
+                                                states=("degraded",))
+            try:
+                assert sub.status.restored_blocks == 0
+                assert sub.status.restored_unconfirmed == saved.head.blocks
+                truth = handles(truth_index({sub.worker: ledger}), sub.worker)
+                real = handles(index, sub.worker)
+                assert set(real.items()) <= set(truth.items())
+                assert len(real) + index.unconfirmed_blocks(sub.worker) == len(truth)
+                index._check()
             finally:
                 await running.__aexit__(None, None, None)
 
