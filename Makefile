@@ -15,7 +15,15 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/kvroute demo
 
-test: $(STAMP)
+# The replica tests run a real redis-server (Valkey speaks the same protocol): Debian's
+# package, installed with apt-get when it is missing (as root; otherwise say how).
+REDIS_SERVER := /usr/bin/redis-server
+$(REDIS_SERVER):
+	@test "$$(id -u)" = 0 || { echo "redis-server is missing: run 'apt-get install -y redis-server' as root" >&2; exit 1; }
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server \
+		|| { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server; }
+
+test: $(STAMP) $(REDIS_SERVER)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
