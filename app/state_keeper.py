@@ -51,6 +51,8 @@ log = logging.getLogger("kvroute.state")
 
 # Tries per worker to find it between two batches before a save leaves it out.
 _BOUNDARY_TRIES = 50
+# Kubernetes' default grace period is 30 s; the final save gets a third of it.
+FINAL_SAVE_TIMEOUT = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,19 +138,29 @@ class StateKeeper:
     def start(self) -> None:
         self._task = asyncio.create_task(self._save_periodically(), name="kvroute state saver")
 
-    async def close(self) -> None:
-        """Stop saving periodically and save one last time (before subscribers stop)."""
+    async def close(self, timeout: float = FINAL_SAVE_TIMEOUT) -> None:
+        """Stop saving periodically and save one last time (before subscribers stop), for
+        at most ``timeout`` seconds: a store that does not answer must not hold a shutdown
+        past the orchestrator's grace period (the last periodic save stays)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        await self.save()
+        try:
+            await asyncio.wait_for(self.save(), timeout)
+        except TimeoutError:
+            log.warning("the final save to %s took over %.0f s; the last periodic save "
+                        "stays", self.store.where, timeout)
 
     async def _save_periodically(self) -> None:
         while True:
             await asyncio.sleep(self.interval)
-            await self.save()
+            try:
+                await self.save()
+            except Exception:  # a bug must not end saving for the rest of the process
+                self.save_failures += 1
+                log.exception("saving state to %s failed", self.store.where)
 
     async def save(self) -> SaveReport | None:
         """Save every serving worker (and the unclaimed ones); None when it failed (logged,

@@ -16,6 +16,7 @@ holds the event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from pathlib import Path
 from typing import Protocol
@@ -85,5 +86,6 @@ class DirectoryStore:
             finally:
                 os.close(directory)
         except OSError as exc:
-            temporary.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # there may be no file, or no directory
+                temporary.unlink(missing_ok=True)
             raise StateStoreError(f"cannot write {self.path}: {exc.strerror}") from None
