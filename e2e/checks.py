@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
 from e2e.engines import Engine, wait_ready
 from e2e.service import Kvroute, KvrouteError
-from e2e.tap import EventTap
+from e2e.tap import EventTap, replay_seqs
 from e2e.workloads import Prompt, grouped_workload, random_tokens, shared_prefix_workload
 
 SYNC_TIMEOUT = 10.0  # seconds kvroute may take to apply a batch the engine published
@@ -90,12 +92,15 @@ class Cluster:
 
     def sync(self, name: str) -> None:
         """Wait until kvroute applied the last batch this engine published."""
-        target = self.taps[name].last_seq
-        if target is None:
-            return
         deadline = time.monotonic() + SYNC_TIMEOUT
         seen: int | None = None
+        target = self.taps[name].last_seq
         while time.monotonic() < deadline:
+            # Read again each time: a batch published after the call (one request can make
+            # more than one) reaches the tap and kvroute in either order.
+            target = self.taps[name].last_seq
+            if target is None:
+                return
             seen = self.kvroute.last_seq(self.ids[name])
             if seen == target:
                 return
@@ -535,3 +540,145 @@ def _proxied_step(cl: Cluster, iid: str, prompt: Prompt, predicted: dict[str, in
 
 def _cached_of(usage: dict) -> int:
     return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def check_saved_state(cl: Cluster, rng: random.Random, *, buffer_steps: int, state_dir: Path,
+                      settings: dict[str, str], boot_timeout: float,
+                      drop_saved_state: bool = False) -> CheckResult:
+    """10. Saved state: engines whose replay keeps only ``buffer_steps`` batches, hot
+    prompts stored long enough ago that the replay no longer holds them, kvroute stopped
+    with SIGTERM and started again on the same state dir: its workers resume ``live`` with
+    restored blocks, its answers for the hot prompts are what they were before the stop,
+    and they equal vLLM's cached_tokens. A kvroute without the saved state could only
+    replay the last ``buffer_steps`` batches: ``drop_saved_state`` deletes the state dir
+    between the stop and the start (a negative control: the check must then fail)."""
+    details: list[str] = []
+    names = list(cl.engines)
+    bs = cl.engines[names[0]].spec.block_size
+    cl.kvroute.stop()
+    restart = [e for e in cl.engines.values() if e.spec.buffer_steps != buffer_steps]
+    if restart:
+        cl.say(f"  restarting {', '.join(e.name for e in restart)} with buffer_steps="
+               f"{buffer_steps} (SIGTERM, same ports)")
+        for engine in restart:
+            engine.terminate()
+        for engine in restart:
+            engine.stop()
+            cl.taps[engine.name].forget_epoch()
+            engine.spec.buffer_steps = buffer_steps
+            engine.start()
+        wait_ready(restart, boot_timeout, cl.say)
+    shutil.rmtree(state_dir, ignore_errors=True)
+    cl.kvroute.start(settings)
+    cl.say(f"  kvroute with state dir {state_dir}; registering the engines by URL")
+    cl.ids.clear()
+    cl.register_all()
+
+    # Hot prompts: one system prompt per engine (six full blocks), two questions after it
+    # that traffic keeps touching (so vLLM keeps them: LRU), and one cut on a block
+    # boundary that nothing touches again (vLLM may evict its own blocks later).
+    hot: list[tuple[str, Prompt, bool]] = []  # (engine, prompt, touched again)
+    for name in names:
+        system = random_tokens(rng, 6 * bs)
+        hot += [(name, system + random_tokens(rng, 50), True),
+                (name, system + random_tokens(rng, 75), True),
+                (name, system + random_tokens(rng, 2 * bs), False)]
+    steps = [cl.step(p, name) for name, p, _ in hot]
+    hot_seq = {name: cl.taps[name].last_seq for name in names}
+    # Traffic until every engine has published more than buffer_steps batches since.
+    fillers = 0
+    for _ in range(4 * buffer_steps):
+        behind = [n for n in names
+                  if (cl.taps[n].last_seq or 0) - (hot_seq[n] or 0) <= buffer_steps + 1]
+        if not behind:
+            break
+        for name in behind:
+            for _ in range(6):
+                steps.append(cl.step(random_tokens(rng, rng.randint(40, 90)), name))
+                fillers += 1
+            steps += [cl.step(p, n) for n, p, touched in hot if touched and n == name]
+    first: dict[str, int | None] = {}
+    for name in names:
+        held = replay_seqs(cl.engines[name].spec.replay_endpoint, 0)
+        first[name] = held[0] if held else None
+        if not held or held[0] <= (hot_seq[name] or 0):
+            details.append(f"{name}: the replay still holds the hot prompts' batches (up to "
+                           f"seq {hot_seq[name]}): from 0 it sends {held[:3]}...")
+    before = [cl.matched(p) for _, p, _ in hot]
+    for (name, p, _), matched in zip(hot, before, strict=True):
+        if matched[name] == 0:
+            details.append(f"before the stop kvroute matched nothing of a hot "
+                           f"{len(p)}-token prompt on {name}: {matched}")
+    saved_seq = {name: cl.taps[name].last_seq for name in names}
+
+    cl.kvroute.stop()
+    assert cl.kvroute.proc is not None
+    code = cl.kvroute.proc.returncode
+    saved = sorted(p.name for p in state_dir.glob("*")) if state_dir.is_dir() else []
+    if code != 0:
+        details.append(f"kvroute exited with {code} on SIGTERM (0 expected)")
+    if not saved:
+        details.append(f"kvroute saved nothing to {state_dir} on SIGTERM")
+    size = sum(p.stat().st_size for p in state_dir.glob("*")) if state_dir.is_dir() else 0
+    if drop_saved_state:
+        cl.say(f"  negative control: deleting {state_dir} ({size} bytes) before the restart")
+        shutil.rmtree(state_dir)
+    # Traffic while kvroute is down: the resumed workers must catch up from the replay.
+    down = 2
+    for name in names:
+        for _ in range(down):
+            before_count = cl.taps[name].count
+            cl.engines[name].complete(random_tokens(rng, rng.randint(40, 90)))
+            if not cl.taps[name].wait_for_count(before_count + 1, 10.0):
+                raise RuntimeError(f"{name}: no KV-event batch for a prompt while kvroute "
+                                   "was down")
+        cl.taps[name].wait_quiet(0.05, 2.0)
+
+    cl.kvroute.start(settings)
+    cl.say(f"  kvroute started again on {state_dir}; registering the engines by URL")
+    cl.ids.clear()
+    workers: dict[str, dict] = {}
+    for name, engine in cl.engines.items():
+        cl.ids[name] = cl.kvroute.register(engine.url)
+    for name in names:
+        cl.kvroute.wait_state(cl.ids[name], {"live", "degraded"}, 60.0, cl.say,
+                              "after the restart")
+        cl.sync(name)
+        workers[name] = cl.kvroute.worker(cl.ids[name])
+    for name, worker in workers.items():
+        stats = worker.get("stats", {})
+        if worker.get("state") != "live":
+            details.append(f"{name}: worker {worker.get('state')!r} after the restart "
+                           f"(live expected); stats {stats}")
+        if not stats.get("restored_blocks"):
+            details.append(f"{name}: restored_blocks {stats.get('restored_blocks')!r} "
+                           "(the saved holdings were not restored)")
+        if stats.get("restored_unconfirmed"):
+            details.append(f"{name}: {stats['restored_unconfirmed']} blocks restored "
+                           "unconfirmed (the replay reached the saved seq)")
+    after = [cl.matched(p) for _, p, _ in hot]
+    for i, ((name, p, touched), b, a) in enumerate(zip(hot, before, after, strict=True)):
+        if touched and a != b:
+            details.append(f"hot prompt {i} ({len(p)} tokens, on {name}): kvroute matched "
+                           f"{b} before the stop, {a} after the restart")
+    details += cl.holdings_disagree()
+    # The hot prompts again, each sent where kvroute routes it: vLLM's truth.
+    checked = [cl.step(p) for _, p, _ in hot]
+    for i, ((name, _, touched), step) in enumerate(zip(hot, checked, strict=True)):
+        if not step.ok:
+            details.append(f"hot prompt {i} after the restart: {step.describe()}")
+        elif touched and (step.engine != name or step.cached == 0):
+            details.append(f"hot prompt {i} (held by {name}) after the restart: routed to "
+                           f"{step.engine}, vLLM cached {step.cached}")
+    details += _mismatches(steps)
+    details += cl.holdings_disagree()
+    restored = {n: w.get("stats", {}).get("restored_blocks") for n, w in workers.items()}
+    states = {n: w.get("state") for n, w in workers.items()}
+    summary = (f"buffer_steps={buffer_steps}; hot prompts stored by seq {hot_seq}, then "
+               f"{fillers} more requests: replay from 0 starts at {first}; kvroute stopped "
+               f"(exit {code}, saved {size} bytes) at seq {saved_seq}, {down} batches per "
+               f"engine while down; after the restart workers {states}, restored_blocks "
+               f"{restored}; hot prompts {sum(s.ok for s in checked)}/{len(checked)} agree "
+               f"({sum(s.cached for s in checked)} tokens cached); "
+               f"{sum(s.ok for s in steps)}/{len(steps)} requests before the stop agree")
+    return CheckResult("10 saved state", not details, summary, details=details)

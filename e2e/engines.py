@@ -30,6 +30,8 @@ class EngineSpec:
     block_size: int = 32
     num_blocks: int = 64
     max_model_len: int = 1024
+    # KV-event batches the replay endpoint keeps (vLLM's default, 10,000, when None).
+    buffer_steps: int | None = None
     http_port: int = field(default_factory=free_port)
     events_port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
@@ -37,6 +39,10 @@ class EngineSpec:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def replay_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.replay_port}"
 
     def argv(self) -> list[str]:
         events = {
@@ -46,6 +52,8 @@ class EngineSpec:
             "replay_endpoint": f"tcp://*:{self.replay_port}",
             "topic": TOPIC,
         }
+        if self.buffer_steps is not None:
+            events["buffer_steps"] = self.buffer_steps
         return [
             str(self.venv / "bin" / "vllm"),
             "serve",
@@ -110,6 +118,11 @@ class Engine:
         )
         self._started_at = time.monotonic()
         self.boot_seconds = None
+
+    def terminate(self) -> None:
+        """SIGTERM without waiting, so several engines shut down at once; then stop()."""
+        if self.proc is not None:
+            self.proc.terminate()
 
     def stop(self) -> None:
         if self.proc is not None:

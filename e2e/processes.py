@@ -31,12 +31,14 @@ class ManagedProcess:
         self.env = env
         self.log_path = log_path
         self._popen: subprocess.Popen[bytes] | None = None
+        self.returncode: int | None = None  # the leader's exit status, once stopped
 
     @property
     def pid(self) -> int | None:
         return self._popen.pid if self._popen else None
 
     def start(self) -> None:
+        self.returncode = None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             log.write(f"\n==== start {self.name}: {' '.join(self.argv)}\n".encode())
@@ -68,7 +70,7 @@ class ManagedProcess:
         if not self._wait_group_gone(pgid, grace):
             _signal_group(pgid, signal.SIGKILL)
             self._wait_group_gone(pgid, 5.0)
-        self._popen.wait(timeout=5.0)
+        self.returncode = self._popen.wait(timeout=5.0)
         self._popen = None
 
     def kill(self) -> None:
@@ -78,7 +80,7 @@ class ManagedProcess:
         pgid = self._popen.pid
         _signal_group(pgid, signal.SIGKILL)
         self._wait_group_gone(pgid, 10.0)
-        self._popen.wait(timeout=5.0)
+        self.returncode = self._popen.wait(timeout=5.0)
         self._popen = None
 
     def _wait_group_gone(self, pgid: int, timeout: float) -> bool:

@@ -8,6 +8,11 @@ events with replay and per-request cached-token reports, starts kvroute,
 registers the engines by their HTTP URLs only, and runs the checks in
 :mod:`e2e.checks`. Everything it starts it stops, on success, failure,
 Ctrl-C or SIGTERM. Exit status 0 only if every check passed.
+
+The last check (10, saved state) restarts both engines with a short replay
+buffer and kvroute on a state dir; ``--drop-saved-state`` turns it into its
+negative control (the state dir is deleted between kvroute's stop and start,
+and the check must fail). ``--checks 10`` runs that check alone.
 """
 
 from __future__ import annotations
@@ -39,6 +44,10 @@ VLLM_VERSION = "0.32.0"
 # with guesses off; check 8 restarts kvroute with its defaults to test guesses.
 # Proxy mode is on so that check 7 can send completions through kvroute.
 EVENTS_ONLY = {"KVROUTE_PLACEMENT_TTL": "0", "KVROUTE_PROXY": "true"}
+# Check 10 restarts the engines with a replay buffer this small (checks 5, 8 and 9 need
+# the default one: a kvroute they start from nothing rebuilds from a replay from seq 0).
+SAVED_STATE_BUFFER = 32
+CHECKS = {str(n) for n in range(1, 11)}
 
 
 class Clock:
@@ -87,7 +96,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="KV-cache blocks per engine; small so eviction happens")
     parser.add_argument("--boot-timeout", type=float, default=300.0)
     parser.add_argument("--seed", type=int, default=20261121)
+    parser.add_argument("--checks", default=None, metavar="N,N,...",
+                        help="run only these checks (by number, in the usual order; they "
+                             "may depend on the ones before: for debugging)")
+    parser.add_argument("--buffer-steps", type=int, default=SAVED_STATE_BUFFER,
+                        help="the engines' replay buffer in check 10 (saved state)")
+    parser.add_argument("--drop-saved-state", action="store_true",
+                        help="negative control: check 10 deletes kvroute's state dir between "
+                             "its stop and its start, and must then FAIL")
     args = parser.parse_args(argv)
+    if args.buffer_steps < 8:
+        parser.error("--buffer-steps must be at least 8")
+    selected = None if args.checks is None else {
+        c.strip() for c in args.checks.split(",") if c.strip()}
+    if selected is not None and (not selected or selected - CHECKS):
+        parser.error(f"--checks: the checks are {', '.join(sorted(CHECKS, key=int))}")
 
     clock = Clock()
     install_signal_handlers()
@@ -108,8 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     kvroute: Kvroute | None = None
     results: list[CheckResult] = []
     try:
+        # Only check 10: the engines start with its small replay buffer (no restart).
+        buffer_steps = args.buffer_steps if selected == {"10"} else None
         for name in ("vllm-a", "vllm-b"):
-            spec = EngineSpec(name, venv, model, logs, num_blocks=args.num_blocks)
+            spec = EngineSpec(name, venv, model, logs, num_blocks=args.num_blocks,
+                              buffer_steps=buffer_steps)
             engines[name] = Engine(spec, procs)
             taps[name] = EventTap(name, f"tcp://127.0.0.1:{spec.events_port}")
             clock.say(f"starting {name}: http {spec.url}, events :{spec.events_port}, "
@@ -138,7 +164,15 @@ def main(argv: list[str] | None = None) -> int:
             ("7 proxy", lambda: checks.check_proxy(cluster, rng)),
             ("8 placement guesses", lambda: checks.check_placement(cluster, rng)),
             ("9 concurrent proxy", lambda: checks.check_concurrent_proxy(cluster, rng)),
+            ("10 saved state", lambda: checks.check_saved_state(
+                cluster, rng, buffer_steps=args.buffer_steps, state_dir=work / "kvroute-state",
+                settings=EVENTS_ONLY | {"KVROUTE_STATE_DIR": str(work / "kvroute-state"),
+                                        "KVROUTE_STATE_SAVE_INTERVAL": "3600"},
+                boot_timeout=args.boot_timeout, drop_saved_state=args.drop_saved_state)),
         ]
+        assert {name.split()[0] for name, _ in plan} == CHECKS
+        if selected is not None:
+            plan = [(name, fn) for name, fn in plan if name.split()[0] in selected]
         for name, fn in plan:
             results.append(run_check(clock, name, fn))
     finally:
@@ -154,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     boots = ", ".join(f"{e.name} {e.boot_seconds:.0f}s" for e in engines.values()
                       if e.boot_seconds is not None)
     print("\n==== kvroute end-to-end against vLLM " + VLLM_VERSION)
-    for result in sorted(results, key=lambda r: r.name):
+    for result in sorted(results, key=lambda r: int(r.name.split()[0])):
         print(f"{'PASS' if result.ok else 'FAIL'}  {result.name:22s} {result.summary}")
     total = time.monotonic() - clock.start
     print(f"timing: setup {install_seconds:.0f}s, last boots {boots}, total {total:.0f}s")

@@ -63,6 +63,7 @@ class EventTap:
         self._types: Counter[str] = Counter()
         self._held: Counter[object] = Counter()  # block hash -> copies the engine holds
         self.restarts = 0
+        self._epoch_start = 0  # index of the first batch of the engine now running
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -115,8 +116,9 @@ class EventTap:
 
     @property
     def last_seq(self) -> int | None:
+        """The last seq the engine now running published (None: none yet)."""
         with self._lock:
-            return self._batches[-1].seq if self._batches else None
+            return self._batches[-1].seq if len(self._batches) > self._epoch_start else None
 
     @property
     def held_blocks(self) -> int:
@@ -125,9 +127,11 @@ class EventTap:
             return len(self._held)
 
     def forget_epoch(self) -> None:
-        """The engine was killed: whatever it held is gone with it."""
+        """The engine was stopped: whatever it held is gone with it, and the seqs it
+        published say nothing about the engine that comes next."""
         with self._lock:
             self._held.clear()
+            self._epoch_start = len(self._batches)
 
     def event_counts(self) -> Counter[str]:
         with self._lock:
@@ -161,3 +165,37 @@ class EventTap:
         self._thread.join(timeout=2.0)
         self._sock.close(linger=0)
         self._ctx.term()
+
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def replay_seqs(endpoint: str, start_seq: int = 0, timeout: float = 5.0) -> list[int]:
+    """The seqs an engine's replay endpoint sends for a request from ``start_seq``: what
+    its buffer still holds (vLLM keeps the last ``buffer_steps`` batches).
+
+    The harness asks the engine itself, so a check can show that a kvroute starting from
+    nothing could not have learned a batch from the replay. Raises TimeoutError when the
+    answer does not end (with vLLM's end marker) within ``timeout`` seconds."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
+        seqs: list[int] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000)):
+                raise TimeoutError(f"{endpoint}: the replay from seq {start_seq} did not end "
+                                   f"within {timeout:.0f}s ({len(seqs)} batches received)")
+            frames = sock.recv_multipart()
+            if len(frames) != 4:  # empty delimiter, topic, seq, payload
+                continue
+            if frames[2] == END_SEQ:
+                return seqs
+            seqs.append(int.from_bytes(frames[2], "big"))
+    finally:
+        sock.close(linger=0)
+        ctx.term()

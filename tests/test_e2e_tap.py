@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from e2e.tap import EventTap
+from e2e.tap import EventTap, replay_seqs
 from kvroute.app.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from kvroute.sim.publisher import EventPublisher
 from tests.conftest import scaled, wait_for
@@ -92,3 +92,26 @@ def test_a_restarted_engine_starts_empty(publisher, tap) -> None:
 
         wait_for(restart_seen, "the tap to see the engine restart")
         wait_for(lambda: tap.held_blocks == 1, "only the new engine's block held")
+
+
+def test_replay_seqs_lists_what_the_buffer_still_holds() -> None:
+    with EventPublisher(buffer_steps=5) as pub:
+        for _ in range(8):
+            pub.publish([stored(1)])
+        wait_for(lambda: replay_seqs(pub.replay_endpoint, 0, scaled(5)) == [3, 4, 5, 6, 7],
+                 "the buffer's last 5 batches")
+        assert replay_seqs(pub.replay_endpoint, 6, scaled(5)) == [6, 7]
+        assert replay_seqs(pub.replay_endpoint, 8, scaled(5)) == []
+
+
+def test_forget_epoch_forgets_the_stopped_engines_last_seq(publisher, tap) -> None:
+    subscribed(publisher, tap)
+    publisher.publish([stored(1)])
+    wait_for(lambda: tap.held_blocks == 1, "1 block held")
+    assert tap.last_seq is not None
+    tap.forget_epoch()
+    assert tap.last_seq is None and tap.held_blocks == 0
+    count = tap.count
+    publisher.publish([stored(2)])
+    assert tap.wait_for_count(count + 1, scaled(30))
+    assert tap.last_seq == tap.batches_since(count)[-1].seq and tap.held_blocks == 1
