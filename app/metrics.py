@@ -8,6 +8,7 @@ its own CollectorRegistry so several can live in one process (tests, benchmark).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -40,6 +41,7 @@ class _RegistryCollector(Collector):
             "kvroute_worker_unconfirmed_blocks",
             "saved blocks of each worker that no replay or event confirmed yet", labels=labels)
         index = self._registry.index
+        index.expire_unconfirmed(time.monotonic())  # a gauge must not show expired blocks
         stats = index.stats()
         for worker in self._registry.workers():
             status = worker.subscriber.status

@@ -64,6 +64,9 @@ class WorkerHead(msgspec.Struct, array_like=True, frozen=True):
     degraded: bool
     pieces: int
     blocks: int
+    # Then this many pieces of blocks that were unconfirmed, for this many more seconds.
+    unconfirmed_pieces: int = 0
+    unconfirmed_for: float = 0.0
 
     @property
     def worker(self) -> tuple[str, int]:
@@ -74,7 +77,13 @@ class WorkerHead(msgspec.Struct, array_like=True, frozen=True):
 class SavedWorker:
     head: WorkerHead
     pieces: list[Holdings]
+    unconfirmed: list[Holdings] = field(default_factory=list)
+    saved_at: float = 0.0  # unix time
     frames: list[bytes] = field(default_factory=list, repr=False)  # as read, for carrying
+
+    def unconfirmed_left(self, now: float) -> float:
+        """Seconds its unconfirmed blocks still count, at unix time ``now``."""
+        return max(0.0, self.head.unconfirmed_for - max(0.0, now - self.saved_at))
 
 
 @dataclass(slots=True)
@@ -112,9 +121,11 @@ class StateWriter:
         self._workers = 0
 
     def add_worker(self, head: WorkerHead, pieces: list[bytes]) -> None:
-        """A worker's head and its already encoded pieces (``encode_piece``)."""
-        if len(pieces) != head.pieces:
-            raise ValueError(f"{head.pieces} pieces announced, {len(pieces)} given")
+        """A worker's head and its already encoded pieces (``encode_piece``): the held
+        ones, then the unconfirmed ones."""
+        if len(pieces) != head.pieces + head.unconfirmed_pieces:
+            raise ValueError(f"{head.pieces} + {head.unconfirmed_pieces} pieces announced, "
+                             f"{len(pieces)} given")
         self._frames.append(_frame(_encode(head)))
         self._frames.extend(pieces)
         self._workers += 1
@@ -162,15 +173,17 @@ def decode_state(blob: bytes) -> SavedState:
         for _ in range(header.workers):
             head = _head_decoder.decode(frames[position])
             first = position
-            position += 1 + head.pieces
+            position += 1 + head.pieces + head.unconfirmed_pieces
             if position > len(frames):
                 raise SavedStateError("a worker's pieces run past the end")
             pieces = [_piece_decoder.decode(frame) for frame in frames[first + 1:position]]
-            if sum(len(piece) for piece in pieces) != head.blocks:
+            held, unconfirmed = pieces[:head.pieces], pieces[head.pieces:]
+            if sum(len(piece) for piece in held) != head.blocks:
                 raise SavedStateError(f"worker {head.worker}: {head.blocks} blocks "
                                       "announced, its pieces differ")
             workers[head.worker] = SavedWorker(
-                head, pieces, [_frame(bytes(frame)) for frame in frames[first:position]])
+                head, held, unconfirmed, header.saved_at,
+                [_frame(bytes(frame)) for frame in frames[first:position]])
     except (msgspec.DecodeError, IndexError) as exc:
         raise SavedStateError(f"a frame does not decode: {exc}") from None
     if position != len(frames):

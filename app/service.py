@@ -422,6 +422,7 @@ class Service:
         if load_error:
             out["load_error"] = load_error
         if detail:
+            self.index.expire_unconfirmed(time.monotonic())
             holdings = self.index.stats().holdings
             out["workers"] = [
                 {

@@ -205,15 +205,22 @@ class StateKeeper:
             if capture is None:
                 continue
             seq, fingerprint, degraded = point
+            unconfirmed = self.index.capture_unconfirmed(worker.key, PIECE_BLOCKS)
             pieces = []
             count = 0
             for piece in capture.pieces(PIECE_BLOCKS):
                 pieces.append(encode_piece(piece))
                 count += len(piece)
                 await asyncio.sleep(0)
+            held_pieces = len(pieces)
+            left = 0.0
+            if unconfirmed is not None:  # kept with the time they have left
+                pieces.extend(encode_piece(piece) for piece in unconfirmed[0])
+                left = max(0.0, unconfirmed[1] - time.monotonic())
             writer.add_worker(WorkerHead(worker.instance.id, worker.endpoint.dp_rank,
                                          worker.endpoint.endpoint, seq, fingerprint,
-                                         degraded, len(pieces), count), pieces)
+                                         degraded, held_pieces, count,
+                                         len(pieces) - held_pieces, left), pieces)
             workers += 1
             blocks += count
         for saved in list(self._unclaimed.values()):

@@ -63,6 +63,11 @@ class DirectoryStore:
         pass
 
     def _read(self) -> bytes | None:
+        # A process killed mid-write leaves its temporary file; reading comes first in a
+        # process's life, before it writes one of its own.
+        for stale in self.directory.glob(f".{STATE_FILE}.*.tmp"):
+            with contextlib.suppress(OSError):
+                stale.unlink()
         try:
             return self.path.read_bytes()
         except FileNotFoundError:

@@ -589,7 +589,7 @@ class Subscriber:
             return
         if unjudged is not None:  # no batch said anything about the saved holdings
             await self._rebuild()
-            self._restore_unconfirmed(unjudged)
+            self._restore_unconfirmed(*self._all_unconfirmed(unjudged))
             self._mark_degraded()  # what is really held may under-report the engine
             return
         if not complete:
@@ -621,25 +621,38 @@ class Subscriber:
             self.status.last_seq = start
             self._last_payload = payload
             self._remember_replayed(start, payload)
+            if saved.unconfirmed:  # still unconfirmed, for the time they had left
+                self._restore_unconfirmed(saved.unconfirmed,
+                                          saved.unconfirmed_left(time.time()))
             if saved.head.degraded:
                 self._mark_degraded()
             log.info("%s: resumed %d saved blocks at seq %d", self.worker,
                      self.status.restored_blocks, start)
             return True
         self._lost_history(start, seq)
-        self._restore_unconfirmed(saved)
+        self._restore_unconfirmed(*self._all_unconfirmed(saved))
         return True
 
-    def _restore_unconfirmed(self, saved: SavedWorker) -> None:
-        expires = time.monotonic() + self.options.unconfirmed_ttl
+    def _all_unconfirmed(self, saved: SavedWorker) -> tuple[list[Holdings], float]:
+        """Saved holdings no replay confirmed, with how long they count: what was held
+        gets a full ``unconfirmed_ttl`` from now (so all of it does, one expiry per worker);
+        what was unconfirmed already, alone, keeps the time it had left."""
+        if not saved.head.blocks:
+            return saved.unconfirmed, saved.unconfirmed_left(time.time())
+        return [*saved.pieces, *saved.unconfirmed], self.options.unconfirmed_ttl
+
+    def _restore_unconfirmed(self, pieces: list[Holdings], lasting: float) -> None:
+        if not pieces or lasting <= 0:
+            return
+        expires = time.monotonic() + lasting
         try:
-            kept = self.index.restore_unconfirmed(self.worker, saved.pieces, expires)
+            kept = self.index.restore_unconfirmed(self.worker, pieces, expires)
         except ValueError as exc:
             log.warning("%s: saved holdings rejected by the index: %s", self.worker, exc)
             return
         self._count("restored_unconfirmed", kept)
         log.warning("%s: %d saved blocks could not be confirmed by a replay; they count "
-                    "as guesses for %.0f s", self.worker, kept, self.options.unconfirmed_ttl)
+                    "as guesses for %.0f s", self.worker, kept, lasting)
 
     async def _fill_from(self, start: int) -> bool:
         """Apply replayed batches from ``start`` on, re-asking from each hole (bounded).

@@ -584,6 +584,21 @@ class PrefixIndex:
         return HoldingsCapture(self._nodes, w.handles.copy(), w.counts.copy(),
                                w.block_size, list(w.groups.items()))
 
+    def capture_unconfirmed(self, worker: Worker,
+                            size: int) -> tuple[list[Holdings], float] | None:
+        """The worker's unconfirmed blocks in pieces of at most ``size`` (their flags are
+        not kept: unconfirmed blocks have no node) and when they expire; None when it has
+        none. One pass over them: they only exist for a while after a resume."""
+        w = self._workers.get(worker)
+        if w is None or not w.unconfirmed:
+            return None
+        hashes = list(w.unconfirmed)
+        keys = list(w.unconfirmed.values())
+        pieces = [Holdings(w.block_size, list(w.groups.items()), hashes[i:i + size],
+                           keys[i:i + size], [0] * len(hashes[i:i + size]))
+                  for i in range(0, len(hashes), size)]
+        return pieces, self._unconfirmed_until[worker]
+
     def restore(self, worker: Worker, pieces: Iterable[Holdings]) -> int:
         """Make ``worker`` hold the saved blocks, as if their stores had been applied;
         returns how many. A worker's pieces may be restored in several calls (a caller

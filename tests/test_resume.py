@@ -60,9 +60,16 @@ def save(sub: Subscriber, index: PrefixIndex) -> SavedWorker:
     assert capture is not None
     seq, fingerprint, degraded = point
     pieces = [encode_piece(piece) for piece in capture.pieces(PIECE_BLOCKS)]
+    held = len(pieces)
+    unconfirmed = index.capture_unconfirmed(sub.worker, PIECE_BLOCKS)
+    left = 0.0
+    if unconfirmed is not None:
+        pieces += [encode_piece(piece) for piece in unconfirmed[0]]
+        left = unconfirmed[1] - time.monotonic()
     writer = StateWriter()
     writer.add_worker(WorkerHead(*sub.worker, sub.endpoint.endpoint, seq, fingerprint,
-                                 degraded, len(pieces), len(capture)), pieces)
+                                 degraded, held, len(capture), len(pieces) - held, left),
+                      pieces)
     state = decode_state(b"".join(writer.finish()))
     return state.workers[sub.worker]
 
@@ -272,6 +279,41 @@ def test_a_save_without_a_fingerprint_cannot_be_confirmed() -> None:
                 real = handles(index, sub.worker)
                 assert set(real.items()) <= set(truth.items())
                 assert len(real) + index.unconfirmed_blocks(sub.worker) == len(truth)
+                index._check()
+            finally:
+                await running.__aexit__(None, None, None)
+
+    run(scenario)
+
+
+def test_unconfirmed_blocks_survive_a_second_restart_with_the_time_they_had_left() -> None:
+    """Down longer than the buffer, then restarted again quickly: the second resume is
+    exact, and what was unconfirmed still counts (it is saved too), for no longer than
+    it had left."""
+
+    async def scenario(ctx) -> None:
+        with EventPublisher(buffer_steps=BUFFER) as pub:
+            ledger, source = Ledger(pub), EngineLikeSource(seed=10)
+            saved = await first_run(ctx, pub, ledger, source, batches=BUFFER)
+            for _ in range(2 * BUFFER):
+                ledger.publish(source.batch())
+            pub.flush()
+            sub, index, running = await resumed(ctx, endpoint_of(pub), saved, ledger,
+                                                states=("degraded",))
+            try:
+                unconfirmed = index.unconfirmed_blocks(sub.worker)
+                assert unconfirmed > 0
+                again = save(sub, index)
+            finally:
+                await running.__aexit__(None, None, None)
+            assert len(again.unconfirmed) > 0
+            assert 0 < again.unconfirmed_left(time.time()) <= TEST_OPTIONS.unconfirmed_ttl
+            sub, index, running = await resumed(ctx, endpoint_of(pub), again, ledger,
+                                                states=("degraded",))
+            try:
+                assert sub.status.restored_blocks == again.head.blocks
+                assert index.unconfirmed_blocks(sub.worker) == unconfirmed
+                assert sub.status.restored_unconfirmed == unconfirmed
                 index._check()
             finally:
                 await running.__aexit__(None, None, None)
