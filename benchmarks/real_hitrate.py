@@ -15,7 +15,17 @@ at each concurrency level:
   (only ports and addresses set, the 50 ms deadline kept) in front of the engines, asking a
   fresh kvroute; completions are sent to the balancer;
 - ``nginx-rr``, ``haproxy-rr``: the same balancers with the routing hook removed (plain
-  round robin over the same upstream group), the baseline of their added latency.
+  round robin over the same upstream group), the baseline of their added latency;
+- ``kvroute-2r``: two fresh kvroute replicas sharing state (saved index, placement guesses,
+  load) through a redis-server the benchmark starts on a unix socket; the client asks
+  ``POST /v1/route`` of the replicas in service in turn (a load balancer with readiness
+  checks) and sends the request to the answer's ``url``;
+- ``kvroute-2r-roll``: the same, and each replica is taken out of service, stopped with
+  SIGTERM (it saves), started again on the same state_url and put back once its workers
+  serve, in turn, a third and two thirds into the run (a rolling update);
+- ``kvroute-2r-cold``: the same rolling restart without a state_url (nothing saved, nothing
+  shared): the control of ``kvroute-2r-roll``. A restarted replica knows only what the
+  engines' replay buffers still hold; ``--buffer-steps`` makes those short.
 
 Before every run each engine is idle and its prefix cache reset; hit rate is the engines' own
 ``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`` (deltas over the run,
@@ -27,7 +37,8 @@ worker in a ``POST /v1/route`` answer must be 0: anything else is an in-flight a
 leak, printed prominently.
 
 Usage: .venv/bin/python -m benchmarks.real_hitrate [--quick] [--engines N] [--requests N]
-       [--concurrency 1,4,16] [--routers ...] [--workloads ...] [--seed N] [--out DIR]
+       [--concurrency 1,4,16] [--routers ...] [--workloads ...] [--seed N]
+       [--buffer-steps N] [--out DIR]
 
 stdout: one JSON object. stderr: progress and the table (also written to --out with the JSON
 and the plots). Everything it starts it stops, by process group id, on success, failure,
@@ -39,17 +50,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+import redis
 
 from benchmarks.real_parts import (
     BALANCERS,
+    REPLICA_COUNT,
+    REPLICAS,
     ROUTERS,
     WORKLOADS,
     Outcome,
@@ -67,13 +84,15 @@ from benchmarks.real_parts import (
     metric_delta,
     parse_engine_metrics,
     parse_sse_line,
+    replica_order,
+    restart_points,
     summarize,
     table,
 )
 from e2e.engines import Engine, EngineSpec, wait_ready
 from e2e.lb import Balancer, ensure_installed, start_balancer, versions
 from e2e.model import write_model_dir
-from e2e.processes import ProcessSet, install_signal_handlers
+from e2e.processes import ManagedProcess, ProcessSet, install_signal_handlers
 from e2e.run import VLLM_VERSION, setup_vllm
 from e2e.service import Kvroute, KvrouteError
 
@@ -267,6 +286,143 @@ def inflight_check(kv: Kvroute, ids: dict[str, str], probe: list[int], wait_s: f
     return check
 
 
+# --- kvroute replicas ---------------------------------------------------------------------------
+
+REDIS_SERVER = "/usr/bin/redis-server"
+
+
+class RedisServer:
+    """A redis-server for one run's replicas: a unix socket in a short temporary directory
+    (a socket path must stay under ~100 bytes), TCP off, no persistence. Ready once it
+    answers with the pid started here; stopped by that process group, like the rest."""
+
+    def __init__(self, procs: ProcessSet, log_dir: Path, timeout: float = 30.0) -> None:
+        if not os.access(REDIS_SERVER, os.X_OK):
+            raise RuntimeError(f"{REDIS_SERVER} is missing: the replica routers share state "
+                               "through a redis-server (Debian: apt-get install redis-server)")
+        self.directory = Path(tempfile.mkdtemp(prefix="kvr-redis-"))
+        self.socket = self.directory / "redis.sock"
+        argv = [REDIS_SERVER, "--port", "0", "--unixsocket", str(self.socket),
+                "--unixsocketperm", "700", "--save", "", "--appendonly", "no",
+                "--dir", str(self.directory), "--daemonize", "no"]
+        self.proc = procs.start(ManagedProcess("redis-server", argv, dict(os.environ),
+                                               log_dir / "redis.log"))
+        deadline = time.monotonic() + timeout
+        while not self._ours():
+            code = self.proc.exited()
+            if code is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"redis-server did not come up (exit {code}):\n"
+                                   f"{self.proc.log_tail()}")
+            time.sleep(0.05)
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket}?db=0"
+
+    def _ours(self) -> bool:
+        if not self.socket.exists():
+            return False
+        client = redis.Redis(unix_socket_path=str(self.socket), socket_timeout=2.0)
+        try:
+            return int(client.info("server")["process_id"]) == self.proc.pid
+        except (redis.RedisError, OSError):
+            return False
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        self.proc.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class Replicas:
+    """Kvroute replicas in front of the same engines, and which of them are in service.
+
+    ``in_service`` is what a load balancer's readiness checks would say: a replica leaves it
+    before it is stopped and comes back once every engine's worker serves again."""
+
+    def __init__(self, procs: ProcessSet, fleet: Fleet, log_dir: Path, count: int,
+                 state_url: str | None, say: Callable[[str], None]) -> None:
+        self.fleet = fleet
+        self.say = say
+        self.kvs = [Kvroute(procs, log_dir / f"replica-{i}") for i in range(count)]
+        self.settings = {"KVROUTE_PROXY": "false", "KVROUTE_STATE_DIR": ""}
+        if state_url is not None:
+            self.settings["KVROUTE_STATE_URL"] = state_url
+        self.in_service = [False] * count
+        self.ids: dict[str, str] = {}
+        self.restarts: list[dict[str, Any]] = []
+
+    def start(self, i: int, states: set[str]) -> dict[str, dict[str, Any]]:
+        """Start replica ``i``, register the engines, wait until every worker is in one of
+        ``states``, put it in service; its workers' state and restore counters."""
+        kv = self.kvs[i]
+        kv.start(self.settings)
+        self.ids = {e.name: kv.register(e.url) for e in self.fleet.engines}
+        for iid in self.ids.values():
+            kv.wait_state(iid, states, 60.0, self.say, f"replica {i} after registering")
+        workers = {}
+        for name, iid in self.ids.items():
+            worker = kv.worker(iid)
+            stats = worker.get("stats", {})
+            workers[name] = {"state": worker.get("state"),
+                             "restored_blocks": stats.get("restored_blocks", 0),
+                             "restored_unconfirmed": stats.get("restored_unconfirmed", 0),
+                             "holdings": sum(int(v) for v in
+                                             worker.get("holdings", {}).values())}
+        self.in_service[i] = True
+        return workers
+
+    def start_all(self) -> None:
+        for i in range(len(self.kvs)):
+            self.start(i, {"live"})
+        # The engines were reset before the replicas started: whatever they replay ends empty.
+        deadline = time.monotonic() + 15.0
+        while any(kv.holdings(iid) for kv in self.kvs for iid in self.ids.values()):
+            if time.monotonic() > deadline:
+                raise KvrouteError("a replica still holds blocks of reset engines")
+            time.sleep(0.1)
+
+    def restart(self, i: int, after: int) -> dict[str, Any]:
+        """Out of service, SIGTERM, start again (same port and settings), back in service."""
+        self.in_service[i] = False
+        started = time.monotonic()
+        kv = self.kvs[i]
+        kv.stop()
+        code = kv.proc.returncode if kv.proc else None
+        stopped = time.monotonic() - started
+        workers = self.start(i, {"live", "degraded"})
+        record = {"replica": i, "after_requests": after, "exit": code,
+                  "stop_s": round(stopped, 2),
+                  "out_of_service_s": round(time.monotonic() - started, 2), "workers": workers}
+        self.restarts.append(record)
+        return record
+
+    def stop(self) -> None:
+        for kv in self.kvs:
+            kv.stop()
+            kv.close()
+
+
+async def rolling_restart(replicas: Replicas, points: list[int], progress: dict[str, Any],
+                          say: Callable[[str], None], label: str) -> None:
+    """Restart replica i once ``points[i]`` requests are done, one at a time (on a thread:
+    the clients go on sending meanwhile)."""
+    for i, point in enumerate(points):
+        while progress["done"] < point and not progress.get("finished"):
+            await asyncio.sleep(0.05)
+        if progress.get("finished"):  # the requests ran out first: noted by run_one
+            return
+        say(f"  {label}: restarting replica {i} after {progress['done']} requests")
+        record = await asyncio.to_thread(replicas.restart, i, progress["done"])
+        workers = ", ".join(f"{name} {w['state']} restored {w['restored_blocks']}"
+                            f"+{w['restored_unconfirmed']} unconfirmed, holds {w['holdings']}"
+                            for name, w in record["workers"].items())
+        say(f"  {label}: replica {i} back in service after {record['out_of_service_s']}s "
+            f"(exit {record['exit']}): {workers}")
+
+
 # --- one run ------------------------------------------------------------------------------------
 
 
@@ -275,8 +431,10 @@ class Sender:
 
     def __init__(self, client: httpx.AsyncClient, fleet: Fleet, router: str, max_tokens: int,
                  abandon_every: int, kvroute: Kvroute | None, ids: dict[str, str],
-                 balancer: Balancer | None = None) -> None:
+                 balancer: Balancer | None = None, replicas: Replicas | None = None) -> None:
         self.client = client
+        self.replicas = replicas
+        self.failovers = 0  # route questions a replica did not answer, asked of the next
         self.fleet = fleet
         self.router = router
         self.max_tokens = max_tokens
@@ -303,14 +461,28 @@ class Sender:
             url = engines[req.index % len(engines)].url
         elif self.router == "partition":
             url = engines[req.group % len(engines)].url
-        elif self.router == "kvroute-route":
-            assert self.kvroute is not None
-            try:
-                answer = await self.client.post(f"{self.kvroute.url}/v1/route",
-                                                json={"token_ids": req.prompt}, timeout=10.0)
-            except httpx.HTTPError as exc:
-                out.error = f"route: {type(exc).__name__}: {exc}"[:300]
-                return out
+        elif self.router == "kvroute-route" or self.router in REPLICAS:
+            if self.replicas is not None:
+                kvs = [self.replicas.kvs[i]
+                       for i in replica_order(req.index, self.replicas.in_service)]
+            else:
+                assert self.kvroute is not None
+                kvs = [self.kvroute]
+            answer = None
+            for n, kv in enumerate(kvs):
+                try:
+                    answer = await self.client.post(f"{kv.url}/v1/route",
+                                                    json={"token_ids": req.prompt}, timeout=10.0)
+                    break
+                except httpx.TransportError as exc:  # a replica going away: ask the next
+                    if n + 1 == len(kvs):
+                        out.error = f"route: {type(exc).__name__}: {exc}"[:300]
+                        return out
+                    self.failovers += 1
+                except httpx.HTTPError as exc:
+                    out.error = f"route: {type(exc).__name__}: {exc}"[:300]
+                    return out
+            assert answer is not None
             out.route_s = time.monotonic() - started
             if answer.status_code != 200:
                 out.error = f"route: HTTP {answer.status_code}: {answer.text[:200]}"
@@ -377,8 +549,10 @@ class Sender:
 
 
 async def client_phase(workload: Workload, concurrency: int, sender_args: dict[str, Any],
-                       timeout: float, say: Callable[[str], None], label: str
-                       ) -> tuple[list[Outcome], bool]:
+                       timeout: float, say: Callable[[str], None], label: str,
+                       rolling: bool = False) -> tuple[list[Outcome], bool, int]:
+    """The run's requests; with ``rolling``, the replicas are restarted in turn meanwhile.
+    Returns the outcomes, whether the deadline cut the run, and the replica failovers."""
     limits = httpx.Limits(max_connections=2 * concurrency + 8,
                           max_keepalive_connections=2 * concurrency + 8)
     timeouts = httpx.Timeout(connect=10.0, read=300.0, write=30.0, pool=300.0)
@@ -395,7 +569,19 @@ async def client_phase(workload: Workload, concurrency: int, sender_args: dict[s
 
     async with httpx.AsyncClient(limits=limits, timeout=timeouts, trust_env=False) as client:
         sender = Sender(client, **sender_args)
-        return await drive(workload.requests, concurrency, sender, timeout, on_done)
+        roller = None
+        if rolling:
+            replicas = sender_args["replicas"]
+            roller = asyncio.create_task(rolling_restart(
+                replicas, restart_points(total, len(replicas.kvs)), state, say, label))
+        try:
+            outcomes, timed_out = await drive(workload.requests, concurrency, sender, timeout,
+                                              on_done)
+        finally:
+            state["finished"] = True
+            if roller is not None:
+                await roller  # a restart under way ends before the replicas are stopped
+        return outcomes, timed_out, sender.failovers
 
 
 def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
@@ -409,8 +595,22 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
     ids: dict[str, str] = {}
     inflight = None
     tag = f"{workload.name}-c{concurrency}-{router}"
+    replicas: Replicas | None = None
+    redis_server: RedisServer | None = None
     try:
-        if router.startswith("kvroute") or router.endswith("-kvroute"):
+        if router in REPLICAS:
+            shared, _ = REPLICAS[router]
+            if shared:
+                redis_server = RedisServer(procs, log_dir / tag)
+            replicas = Replicas(procs, fleet, log_dir / tag, REPLICA_COUNT,
+                                redis_server.url if redis_server else None, clock.say)
+            replicas.start_all()
+            kv, ids = replicas.kvs[0], dict(replicas.ids)
+            clock.say(f"  {REPLICA_COUNT} fresh kvroute replicas at "
+                      f"{', '.join(k.url for k in replicas.kvs)}, state shared through "
+                      f"{'redis-server ' + redis_server.url if redis_server else 'nothing'} "
+                      f"(logs {log_dir.name}/{tag}/replica-*/kvroute.log), engines live: {ids}")
+        elif router.startswith("kvroute") or router.endswith("-kvroute"):
             kv, ids = start_kvroute(procs, fleet, log_dir / tag, router == "kvroute-proxy",
                                     clock.say)
             clock.say(f"  fresh kvroute at {kv.url} (log {log_dir.name}/{tag}/kvroute.log), "
@@ -427,11 +627,27 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
         before = {e.name: fleet.metrics(e) for e in fleet.engines}
         sender_args = dict(fleet=fleet, router=router, max_tokens=args.max_tokens,
                            abandon_every=args.abandon_every, kvroute=kv, ids=ids,
-                           balancer=balancer)
+                           balancer=balancer, replicas=replicas)
         started = time.monotonic()
-        outcomes, timed_out = asyncio.run(client_phase(
-            workload, concurrency, sender_args, args.run_timeout, clock.say, label))
+        rolling = router in REPLICAS and REPLICAS[router][1]
+        outcomes, timed_out, failovers = asyncio.run(client_phase(
+            workload, concurrency, sender_args, args.run_timeout, clock.say, label, rolling))
         wall = time.monotonic() - started
+        if replicas is not None:
+            for record in replicas.restarts:
+                workers = "; ".join(
+                    f"{name} {w['state']}, restored {w['restored_blocks']} (+"
+                    f"{w['restored_unconfirmed']} unconfirmed), holds {w['holdings']}"
+                    for name, w in record["workers"].items())
+                notes.append(f"replica {record['replica']} restarted after "
+                             f"{record['after_requests']} requests (exit {record['exit']}, "
+                             f"stopped in {record['stop_s']}s, out of service "
+                             f"{record['out_of_service_s']}s): {workers}")
+            if rolling and len(replicas.restarts) < len(replicas.kvs):
+                notes.append(f"only {len(replicas.restarts)} of {len(replicas.kvs)} replicas "
+                             "were restarted before the run ended")
+            if failovers:
+                notes.append(f"{failovers} route questions failed over to the other replica")
         if kv is not None:
             inflight = inflight_check(kv, ids, workload.requests[0].prompt, args.leak_wait)
             if inflight.get("leak") or inflight.get("error"):
@@ -447,9 +663,13 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
     finally:
         if balancer is not None:
             balancer.stop()
-        if kv is not None:
+        if replicas is not None:
+            replicas.stop()  # before the redis-server: their last saves go there
+        elif kv is not None:
             kv.stop()
             kv.close()
+        if redis_server is not None:
+            redis_server.stop()
     fleet.check_alive()
     fleet.wait_idle()
     after = fleet.settled_metrics()
@@ -570,6 +790,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=20261123)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--num-blocks", type=int, default=64, help="KV blocks per engine")
+    parser.add_argument("--buffer-steps", type=int, default=None,
+                        help="KV-event batches each engine's replay keeps (default: vLLM's "
+                             "10,000); short, a kvroute started from nothing misses what was "
+                             "stored earlier (see kvroute-2r-roll and kvroute-2r-cold)")
     parser.add_argument("--abandon-every", type=int, default=0,
                         help="hang up every K-th stream after its first event (0: never)")
     parser.add_argument("--lb-deadline-ms", type=int, default=None,
@@ -593,6 +817,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         unknown = sorted(set(given) - set(known))
         if unknown or not given:
             parser.error(f"unknown or no {what}: {', '.join(unknown)}")
+    if args.buffer_steps is not None and args.buffer_steps < 1:
+        parser.error("--buffer-steps must be positive")
     if (args.engines < 1 or args.requests < 1 or args.repeat < 1 or not args.concurrency
             or min(args.concurrency) < 1 or (args.lb_deadline_ms is not None
                                              and args.lb_deadline_ms < 1)):
@@ -629,7 +855,8 @@ def main(argv: list[str] | None = None) -> int:
     planned = len(args.workloads) * len(args.concurrency) * len(args.routers)
     try:
         for i in range(args.engines):
-            spec = EngineSpec(f"vllm-{i}", venv, model, logs, num_blocks=args.num_blocks)
+            spec = EngineSpec(f"vllm-{i}", venv, model, logs, num_blocks=args.num_blocks,
+                              buffer_steps=args.buffer_steps)
             engines.append(Engine(spec, procs))
             clock.say(f"starting {spec.name}: {spec.url}, events :{spec.events_port}, "
                       f"{spec.num_blocks} blocks of {spec.block_size} tokens "
@@ -686,6 +913,7 @@ def main(argv: list[str] | None = None) -> int:
         "engines": args.engines,
         "block_size": engines[0].spec.block_size if engines else None,
         "num_blocks": args.num_blocks,
+        "buffer_steps": args.buffer_steps,
         "max_model_len": engines[0].spec.max_model_len if engines else None,
         "max_tokens": args.max_tokens,
         "abandon_every": args.abandon_every,

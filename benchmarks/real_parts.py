@@ -24,14 +24,65 @@ SHARED = "shared-system-prompts"
 CHAT = "multi-turn-chat"
 WORKLOADS = (SHARED, CHAT)
 ROUTERS = ("round-robin", "partition", "kvroute-route", "kvroute-proxy",
-           "nginx-kvroute", "haproxy-kvroute", "nginx-rr", "haproxy-rr")
+           "nginx-kvroute", "haproxy-kvroute", "nginx-rr", "haproxy-rr",
+           "kvroute-2r", "kvroute-2r-roll", "kvroute-2r-cold")
+#: Router -> (replicas share state through a redis-server, each restarted in turn mid-run):
+#: two kvroute replicas answering ``POST /v1/route``, the client alternating between the
+#: ones in service (a load balancer with readiness checks). ``kvroute-2r-cold`` is the
+#: control of ``kvroute-2r-roll``: the same restarts without shared state, so a restarted
+#: replica knows only what the engines' replay buffers still hold.
+REPLICAS = {"kvroute-2r": (True, False), "kvroute-2r-roll": (True, True),
+            "kvroute-2r-cold": (False, True)}
+REPLICA_COUNT = 2
 #: Router -> (balancer, whether it asks kvroute): nginx or HAProxy with deploy/'s files,
 #: routing with kvroute, or plain round robin (the same files, the routing hook removed).
 BALANCERS = {"nginx-kvroute": ("nginx", True), "haproxy-kvroute": ("haproxy", True),
              "nginx-rr": ("nginx", False), "haproxy-rr": ("haproxy", False)}
 #: The router each one's added latency is measured against, in the same run.
 BASELINES = {"kvroute-route": "round-robin", "kvroute-proxy": "round-robin",
-             "nginx-kvroute": "nginx-rr", "haproxy-kvroute": "haproxy-rr"}
+             "nginx-kvroute": "nginx-rr", "haproxy-kvroute": "haproxy-rr",
+             **dict.fromkeys(REPLICAS, "round-robin")}
+
+
+# --- replicas -----------------------------------------------------------------------------------
+
+
+def restart_points(requests: int, replicas: int) -> list[int]:
+    """For a rolling restart: replica i is restarted once this many requests are done (the
+    run cut into ``replicas + 1`` equal parts, one restart at each inner boundary)."""
+    return [requests * (i + 1) // (replicas + 1) for i in range(replicas)]
+
+
+def restart_windows(requests: int, replicas: int) -> list[tuple[int, int]]:
+    """The request index ranges right after each restart point, half a part long each: where
+    a restarted replica's knowledge shows (the same ranges in a run without restarts)."""
+    width = max(1, requests // (2 * (replicas + 1)))
+    return [(p, min(requests, p + width)) for p in restart_points(requests, replicas)]
+
+
+def window_hit_rate(outcomes: Iterable[Outcome], windows: Sequence[tuple[int, int]]
+                    ) -> float | None:
+    """cached_tokens / prompt_tokens (as the responses reported them) over the answered
+    requests whose index is in one of ``windows`` ([start, end)); None without any."""
+    cached = prompt = 0
+    for o in outcomes:
+        if (o.error is None and o.cached_tokens is not None
+                and any(a <= o.index < b for a, b in windows)):
+            cached += o.cached_tokens
+            prompt += o.prompt_tokens
+    return cached / prompt if prompt else None
+
+
+def replica_order(index: int, in_service: Sequence[bool]) -> list[int]:
+    """The replicas to ask for request ``index``, in order: those in service, rotated by the
+    index (round robin), and then the others (a failover of last resort: a replica taken out
+    of service may still answer while it shuts down)."""
+    up = [i for i, ok in enumerate(in_service) if ok]
+    down = [i for i, ok in enumerate(in_service) if not ok]
+    if up:
+        k = index % len(up)
+        up = up[k:] + up[:k]
+    return up + down
 
 
 # --- workloads ----------------------------------------------------------------------------------
@@ -360,6 +411,11 @@ def summarize(run: RunRecord) -> dict[str, Any]:
     }
     if run.inflight is not None:
         out["inflight"] = run.inflight
+    if run.router in REPLICAS:
+        requests = len({o.index for o in run.outcomes})
+        windows = restart_windows(requests, REPLICA_COUNT)
+        out["restart_windows"] = windows
+        out["hit_rate_after_restarts"] = window_hit_rate(run.outcomes, windows)
     origin: dict[int, float] = {}
     for o in run.outcomes:
         if o.sent_at is not None:
@@ -504,6 +560,13 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{_tokens(r['sent_prompt_tokens'], r.get('sent_requests')):<20} "
             f"{_inflight(r.get('inflight')):<10}")
     lines.append("")
+    windowed = [r for r in rows if not r.get("failed") and "hit_rate_after_restarts" in r]
+    for r in windowed:
+        lines.append(f"{r['workload']} x{r['concurrency']} {r['router']}: usage hit "
+                     f"{_pct(r['hit_rate_after_restarts']).strip()} in the requests right "
+                     f"after the restart points {r['restart_windows']}")
+    if windowed:
+        lines.append("")
     lines += [
         "hit: vllm:prefix_cache_hits / queries (the engines' /metrics, deltas over the run, "
         "summed; over all repetitions); runs: lowest-highest of the repetitions' own hit rates",

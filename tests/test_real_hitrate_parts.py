@@ -11,6 +11,7 @@ from benchmarks.real_parts import (
     BALANCERS,
     BASELINES,
     CHAT,
+    REPLICAS,
     ROUTERS,
     SHARED,
     Outcome,
@@ -30,9 +31,13 @@ from benchmarks.real_parts import (
     parse_engine_metrics,
     parse_sse_line,
     percentile,
+    replica_order,
+    restart_points,
+    restart_windows,
     shared_system_prompts,
     summarize,
     table,
+    window_hit_rate,
 )
 from e2e.model import VOCAB_SIZE
 from tests.conftest import run_async
@@ -322,3 +327,44 @@ def test_balancer_routers_are_arguments() -> None:
     assert parse_args(["--lb-deadline-ms", "500"]).lb_deadline_ms == 500
     with pytest.raises(SystemExit):
         parse_args(["--lb-deadline-ms", "0"])
+
+
+def test_replica_routers_are_known_and_measured_against_round_robin() -> None:
+    assert set(REPLICAS) <= set(ROUTERS)
+    assert all(BASELINES[r] == "round-robin" for r in REPLICAS)
+    assert not REPLICAS["kvroute-2r"][1] and REPLICAS["kvroute-2r-roll"] == (True, True)
+    assert REPLICAS["kvroute-2r-cold"] == (False, True)  # the control: nothing shared
+    assert parse_args(["--routers", "kvroute-2r,kvroute-2r-roll", "--buffer-steps", "32"]
+                      ).buffer_steps == 32
+    assert parse_args([]).buffer_steps is None
+    with pytest.raises(SystemExit):
+        parse_args(["--buffer-steps", "0"])
+
+
+def test_restart_points_cut_the_run_in_equal_parts() -> None:
+    assert restart_points(96, 2) == [32, 64]
+    assert restart_points(64, 2) == [21, 42]
+    assert restart_points(10, 1) == [5]
+
+
+def test_replica_order_rotates_over_those_in_service_then_the_others() -> None:
+    assert [replica_order(i, [True, True]) for i in range(3)] == [[0, 1], [1, 0], [0, 1]]
+    assert replica_order(0, [False, True]) == [1, 0]  # replica 0 restarting
+    assert replica_order(1, [False, True]) == [1, 0]
+    assert replica_order(5, [False, False]) == [0, 1]  # last resort: ask anyway
+
+
+def test_the_hit_rate_right_after_the_restart_points() -> None:
+    assert restart_windows(900, 2) == [(300, 450), (600, 750)]
+    outcomes = [Outcome(i, 100, cached_tokens=(0 if i in (300, 600) else 80))
+                for i in range(900)]
+    outcomes[301].error = "HTTP 500"  # not counted
+    rate = window_hit_rate(outcomes, restart_windows(900, 2))
+    assert rate == pytest.approx(80 * 297 / (100 * 299))
+    assert window_hit_rate(outcomes, [(900, 901)]) is None
+    row = summarize(RunRecord(SHARED, "kvroute-2r", 4, ["a"], outcomes,
+                              {"a": {"hits": 1.0, "queries": 2.0, "prompt_tokens": 0.0,
+                                     "requests_ok": 0.0, "preemptions": 0.0}}, 1.0))
+    assert row["hit_rate_after_restarts"] == rate and row["restart_windows"] == [(300, 450),
+                                                                                (600, 750)]
+    assert "right after the restart points" in table([row])
