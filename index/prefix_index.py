@@ -1163,15 +1163,16 @@ class HoldingsCapture:
     def pieces(self, size: int) -> Iterator[Holdings]:
         """The holdings in pieces of at most ``size`` blocks (one empty piece for a worker
         that holds nothing)."""
-        hashes = list(self._handles)
-        keys = list(self._handles.values())
         get = self._nodes.get
         counts = self._counts
-        if not hashes:  # still says the block size and groups
+        if not self._handles:  # still says the block size and groups
             yield Holdings(self.block_size, self.groups, [], [], [], {})
-        for start in range(0, len(hashes), size):
-            piece_hashes = hashes[start:start + size]
-            piece_keys = keys[start:start + size]
+        # A piece's worth at a time, so that no step lists the whole capture (the copy is
+        # this object's own: nothing changes it while it is walked).
+        items = iter(self._handles.items())
+        while chunk := list(islice(items, size)):
+            piece_hashes = [block_hash for block_hash, _ in chunk]
+            piece_keys = [key for _, key in chunk]
             values = [get(key) for key in piece_keys]
             if None in values:  # evicted since the capture
                 kept = [i for i, value in enumerate(values) if value is not None]
