@@ -843,7 +843,7 @@ def table(result: dict[str, Any]) -> str:
         f"max make + encode per piece {steps['piece_make_encode_ms_max_per_piece']:.2f} ms",
         f"  {'pieces: encode':<28} {pair(steps, 'piece_encode')}",
         f"  {'longest step between yields':<28} {steps['capture_and_first_piece_ms_max']:9.2f}"
-        "             capture + the first piece (it lists the whole capture), one worker",
+        "             capture + the first piece, one worker",
         f"  {'writer finish (checksum)':<28} {pair(steps, 'finish')}",
         f"  {'write (thread, fsync)':<28} {pair(steps, 'write')}",
         f"  {'total':<28} {pair(steps, 'total')}",
