@@ -45,7 +45,7 @@ from kvroute.app.state_store import StateStore, StateStoreError
 from kvroute.app.subscriber import WorkerEndpoint
 from kvroute.index import PrefixIndex
 
-__all__ = ["SaveReport", "StateCollector", "StateKeeper"]
+__all__ = ["SaveReport", "StateCollector", "StateKeeper", "encode_worker"]
 
 log = logging.getLogger("kvroute.state")
 
@@ -201,33 +201,45 @@ class StateKeeper:
                 continue
             if point is None:
                 continue
-            capture = self.index.capture(worker.key)  # same step as save_point
-            if capture is None:
+            # No await before the capture: it is taken in the same step as the save point.
+            encoded = await encode_worker(self.index, worker.endpoint, point)
+            if encoded is None:
                 continue
-            seq, fingerprint, degraded = point
-            unconfirmed = self.index.capture_unconfirmed(worker.key, PIECE_BLOCKS)
-            pieces = []
-            count = 0
-            for piece in capture.pieces(PIECE_BLOCKS):
-                pieces.append(encode_piece(piece))
-                count += len(piece)
-                await asyncio.sleep(0)
-            held_pieces = len(pieces)
-            left = 0.0
-            if unconfirmed is not None:  # kept with the time they have left
-                pieces.extend(encode_piece(piece) for piece in unconfirmed[0])
-                left = max(0.0, unconfirmed[1] - time.monotonic())
-            writer.add_worker(WorkerHead(worker.instance.id, worker.endpoint.dp_rank,
-                                         worker.endpoint.endpoint, seq, fingerprint,
-                                         degraded, held_pieces, count,
-                                         len(pieces) - held_pieces, left), pieces)
+            writer.add_worker(*encoded)
             workers += 1
-            blocks += count
+            blocks += encoded[0].blocks
         for saved in list(self._unclaimed.values()):
             writer.carry(saved)
             workers += 1
             blocks += saved.head.blocks
         return writer, workers, blocks
+
+
+async def encode_worker(
+        index: PrefixIndex, endpoint: WorkerEndpoint,
+        point: tuple[int, int | None, bool]) -> tuple[WorkerHead, list[bytes]] | None:
+    """One worker's head and encoded pieces (held, then unconfirmed with the time they have
+    left) at ``point`` (``Subscriber.save_point``); None for a worker the index does not
+    know. The holdings are captured before this coroutine first awaits: awaited right after
+    ``save_point``, they are the point's. It yields to the loop between pieces."""
+    capture = index.capture(endpoint.worker)
+    if capture is None:
+        return None
+    unconfirmed = index.capture_unconfirmed(endpoint.worker, PIECE_BLOCKS)
+    seq, fingerprint, degraded = point
+    pieces = []
+    blocks = 0
+    for piece in capture.pieces(PIECE_BLOCKS):
+        pieces.append(encode_piece(piece))
+        blocks += len(piece)
+        await asyncio.sleep(0)
+    held = len(pieces)
+    left = 0.0
+    if unconfirmed is not None:
+        pieces.extend(encode_piece(piece) for piece in unconfirmed[0])
+        left = max(0.0, unconfirmed[1] - time.monotonic())
+    return WorkerHead(endpoint.instance_id, endpoint.dp_rank, endpoint.endpoint, seq,
+                      fingerprint, degraded, held, blocks, len(pieces) - held, left), pieces
 
 
 class StateCollector(Collector):

@@ -11,14 +11,8 @@ from __future__ import annotations
 
 import time
 
-from kvroute.app.saved_state import (
-    PIECE_BLOCKS,
-    SavedWorker,
-    StateWriter,
-    WorkerHead,
-    decode_state,
-    encode_piece,
-)
+from kvroute.app.saved_state import PIECE_BLOCKS, SavedWorker, StateWriter, WorkerHead, decode_state
+from kvroute.app.state_keeper import encode_worker
 from kvroute.app.subscriber import Subscriber, WorkerEndpoint
 from kvroute.app.wire import BlockRemoved, BlockStored, Event
 from kvroute.index import PrefixIndex
@@ -52,24 +46,14 @@ class EngineLikeSource(EventSource):
         return events
 
 
-def save(sub: Subscriber, index: PrefixIndex) -> SavedWorker:
+async def save(sub: Subscriber, index: PrefixIndex) -> SavedWorker:
     """What StateKeeper saves for this worker, through the blob format and back."""
     point = sub.save_point()
     assert point is not None, sub.status
-    capture = index.capture(sub.worker)
-    assert capture is not None
-    seq, fingerprint, degraded = point
-    pieces = [encode_piece(piece) for piece in capture.pieces(PIECE_BLOCKS)]
-    held = len(pieces)
-    unconfirmed = index.capture_unconfirmed(sub.worker, PIECE_BLOCKS)
-    left = 0.0
-    if unconfirmed is not None:
-        pieces += [encode_piece(piece) for piece in unconfirmed[0]]
-        left = unconfirmed[1] - time.monotonic()
+    encoded = await encode_worker(index, sub.endpoint, point)
+    assert encoded is not None
     writer = StateWriter()
-    writer.add_worker(WorkerHead(*sub.worker, sub.endpoint.endpoint, seq, fingerprint,
-                                 degraded, held, len(capture), len(pieces) - held, left),
-                      pieces)
+    writer.add_worker(*encoded)
     state = decode_state(b"".join(writer.finish()))
     return state.workers[sub.worker]
 
@@ -99,7 +83,7 @@ async def first_run(ctx, pub: EventPublisher, ledger: Ledger, source: EventSourc
             ledger.publish(source.batch())
         await wait_until(lambda: caught_up(sub, ledger), "first run caught up",
                          detail=lambda: sub.status)
-        return save(sub, index)
+        return await save(sub, index)
 
 
 async def resumed(ctx, endpoint: WorkerEndpoint, saved: SavedWorker, ledger: Ledger | None,
@@ -303,7 +287,7 @@ def test_unconfirmed_blocks_survive_a_second_restart_with_the_time_they_had_left
             try:
                 unconfirmed = index.unconfirmed_blocks(sub.worker)
                 assert unconfirmed > 0
-                again = save(sub, index)
+                again = await save(sub, index)
             finally:
                 await running.__aexit__(None, None, None)
             assert len(again.unconfirmed) > 0
