@@ -714,9 +714,7 @@ class Subscriber:
             if first and self._resuming is not None:
                 first = False
                 if not await self._judge_saved(start, reply.seq, reply.payload):
-                    return "failed"
-                if reply.seq is None:
-                    return "complete"
+                    return "failed"  # refused (the end marker first always is)
                 if self.status.last_seq == reply.seq:
                     continue  # restored: the saved holdings end with this batch
                 await self._apply(reply.seq, reply.payload, replayed=True)

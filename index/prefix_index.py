@@ -611,8 +611,7 @@ class PrefixIndex:
         if w is not None and w.handles and any(
                 h in w.handles for piece in pieces for h in piece.hashes):
             raise ValueError(f"worker {worker!r} already holds a hash being restored")
-        if w is not None and w.block_size and pieces and w.handles and (
-                pieces[0].block_size != w.block_size):
+        if w is not None and w.handles and pieces and pieces[0].block_size != w.block_size:
             raise ValueError("restored pieces disagree with the worker's block size")
         w = w or self._worker(worker)
         if not pieces:
