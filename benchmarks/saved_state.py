@@ -62,13 +62,14 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import msgspec
 import zmq.asyncio
 from xxhash import xxh3_64
 
+from kvroute.app.config import InstanceConfig
+from kvroute.app.registry import Instance, Worker
 from kvroute.app.saved_state import (
     PIECE_BLOCKS,
     StateWriter,
@@ -213,27 +214,13 @@ class ServingClock(SubscriberHooks):
             self.serving_at.setdefault(worker, time.perf_counter())
 
 
-@dataclass
-class Unit:
-    """What ``StateKeeper`` reads of a registry's worker (``app.registry.Worker``)."""
-
-    instance: SimpleNamespace
-    endpoint: WorkerEndpoint
-    subscriber: Subscriber
-    task: asyncio.Task[None] | None = None
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.instance.id, self.endpoint.dp_rank)
-
-
 class Units:
     """A registry as far as ``StateKeeper`` is concerned: ``workers()``."""
 
     def __init__(self) -> None:
-        self.units: list[Unit] = []
+        self.units: list[Worker] = []
 
-    def workers(self) -> list[Unit]:
+    def workers(self) -> list[Worker]:
         return list(self.units)
 
 
@@ -254,7 +241,9 @@ class Kvroute:
             saved = self._keeper.claim(endpoint) if self._keeper is not None else None
             sub = Subscriber(endpoint, self.index, ctx=self._ctx, hooks=self.clock,
                              options=SubscriberOptions(), saved=saved)
-            unit = Unit(SimpleNamespace(id=endpoint.instance_id), endpoint, sub)
+            instance = Instance(endpoint.instance_id, InstanceConfig(events=(endpoint.endpoint,)),
+                                url=None)
+            unit = Worker(instance, endpoint, sub)
             unit.task = asyncio.create_task(sub.run(), name=f"subscriber {endpoint.worker}")
             self.registry.units.append(unit)
 
@@ -418,7 +407,7 @@ def wall_cpu(name: str, pairs: Sequence[tuple[float, float]], *,
 # --------------------------------------------------------------------------- measurements
 
 
-async def save_steps(index: PrefixIndex, units: list[Unit], directory: Path) -> dict[str, Any]:
+async def save_steps(index: PrefixIndex, units: list[Worker], directory: Path) -> dict[str, Any]:
     """The keeper's save, step by step, each timed (no yields between them)."""
     watch = Stopwatch()
     writer = StateWriter()
