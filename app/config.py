@@ -104,6 +104,9 @@ class InstanceConfig(msgspec.Struct, forbid_unknown_fields=True):
                              "event endpoint(s); give one per data-parallel rank")
         if self.id is not None and "/" in self.id:
             raise ValueError("id: must not contain '/'")
+        if self.id is not None and not self.id.isprintable():
+            # It names the instance in URLs, logs and metric labels.
+            raise ValueError("id: must not contain control or other non-printable characters")
 
     def __repr__(self) -> str:
         return _repr_without_secrets(self)

@@ -14,6 +14,7 @@ from kvroute.app.config import (
     Settings,
     default_instance_id,
     load_settings,
+    parse_instance,
 )
 
 
@@ -218,3 +219,12 @@ def test_every_setting_is_in_the_readme_table():
     documented = set(re.findall(r"^\| `(\w+)`(?:, `(\w+)`)?", table, re.M))
     names = {name for pair in documented for name in pair if name}
     assert names == {f.name for f in msgspec.structs.fields(Settings)}
+
+
+@pytest.mark.parametrize("bad", ["a/b", "gpu\x16a", "tab\there", "line\nbreak", "x\x9c"])
+def test_an_instance_id_must_be_printable_and_have_no_slash(bad):
+    """It names the instance in URLs (DELETE /v1/instances/{id}), logs and metric labels."""
+    with pytest.raises(ConfigError) as refused:
+        parse_instance({"url": "http://10.0.0.5:8000", "id": bad}, "request")
+    assert refused.value.field == "id"
+    assert parse_instance({"url": "http://10.0.0.5:8000", "id": "gpü-ä 1"}, "request").id

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -135,4 +136,6 @@ def test_registration_answers_anything_without_a_5xx_other_than_discovery(
         return
     assert_answered_as_json(answer)
     if answer.status_code == 201:  # explicit endpoints on loopback: take it away again
-        assert http.delete(f"/v1/instances/{answer.json()['id']}").status_code == 200
+        instance_id = answer.json()["id"]
+        assert instance_id.isprintable()
+        assert http.delete(f"/v1/instances/{quote(instance_id, safe='')}").status_code == 200
