@@ -40,7 +40,7 @@ import msgspec
 
 from kvroute.app.json_body import split_validation
 from kvroute.app.routing import CostWeights
-from kvroute.app.subscriber import SubscriberOptions
+from kvroute.app.subscription import SubscriberOptions
 
 _COSTS = CostWeights()  # the one place the cost defaults are written
 _PUBLISHER_BOUNDS = SubscriberOptions()  # and the publisher bounds

@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 import httpx
 import msgspec
 
-from kvroute.app.subscriber import WorkerEndpoint
+from kvroute.app.subscription import WorkerEndpoint
 from kvroute.app.upstream import (
     DISCOVERY_DEADLINE,
     DISCOVERY_MAX_BYTES,

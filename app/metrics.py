@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvroute.app.registry import Registry
-from kvroute.app.subscriber import COUNTERS, WorkerState
+from kvroute.app.subscription import COUNTERS, WorkerState
 
 __all__ = ["ServiceMetrics", "CONTENT_TYPE"]
 

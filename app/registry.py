@@ -33,7 +33,8 @@ from kvroute.app.config import InstanceConfig, default_instance_id, foreign_endp
 from kvroute.app.discovery import DiscoveryError, WorkerEndpoint, discover, discover_models
 from kvroute.app.errors import InvalidRequest, LimitReached
 from kvroute.app.saved_state import SavedWorker
-from kvroute.app.subscriber import Subscriber, SubscriberOptions, WorkerState
+from kvroute.app.subscriber import Subscriber
+from kvroute.app.subscription import SubscriberOptions, WorkerState
 from kvroute.index import PrefixIndex
 
 __all__ = ["DuplicateInstance", "Instance", "Registry", "UnknownInstance", "Worker"]

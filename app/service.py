@@ -38,7 +38,7 @@ from kvroute.app.registry import Instance, Registry, Worker
 from kvroute.app.routing import CostWeights, Score, TieBreaker, WorkerView, best_of, score_workers
 from kvroute.app.state_keeper import StateCollector, StateKeeper
 from kvroute.app.state_store import DirectoryStore, StateStore
-from kvroute.app.subscriber import SubscriberOptions, WorkerState
+from kvroute.app.subscription import SubscriberOptions, WorkerState
 from kvroute.app.tokenizer import Tokenizer, make_tokenizer
 from kvroute.app.valkey import NO_LOAD, PeerLoad, Peers, PeersCollector, ValkeyStore
 from kvroute.index import PrefixIndex

@@ -42,7 +42,7 @@ from kvroute.app.saved_state import (
     encode_piece,
 )
 from kvroute.app.state_store import StateStore, StateStoreError
-from kvroute.app.subscriber import WorkerEndpoint
+from kvroute.app.subscription import WorkerEndpoint
 from kvroute.index import PrefixIndex
 
 __all__ = ["SaveReport", "StateCollector", "StateKeeper", "encode_worker"]

@@ -79,8 +79,8 @@ from kvroute.app.saved_state import (
 )
 from kvroute.app.state_keeper import StateKeeper
 from kvroute.app.state_store import DirectoryStore
-from kvroute.app.subscriber import (
-    Subscriber,
+from kvroute.app.subscriber import Subscriber
+from kvroute.app.subscription import (
     SubscriberHooks,
     SubscriberOptions,
     WorkerEndpoint,

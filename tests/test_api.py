@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.app.config import InstanceConfig, Settings
 from kvroute.app.server import BackgroundServer
-from kvroute.app.subscriber import COUNTERS
+from kvroute.app.subscription import COUNTERS
 from kvroute.sim.cluster import SimCluster
 from kvroute.sim.instance import SimInstance
 from kvroute.sim.spec import SimInstanceSpec

@@ -20,7 +20,7 @@ from kvroute.app.discovery import (
     rewrite_host,
     workers_from_sources,
 )
-from kvroute.app.subscriber import WorkerEndpoint
+from kvroute.app.subscription import WorkerEndpoint
 from tests.conftest import HTTP_TIMEOUT
 from tests.support.canned_http import canned_http
 

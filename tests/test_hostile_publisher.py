@@ -180,7 +180,7 @@ def test_a_big_frame_behind_queued_batches_is_survived():
                     ledger.publish(source.batch())
                 ledger.publish(oversized_batch(8, 2 * SMALL_FRAMES.max_message_bytes))
                 await wait_until(lambda: sub.status.state == "down", "the dropped connection")
-                assert sub._sub is not None and sub._sub.get(zmq.EVENTS) & zmq.POLLIN
+                assert sub._live.socket.get(zmq.EVENTS) & zmq.POLLIN
                 after = [ledger.publish(source.batch()) for _ in range(3)]
                 await settled(sub, ledger, ("degraded",), "the batches after the big frame")
                 assert sub.status.disconnects == 1 and sub.status.unreceivable == 1

@@ -32,7 +32,7 @@ def test_close_stops_every_task_and_socket_it_started(dead_url: str):
             leaked = [t for t in asyncio.all_tasks() - before if not t.done()]
             assert leaked == [], leaked
             assert len(service.registry) == 0
-            assert all(w.subscriber._sub is None for w in workers)  # sockets closed
+            assert all(w.subscriber._live._sub is None for w in workers)  # sockets closed
             assert service.client.is_closed
             assert service.index.stats().workers == 0  # nothing of them stays indexed
 

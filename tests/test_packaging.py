@@ -109,7 +109,7 @@ def test_every_refusal_has_one_status() -> None:
 
 
 def test_every_subscriber_counter_is_listed_in_the_readme() -> None:
-    from kvroute.app.subscriber import COUNTERS
+    from kvroute.app.subscription import COUNTERS
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     metrics = readme.split("## Metrics")[1].split("\n## ")[0]

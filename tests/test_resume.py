@@ -13,7 +13,8 @@ import time
 
 from kvroute.app.saved_state import PIECE_BLOCKS, SavedWorker, StateWriter, WorkerHead, decode_state
 from kvroute.app.state_keeper import encode_worker
-from kvroute.app.subscriber import Subscriber, WorkerEndpoint
+from kvroute.app.subscriber import Subscriber
+from kvroute.app.subscription import WorkerEndpoint
 from kvroute.app.wire import BlockRemoved, BlockStored, Event
 from kvroute.index import PrefixIndex
 from kvroute.sim.publisher import EventPublisher

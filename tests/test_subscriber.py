@@ -18,7 +18,8 @@ import msgspec
 import pytest
 import zmq
 
-from kvroute.app.subscriber import COUNTERS, Subscriber, SubscriberHooks, WorkerEndpoint
+from kvroute.app.subscriber import Subscriber
+from kvroute.app.subscription import COUNTERS, SubscriberHooks, WorkerEndpoint
 from kvroute.app.wire import (
     AllBlocksCleared,
     BlockRemoved,

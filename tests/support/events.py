@@ -18,7 +18,8 @@ from typing import Any, NamedTuple
 
 import zmq.asyncio
 
-from kvroute.app.subscriber import Subscriber, SubscriberOptions, WorkerEndpoint
+from kvroute.app.subscriber import Subscriber
+from kvroute.app.subscription import SubscriberOptions, WorkerEndpoint
 from kvroute.app.wire import BlockRemoved, BlockStored, Event, EventBatch, apply_batch
 from kvroute.index import PrefixIndex
 from kvroute.sim.publisher import EventPublisher

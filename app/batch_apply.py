@@ -1,0 +1,223 @@
+"""Applying one batch of KV events to one worker's index entries, in bounded pieces of work
+with the event loop running between them.
+
+Bounds (``SubscriberOptions``):
+
+- A payload up to ``_DECODE_WHOLE_BYTES`` is decoded in one call; a bigger one has its
+  envelope decoded, then ``chunk_events`` events at a time.
+- At most ``chunk_events`` events, or ``slice_blocks`` blocks of index work, are applied
+  between two yields to the loop, counted across batches (a replay of thousands of small
+  batches yields too). An event of more work is applied in slices (``wire.slices``) that
+  leave the index exactly as one call would. A clear is one call whatever it costs
+  (bounded by ``max_blocks_per_worker``).
+- A BlockStored of more than ``max_blocks_per_event`` blocks, or one that would take the
+  worker past ``max_blocks_per_worker`` blocks held, is refused: reported through
+  ``refused`` and skipped. Removals are never refused: a skipped one would over-report.
+
+Ownership: an applier is its subscriber's only way of writing the worker's entries, and runs
+on the event loop. ``check`` is called after every yield; when it raises ``Abandoned`` (the
+subscriber's connection dropped meanwhile) the batch stops at once, half applied: its
+subscriber clears the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvroute.app.wire import (
+    SLICE_TOKENS_PER_BLOCK,
+    AllBlocksCleared,
+    BlockStored,
+    Event,
+    Hash,
+    WireError,
+    apply_event,
+    coalesced,
+    decode_batch,
+    decode_envelope,
+    decode_events,
+    slices,
+)
+
+if TYPE_CHECKING:
+    from kvroute.app.subscriber import SubscriberIndex
+    from kvroute.app.subscription import SubscriberOptions
+
+log = logging.getLogger(__name__)
+
+# A payload up to this size is decoded in one call (every real vLLM batch is far smaller):
+# ~10 ms at worst, for one full of malformed events, which decode one by one (~40 ms per
+# MiB). A bigger one is decoded chunk_events events at a time, with the loop running
+# between chunks; only its envelope is one call (~25 ms for 16 MiB of tiny events).
+_DECODE_WHOLE_BYTES = 256 * 1024
+# Decoding cannot be cut into bounded pieces: one event, or one envelope, is one call (a
+# 65,536-block store: ~30-50 ms). After such a call took _LONG_DECODE or more, the applier
+# lets the loop run about as long (at most _MAX_PAUSE), because an HTTP answer needs
+# several turns of the loop and a flood of big frames would otherwise put one long stretch
+# in front of each of them. Real batches decode in well under a millisecond.
+_LONG_DECODE = 0.005
+_MAX_PAUSE = 0.05
+
+
+class Abandoned(Exception):
+    """Raised by ``check``: the step this batch belongs to is void; stop applying."""
+
+
+@dataclass(slots=True)
+class BatchOutcome:
+    """What applying one batch did. ``garbage`` (the payload could not be decoded) and
+    ``failed`` (a bug left the worker's entries half updated) each end it early."""
+
+    garbage: str | None = None
+    failed: str | None = None
+    data_parallel_rank: int | None = None
+    events: int = 0
+    blocks: int = 0
+    malformed: int = 0
+    unknown: int = 0
+    # An AllBlocksCleared was applied after the last refused store: what the worker holds
+    # is exactly what the engine says again.
+    exact_again: bool = False
+    rejected: str | None = None  # why the index refused the batch's last refused event
+
+
+class BatchApplier:
+    """Applies batches for one worker, keeping the loop's turns short (module docstring)."""
+
+    def __init__(self, index: SubscriberIndex, worker: Any, options: SubscriberOptions, *,
+                 check: Callable[[], None], refused: Callable[[str, str], None]) -> None:
+        self.index = index
+        self.worker = worker
+        self.options = options
+        self._check = check
+        # Called with (counter, reason) when a store is refused for a cap, as it is skipped.
+        self._refused = refused
+        self._unyielded = 0  # events applied since the last yield to the event loop
+        self._unyielded_work = 0  # blocks of index work since then (see slice_blocks)
+
+    async def apply(self, seq: int, payload: bytes) -> BatchOutcome:
+        outcome = BatchOutcome()
+        self._unyielded += 1  # even an empty or garbage batch is work
+        lazily = len(payload) > _DECODE_WHOLE_BYTES
+        started = time.perf_counter()
+        try:
+            batch = decode_envelope(payload) if lazily else decode_batch(payload)
+        except WireError as exc:
+            outcome.garbage = str(exc)
+            took = time.perf_counter() - started  # garbage can be a long read, too
+            if took >= _LONG_DECODE:
+                await self.pause(took)
+            return outcome
+        outcome.data_parallel_rank = batch.data_parallel_rank
+        chunk = self.options.chunk_events
+        took = time.perf_counter() - started
+        if lazily or took >= _LONG_DECODE:  # a chunk's decoding is another stretch
+            await self.pause(took)
+        step = chunk if lazily else max(1, len(batch.events))
+        for start in range(0, len(batch.events), step):
+            if lazily:  # decoded a chunk at a time, with the loop running in between
+                started = time.perf_counter()
+                events = decode_events(batch.events[start:start + step], batch)
+                await self.pause(time.perf_counter() - started)
+            else:
+                events = batch.events
+            outcome.events += len(events)
+            for event in coalesced(events):
+                self._unyielded += 1
+                if self._unyielded >= chunk:
+                    await self.yield_to_loop()
+                if isinstance(event, BlockStored) and self._over_a_cap(seq, event):
+                    outcome.exact_again = False  # only a clear after the skip makes it exact
+                    continue
+                try:
+                    outcome.blocks += await self._apply_event(event)
+                except Abandoned:
+                    raise
+                except ValueError as exc:
+                    batch.malformed += 1
+                    outcome.rejected = f"seq {seq}: event rejected by the index: {exc}"
+                except Exception as exc:
+                    log.exception("%s: applying seq %d failed", self.worker, seq)
+                    outcome.failed = f"internal error applying seq {seq}: {exc!r}"
+                    return outcome
+                if isinstance(event, AllBlocksCleared):
+                    outcome.exact_again = True
+        outcome.malformed = batch.malformed
+        outcome.unknown = batch.unknown
+        return outcome
+
+    async def _apply_event(self, event: Event) -> int:
+        """Apply one event; returns the blocks it stored or removed. An event of more work
+        than ``slice_blocks`` goes in slices (``wire.slices``: the index ends up exactly as
+        after one call), and the loop runs before any slice that would take the work done
+        since its last turn past ``slice_blocks``. A ``ValueError`` can only come from the
+        first slice, before anything changed."""
+        budget = self.options.slice_blocks
+        work = self._work(event)
+        if work <= budget:  # nearly every event: one call
+            if self._unyielded_work + work > budget:
+                await self.yield_to_loop()
+            self._unyielded_work += work
+            return apply_event(self.index, self.worker, event)
+        assert not isinstance(event, AllBlocksCleared)  # a clear is one call, whatever it costs
+        # Decoding this event was one stretch already; slices() begins with another (a pass
+        # over its tokens): let the loop run between the two.
+        await self.yield_to_loop()
+        applied = 0
+        for piece in slices(event, budget, self._holds):
+            work = self._work(piece)
+            if self._unyielded_work and self._unyielded_work + work > budget:
+                await self.yield_to_loop()
+            self._unyielded_work += work
+            applied += apply_event(self.index, self.worker, piece)
+        return applied
+
+    def _work(self, event: Event) -> int:
+        """Blocks of index work ``event`` costs (see ``SubscriberOptions.slice_blocks``)."""
+        if isinstance(event, AllBlocksCleared):
+            return min(self.index.blocks_held(self.worker), self.options.slice_blocks)
+        tokens = len(event.token_ids) if isinstance(event, BlockStored) else 0
+        return max(len(event.block_hashes), tokens // SLICE_TOKENS_PER_BLOCK)
+
+    def _holds(self, block_hash: Hash) -> bool:
+        return self.index.holds_hash(self.worker, block_hash)
+
+    def _over_a_cap(self, seq: int, event: BlockStored) -> bool:
+        """Whether a store is refused for a cap (see the module docstring)."""
+        options = self.options
+        blocks = len(event.block_hashes)
+        if blocks > options.max_blocks_per_event:
+            self._refused("oversized_events", f"seq {seq}: a BlockStored of {blocks} blocks "
+                          f"is over max_blocks_per_event ({options.max_blocks_per_event})")
+            return True
+        if not event.token_ids:
+            return False  # an offload adds a medium to blocks the worker holds, never a block
+        # Every block counts as new, also one stored again (that adds a reference, not a
+        # block): telling them apart would cost a lookup per block.
+        held = self.index.blocks_held(self.worker)
+        if held + blocks > options.max_blocks_per_worker:
+            self._refused("over_capacity", f"seq {seq}: storing {blocks} blocks would take "
+                          f"the worker past max_blocks_per_worker "
+                          f"({options.max_blocks_per_worker}); it holds {held}")
+            return True
+        return False
+
+    async def yield_to_loop(self) -> None:
+        """Let the loop run (queries, other workers); ``check`` may then void the step."""
+        self._unyielded = 0
+        self._unyielded_work = 0
+        await asyncio.sleep(0)
+        self._check()
+
+    async def pause(self, took: float) -> None:
+        """``yield_to_loop`` after decoding that took ``took`` seconds in one call: when
+        that was long, the loop gets about as long again (see ``_LONG_DECODE``)."""
+        self._unyielded = 0
+        self._unyielded_work = 0
+        await asyncio.sleep(min(took, _MAX_PAUSE) if took >= _LONG_DECODE else 0)
+        self._check()
