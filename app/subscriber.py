@@ -4,9 +4,9 @@ Sequence tracking (docs/decisions.md; each seq is classified by ``sequence.class
 
 - ``last_seq`` is the last APPLIED seq. The next live batch must be ``last_seq + 1``.
 - A live seq above that is a gap: the missing batches are fetched from the replay ROUTER
-  (``replay_request``: a fresh DEALER per request, timeouts, bounded retries with backoff).
-  A replay must be contiguous; at the first hole the rest of it is dropped and asked for
-  again from the hole.
+  (``replay_request``; after a timeout, bounded retries with backoff ask again from after
+  the last batch applied). A replay must be contiguous; at the first hole the rest of it is
+  dropped and asked for again from the hole.
 - A replay that starts above the seq asked for has lost history (the publisher's buffer moved
   on): the worker is cleared, rebuilt from everything still buffered, and marked degraded.
 - The live stream of one publisher is strictly increasing, so the live seq going backwards
@@ -442,9 +442,19 @@ class Subscriber:
             await asyncio.sleep(delay)
             self._check_connection()
             delay *= 2
+            start = self._resume_point(start)
         self._count("replay_failures")
         log.warning("%s: %s", self.worker, self.status.last_error)
         return "failed"
+
+    def _resume_point(self, start: int) -> int:
+        """Where a retry after a timeout asks from: after what the timed-out answer already
+        applied. Asking from ``start`` again would re-send all of it, and once the buffer has
+        moved past ``start`` (a long replay of a busy engine) would read as history lost."""
+        last = self.status.last_seq
+        if self._resuming is not None or last is None or last < start:
+            return start  # nothing of this answer applied yet
+        return last + 1
 
     async def _consume_replay(self, request: ReplayRequest) -> str:
         start = request.start

@@ -85,6 +85,8 @@ class EventPublisher:
         self._next_seq = 0
         self._drop: set[int] = set()
         self._drop_replay: set[int] = set()
+        self._cut_replay: int | None = None
+        self._replay_starts: list[int] = []
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -145,6 +147,12 @@ class EventPublisher:
         with self._seq_lock:
             self._drop_replay.update(seqs)
 
+    def cut_next_replay(self, after: int) -> None:
+        """The next replay answer stops after ``after`` batches, with no end marker (an
+        answer that stalls: the subscriber's wait for the next frame times out)."""
+        with self._seq_lock:
+            self._cut_replay = after
+
     def restart(self) -> None:
         """Like an engine restart: seq back to 0 and the buffer emptied; same sockets."""
         with self._seq_lock:
@@ -169,6 +177,12 @@ class EventPublisher:
 
     def buffered(self) -> list[tuple[int, bytes]]:
         return list(self._buffer)
+
+    @property
+    def replay_starts(self) -> list[int]:
+        """The start seq of every replay request served, in order."""
+        with self._seq_lock:
+            return list(self._replay_starts)
 
     @property
     def replays_served(self) -> int:
@@ -239,10 +253,16 @@ class EventPublisher:
         start = int.from_bytes(start_frame, "big")
         self._replays_served += 1
         with self._seq_lock:
+            self._replay_starts.append(start)
             skip, self._drop_replay = self._drop_replay, set()
+            cut, self._cut_replay = self._cut_replay, None
         for seq, payload in list(self._buffer):
             if seq < start or seq in skip:
                 continue
+            if cut is not None:
+                if cut == 0:
+                    return
+                cut -= 1
             if self.replay_format == "new":
                 replay.send_multipart((identity, b"", self.topic, encode_seq(seq), payload))
             else:

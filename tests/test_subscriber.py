@@ -30,7 +30,7 @@ from kvroute.app.wire import (
     encode_seq,
 )
 from kvroute.sim.publisher import EventPublisher
-from tests.conftest import refusing_ports, wait_until
+from tests.conftest import refusing_ports, scaled, wait_until
 from tests.support.events import (
     TEST_OPTIONS,
     EventSource,
@@ -146,6 +146,36 @@ def test_holes_inside_a_replay_are_asked_for_again():
             await synced(sub, index, ledger, "state after hole")
             assert sub.status.replays >= 3  # connect, the gap, the hole
             assert sub.status.degraded_count == 0
+    run(scenario)
+
+
+def test_a_replay_that_stalls_is_asked_again_after_what_it_already_applied():
+    # The first answer stops after 4 of 8 batches; while the subscriber waits for the rest,
+    # the engine moves on and its buffer (8 batches) no longer holds seq 0. Asked again from
+    # 0, the answer would start at 3: history lost, the worker cleared and degraded. Asked
+    # from 4, the replay finishes what the first answer began.
+    options = dataclasses.replace(TEST_OPTIONS, replay_timeout=scaled(2.0))
+
+    async def scenario(ctx):
+        with EventPublisher(buffer_steps=8) as pub:
+            ledger, source = Ledger(pub), EventSource(11)
+            for _ in range(8):
+                ledger.publish(source.batch())
+            pub.flush()
+            pub.cut_next_replay(after=4)
+            index = OpLog()
+            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=options)
+            async with Running(sub):
+                await wait_until(lambda: sub.status.last_seq == 3, "the first 4 batches",
+                                 detail=lambda: sub.status)
+                for _ in range(3):
+                    ledger.publish(source.batch())
+                pub.flush()
+                assert pub.buffered_seqs() == list(range(3, 11))
+                await synced(sub, index, ledger, "the rest of the replay")
+                assert pub.replay_starts[:2] == [0, 4]
+                assert sub.status.state == "live" and sub.status.degraded_count == 0
+                assert sub.status.replay_failures == 0
     run(scenario)
 
 
