@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing
 import os
 import random
@@ -49,6 +48,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from benchmarks.report import emit
 from kvroute.app.config import Settings
 from kvroute.app.server import BackgroundServer
 from kvroute.app.wire import BlockRemoved, BlockStored, encode_batch
@@ -422,10 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     result = run(args.rounds, args.floor_seconds)
     result["seconds"] = round(time.perf_counter() - started, 1)
-    print(json.dumps(result))
-    if not args.json_only:
-        print()
-        print(table(result))
+    emit(result, table(result), json_only=args.json_only)
     return 0
 
 

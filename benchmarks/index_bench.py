@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import statistics
 import struct
@@ -43,6 +42,7 @@ from typing import Any
 import msgspec
 from xxhash import xxh3_128_digest
 
+from benchmarks.report import emit
 from kvroute.index import PrefixIndex
 
 BLOCK = 16
@@ -478,10 +478,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "memory": bench_memory(args.quick),
     }
     result["seconds"] = round(time.perf_counter() - started, 1)
-    print(json.dumps(result))
-    if not args.json_only:
-        print()
-        print(table(result))
+    emit(result, table(result), json_only=args.json_only)
     return 0
 
 

@@ -49,7 +49,6 @@ import contextlib
 import cProfile
 import gc
 import io
-import json
 import pstats
 import random
 import statistics
@@ -68,6 +67,7 @@ import msgspec
 import zmq.asyncio
 from xxhash import xxh3_64
 
+from benchmarks.report import emit
 from kvroute.app.config import InstanceConfig
 from kvroute.app.registry import Instance, Worker
 from kvroute.app.saved_state import (
@@ -898,14 +898,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     holdings = args.holdings or (100_000 if args.quick else 1_000_000)
     result.update(asyncio.run(run(holdings, args.workers, repeats, args.profile)))
     result["seconds"] = round(time.perf_counter() - started, 1)
-    document = json.dumps(result)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "saved_state.json").write_text(json.dumps(result, indent=2))
-    print(document)
-    if not args.json_only:
-        print()
-        print(table(result))
+    emit(result, table(result), json_only=args.json_only,
+         out_file=None if args.out is None else args.out / "saved_state.json")
     return 0
 
 
