@@ -24,9 +24,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvroute.app.subscription import WorkerKey
+
 __all__ = ["InFlight", "RecentAnswers", "Ticket", "WorkerLoad"]
 
-WorkerKey = tuple[str, int]
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 import httpx
 
 from kvroute.app.registry import Instance, Registry
+from kvroute.app.subscription import WorkerKey
 from kvroute.app.upstream import METRICS_MAX_BYTES, UpstreamError, fetch, url_at
 
 __all__ = ["Load", "LoadMonitor", "parse_load"]
@@ -135,11 +136,11 @@ class LoadMonitor:
         self._client = client
         self.interval = interval
         self._max_age = interval * stale_after
-        self._loads: dict[tuple[str, int], Load] = {}
+        self._loads: dict[WorkerKey, Load] = {}
         self._failures: dict[str, str] = {}  # instance id -> why its last scrape failed
         self._task: asyncio.Task[None] | None = None
 
-    def get(self, worker_key: tuple[str, int]) -> Load | None:
+    def get(self, worker_key: WorkerKey) -> Load | None:
         load = self._loads.get(worker_key)
         if load is None or time.monotonic() - load.read_at > self._max_age:
             return None

@@ -51,6 +51,7 @@ from kvroute.app.json_body import decode_json, field_of
 from kvroute.app.registry import Worker
 from kvroute.app.request_body import read_body
 from kvroute.app.service import RouteRequest, Service
+from kvroute.app.subscription import WorkerKey
 from kvroute.app.upstream import url_at
 
 __all__ = ["MAX_CONNECT_ATTEMPTS", "Proxy", "proxy_router", "route_request_of"]
@@ -202,7 +203,7 @@ class Proxy:
                                timeout=self.service.settings.body_timeout)
         question = route_request_of(path, body)
         self._check_model(question.model)
-        failed: set[tuple[str, int]] = set()
+        failed: set[WorkerKey] = set()
         refused: list[str] = []
         # Terminates: every pass excludes one more worker, and decide() raises once none is
         # left; connections are attempted at most MAX_CONNECT_ATTEMPTS times.

@@ -34,7 +34,7 @@ from kvroute.app.discovery import DiscoveryError, WorkerEndpoint, discover, disc
 from kvroute.app.errors import InvalidRequest, LimitReached
 from kvroute.app.saved_state import SavedWorker
 from kvroute.app.subscriber import Subscriber
-from kvroute.app.subscription import SubscriberOptions, WorkerState
+from kvroute.app.subscription import SubscriberOptions, WorkerKey, WorkerState
 from kvroute.index import PrefixIndex
 
 __all__ = ["DuplicateInstance", "Instance", "Registry", "UnknownInstance", "Worker"]
@@ -64,7 +64,7 @@ class Worker:
     task: asyncio.Task[None] | None = None
 
     @property
-    def key(self) -> tuple[str, int]:
+    def key(self) -> WorkerKey:
         return (self.instance.id, self.endpoint.dp_rank)
 
     @property

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 
 from xxhash import xxh3_64_intdigest, xxh3_128_digest
 
+from kvroute.app.subscription import WorkerKey
 from kvroute.index import Match
 
 __all__ = ["CostWeights", "Score", "TieBreaker", "WorkerView", "best_of", "score_workers"]
@@ -84,7 +85,7 @@ class CostWeights:
 class WorkerView:
     """What the policy knows of one eligible worker besides the index's match."""
 
-    key: tuple[str, int]
+    key: WorkerKey
     block_size: int | None
     state: str
     running: float | None = None  # None: no fresh reading of the instance's metrics
@@ -138,7 +139,7 @@ class Score:
 
 def score_workers(
     workers: list[WorkerView],
-    matches: Mapping[tuple[str, int], Match],
+    matches: Mapping[WorkerKey, Match],
     weights: CostWeights,
     *,
     prompt_tokens: int | None = None,

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import msgspec
 from xxhash import xxh3_64, xxh3_64_intdigest
 
+from kvroute.app.subscription import WorkerKey
 from kvroute.index.holdings import Holdings
 
 __all__ = [
@@ -69,7 +70,7 @@ class WorkerHead(msgspec.Struct, array_like=True, frozen=True):
     unconfirmed_for: float = 0.0
 
     @property
-    def worker(self) -> tuple[str, int]:
+    def worker(self) -> WorkerKey:
         return (self.instance_id, self.dp_rank)
 
 
@@ -89,7 +90,7 @@ class SavedWorker:
 @dataclass(slots=True)
 class SavedState:
     saved_at: float
-    workers: dict[tuple[str, int], SavedWorker]
+    workers: dict[WorkerKey, SavedWorker]
     size: int  # bytes
 
     @property
@@ -167,7 +168,7 @@ def decode_state(blob: bytes) -> SavedState:
     if header.version != VERSION:
         raise SavedStateError(f"format version {header.version}; this kvroute reads "
                               f"version {VERSION}")
-    workers: dict[tuple[str, int], SavedWorker] = {}
+    workers: dict[WorkerKey, SavedWorker] = {}
     position = 1
     try:
         for _ in range(header.workers):

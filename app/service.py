@@ -38,7 +38,7 @@ from kvroute.app.registry import Instance, Registry, Worker
 from kvroute.app.routing import CostWeights, Score, TieBreaker, WorkerView, best_of, score_workers
 from kvroute.app.state_keeper import StateCollector, StateKeeper
 from kvroute.app.state_store import DirectoryStore, StateStore
-from kvroute.app.subscription import SubscriberOptions, WorkerState
+from kvroute.app.subscription import SubscriberOptions, WorkerKey, WorkerState
 from kvroute.app.tokenizer import Tokenizer, make_tokenizer
 from kvroute.app.valkey import NO_LOAD, PeerLoad, Peers, PeersCollector, ValkeyStore
 from kvroute.index import PrefixIndex
@@ -276,7 +276,7 @@ class Service:
         return tokens
 
     async def decide(self, request: RouteRequest,
-                     exclude: frozenset[tuple[str, int]] = frozenset()) -> Decision:
+                     exclude: frozenset[WorkerKey] = frozenset()) -> Decision:
         """Score every eligible worker (minus `exclude`) and choose one; raises a RequestError."""
         given = [name for name in _INPUTS if getattr(request, name) is not None]
         if len(given) != 1:
@@ -339,7 +339,7 @@ class Service:
         placement guesses will not come true."""
         self.index.placements.forget(decision.worker.key)
 
-    def _reading_taken(self, key: tuple[str, int]) -> float | None:
+    def _reading_taken(self, key: WorkerKey) -> float | None:
         load = self.load.get(key)
         return load.read_at if load else None
 
@@ -383,12 +383,12 @@ class Service:
         }
 
     # -- replicas (app.valkey) ----------------------------------------------
-    def _follows(self, key: tuple[str, int]) -> bool:
+    def _follows(self, key: WorkerKey) -> bool:
         instance_id, rank = key
         return instance_id in self.registry and any(
             worker.endpoint.dp_rank == rank for worker in self.registry.get(instance_id).workers)
 
-    def _own_load(self) -> dict[tuple[str, int], PeerLoad]:
+    def _own_load(self) -> dict[WorkerKey, PeerLoad]:
         """This replica's own requests and answers per worker, for the other replicas."""
         self.answers.settle(time.monotonic(), self._reading_taken)
         loads = {}

@@ -42,7 +42,7 @@ from kvroute.app.saved_state import (
     encode_piece,
 )
 from kvroute.app.state_store import StateStore, StateStoreError
-from kvroute.app.subscription import WorkerEndpoint
+from kvroute.app.subscription import WorkerEndpoint, WorkerKey
 from kvroute.index import PrefixIndex
 
 __all__ = ["SaveReport", "StateCollector", "StateKeeper", "encode_worker"]
@@ -70,7 +70,7 @@ class StateKeeper:
         self.registry = registry
         self.index = index
         self.interval = interval
-        self._unclaimed: dict[tuple[str, int], SavedWorker] = {}
+        self._unclaimed: dict[WorkerKey, SavedWorker] = {}
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         # What /metrics and /readyz show.

@@ -31,7 +31,7 @@ class WorkerState(StrEnum):
 
 SERVING = frozenset({WorkerState.LIVE, WorkerState.DEGRADED})
 
-Worker = tuple[str, int]
+WorkerKey = tuple[str, int]  # (instance id, data-parallel rank)
 
 #: Every counter a subscriber keeps, declared once: the ``WorkerStatus`` field, and the
 #: Prometheus counter (name, help) that /metrics exports it as, per worker.
@@ -79,7 +79,7 @@ class WorkerEndpoint:
     topic: str = ""
 
     @property
-    def worker(self) -> Worker:
+    def worker(self) -> WorkerKey:
         return (self.instance_id, self.dp_rank)
 
 
@@ -120,7 +120,7 @@ class WorkerStatus:
 class SubscriberHooks:
     """Override to follow state changes; called on the event loop, must not block."""
 
-    def state_changed(self, worker: Worker, state: WorkerState) -> None:
+    def state_changed(self, worker: WorkerKey, state: WorkerState) -> None:
         pass
 
 

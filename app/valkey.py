@@ -58,13 +58,12 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from kvroute.app.state_store import StateStoreError
+from kvroute.app.subscription import WorkerKey
 from kvroute.index import PrefixIndex
 
 __all__ = ["NO_LOAD", "PeerLoad", "Peers", "PeersCollector", "ValkeyStore", "redacted"]
 
 log = logging.getLogger("kvroute.valkey")
-
-WorkerKey = tuple[str, int]
 
 STATE_KEY = "kvroute:state"
 # Every network error redis-py and the socket layer raise; anything else is a bug.

@@ -69,7 +69,7 @@ from kvroute.index.mediums import (
 from kvroute.index.placement import Placements, chain_keys
 from kvroute.index.results import IndexStats, Match
 
-Worker = Hashable
+WorkerKey = Hashable
 BlockHash = int | bytes
 
 TIERED = 1
@@ -129,7 +129,7 @@ class _Worker:
         "unconfirmed_keys",
     )
 
-    def __init__(self, worker: Worker, slot: int) -> None:
+    def __init__(self, worker: WorkerKey, slot: int) -> None:
         self.worker = worker
         self.slot = slot
         self.bit = 1 << (SLOT_SHIFT + slot)
@@ -168,7 +168,7 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._nodes: dict[bytes, int] = {}
         self._tiered: dict[bytes, list[int]] = {}
-        self._workers: dict[Worker, _Worker] = {}
+        self._workers: dict[WorkerKey, _Worker] = {}
         self._by_slot: list[_Worker | None] = []
         self._free_slots: list[int] = []
         self._orphaned_blocks = 0
@@ -179,13 +179,13 @@ class PrefixIndex:
         # Guesses of blocks workers are about to hold; the caller places them.
         self.placements = Placements()
         # worker -> when its unconfirmed blocks expire
-        self._unconfirmed_until: dict[Worker, float] = {}
+        self._unconfirmed_until: dict[WorkerKey, float] = {}
 
     # ------------------------------------------------------------------ ingestion
 
     def apply_stored(
         self,
-        worker: Worker,
+        worker: WorkerKey,
         block_hashes: Sequence[BlockHash],
         parent_block_hash: BlockHash | None,
         token_ids: Sequence[int],
@@ -388,7 +388,7 @@ class PrefixIndex:
 
     def apply_removed(
         self,
-        worker: Worker,
+        worker: WorkerKey,
         block_hashes: Sequence[BlockHash],
         *,
         medium: str | None = None,
@@ -515,7 +515,7 @@ class PrefixIndex:
             if value is not None:
                 self._nodes[key] = value & ~TIERED
 
-    def clear_worker(self, worker: Worker) -> None:
+    def clear_worker(self, worker: WorkerKey) -> None:
         """AllBlocksCleared: the worker holds nothing, real, guessed or unconfirmed (its slot
         and block size stay)."""
         self.placements.forget(worker)
@@ -546,7 +546,7 @@ class PrefixIndex:
         w.held = [0, 0, 0]
         self._forget_unconfirmed(w)
 
-    def drop_worker(self, worker: Worker) -> None:
+    def drop_worker(self, worker: WorkerKey) -> None:
         """Forget a worker entirely; nothing of it stays in memory. Unknown: no-op."""
         w = self._workers.get(worker)
         if w is None:
@@ -561,7 +561,7 @@ class PrefixIndex:
             self._free_slots = [s for s in self._free_slots if s < len(self._by_slot)]
             heapq.heapify(self._free_slots)
 
-    def _worker(self, worker: Worker) -> _Worker:
+    def _worker(self, worker: WorkerKey) -> _Worker:
         w = self._workers.get(worker)
         if w is None:
             if self._free_slots:
@@ -574,7 +574,7 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ saving and restoring
 
-    def capture(self, worker: Worker) -> HoldingsCapture | None:
+    def capture(self, worker: WorkerKey) -> HoldingsCapture | None:
         """What ``worker`` really holds now, to be saved (None: a worker the index does
         not know). Costs C-level copies of its tables, no Python loop per block: about
         25 ms for a million blocks. Its unconfirmed blocks are not included."""
@@ -584,7 +584,7 @@ class PrefixIndex:
         return HoldingsCapture(self._nodes, w.handles.copy(), w.counts.copy(),
                                w.block_size, list(w.groups.items()))
 
-    def capture_unconfirmed(self, worker: Worker,
+    def capture_unconfirmed(self, worker: WorkerKey,
                             size: int) -> tuple[list[Holdings], float] | None:
         """The worker's unconfirmed blocks in pieces of at most ``size`` (their flags are
         not kept: unconfirmed blocks have no node) and when they expire; None when it has
@@ -599,7 +599,7 @@ class PrefixIndex:
                   for i in range(0, len(hashes), size)]
         return pieces, self._unconfirmed_until[worker]
 
-    def restore(self, worker: Worker, pieces: Iterable[Holdings]) -> int:
+    def restore(self, worker: WorkerKey, pieces: Iterable[Holdings]) -> int:
         """Make ``worker`` hold the saved blocks, as if their stores had been applied;
         returns how many. A worker's pieces may be restored in several calls (a caller
         yielding to its loop between them); none may name a hash the worker holds already.
@@ -659,7 +659,7 @@ class PrefixIndex:
         if old_tier != new_tier:
             self._retier(key, w.bit, old_tier, new_tier)
 
-    def restore_unconfirmed(self, worker: Worker, pieces: Iterable[Holdings],
+    def restore_unconfirmed(self, worker: WorkerKey, pieces: Iterable[Holdings],
                             expires: float) -> int:
         """Hold the saved blocks unconfirmed until ``expires`` (see the module invariants):
         they count like placement guesses, so a stale save can cost a miss but never pins
@@ -688,7 +688,7 @@ class PrefixIndex:
             self._unconfirmed_until[worker] = expires
         return len(unconfirmed)
 
-    def unconfirmed_blocks(self, worker: Worker) -> int:
+    def unconfirmed_blocks(self, worker: WorkerKey) -> int:
         """How many restored blocks of ``worker`` no replay or event has confirmed yet."""
         w = self._workers.get(worker)
         return 0 if w is None else len(w.unconfirmed)
@@ -761,7 +761,7 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ queries
 
-    def blocks_held(self, worker: Worker) -> int:
+    def blocks_held(self, worker: WorkerKey) -> int:
         """How many blocks (engine hashes) ``worker`` holds in at least one medium; 0 for a
         worker the index does not know.
 
@@ -773,7 +773,7 @@ class PrefixIndex:
         w = self._workers.get(worker)
         return 0 if w is None else len(w.handles)
 
-    def holds_hash(self, worker: Worker, block_hash: BlockHash) -> bool:
+    def holds_hash(self, worker: WorkerKey, block_hash: BlockHash) -> bool:
         """Whether ``worker`` holds ``block_hash`` (signed and unsigned spellings alike) in
         some medium: exactly when a chain naming it as parent would be placed."""
         w = self._workers.get(worker)
@@ -784,7 +784,7 @@ class PrefixIndex:
         except ValueError:
             return False  # not a hash at all: nobody holds it
 
-    def block_size(self, worker: Worker) -> int | None:
+    def block_size(self, worker: WorkerKey) -> int | None:
         """The block size the worker last stored with, None before its first store."""
         w = self._workers.get(worker)
         if w is None or not w.block_size:
@@ -796,9 +796,9 @@ class PrefixIndex:
         token_ids: Sequence[int],
         *,
         lora_name: str | None = None,
-        workers: Iterable[Worker] | None = None,
+        workers: Iterable[WorkerKey] | None = None,
         now: float | None = None,
-    ) -> dict[Worker, Match]:
+    ) -> dict[WorkerKey, Match]:
         """Every (selected, known) worker's consecutive cached blocks from the first block.
 
         Each worker is matched at its own block size; the trailing partial block never
@@ -816,7 +816,7 @@ class PrefixIndex:
         by_size: dict[int, list[_Worker]] = {}
         for w in targets:
             by_size.setdefault(w.block_size, []).append(w)
-        result: dict[Worker, Match] = {}
+        result: dict[WorkerKey, Match] = {}
         for block_size, members in by_size.items():
             if not block_size:
                 self._assemble(result, members, [], [], 0)
@@ -832,7 +832,7 @@ class PrefixIndex:
             self._add_guesses(result, targets, tokens, lora_name)
         return result
 
-    def place(self, worker: Worker, token_ids: Sequence[int], *, block_size: int | None = None,
+    def place(self, worker: WorkerKey, token_ids: Sequence[int], *, block_size: int | None = None,
               lora_name: str | None = None, expires: float) -> int:
         """Guess that ``worker`` will hold the full blocks of ``token_ids`` until
         ``expires`` (see ``index.placement``); blocks it already holds are not guessed.
@@ -855,7 +855,7 @@ class PrefixIndex:
         self.placements.place(worker, keys[held:], expires)
         return len(keys) - held
 
-    def _add_guesses(self, result: dict[Worker, Match], targets: list[_Worker],
+    def _add_guesses(self, result: dict[WorkerKey, Match], targets: list[_Worker],
                      tokens: bytes, lora_name: str | None) -> None:
         """Extend the matches of workers with placement guesses and unconfirmed blocks: a
         block counts while the worker really holds it, is guessed to, or holds it
@@ -925,8 +925,8 @@ class PrefixIndex:
         self,
         block_hashes: Sequence[BlockHash],
         *,
-        workers: Iterable[Worker] | None = None,
-    ) -> dict[Worker, Match]:
+        workers: Iterable[WorkerKey] | None = None,
+    ) -> dict[WorkerKey, Match]:
         """Like ``match`` for a prompt given as vLLM block hashes (first block first).
 
         Each hash is resolved to content through any worker's handles; the resolved block
@@ -957,7 +957,7 @@ class PrefixIndex:
                 tiered_hits.append((key, alive))
         else:
             ended.append((alive, len(path)))
-        result: dict[Worker, Match] = {}
+        result: dict[WorkerKey, Match] = {}
         self._assemble(result, targets, ended, tiered_hits, None)
         return result
 
@@ -996,7 +996,7 @@ class PrefixIndex:
             return key if value & FIRST else None
         return key if not value & FIRST and value & FP_FIELD == expected else None
 
-    def _assemble(self, result: dict[Worker, Match], members: list[_Worker],
+    def _assemble(self, result: dict[WorkerKey, Match], members: list[_Worker],
                   ended: list[tuple[int, int]], tiered_hits: list[tuple[bytes, int]],
                   block_size: int | None) -> None:
         """Turn a walk into one ``Match`` per member (``block_size`` None: each its own).
@@ -1032,7 +1032,7 @@ class PrefixIndex:
                 {"GPU": blocks - cpu - storage, "CPU": cpu, "STORAGE": storage},
             )
 
-    def _select(self, workers: Iterable[Worker] | None) -> list[_Worker]:
+    def _select(self, workers: Iterable[WorkerKey] | None) -> list[_Worker]:
         if workers is None:
             return list(self._workers.values())
         known = self._workers
