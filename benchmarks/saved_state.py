@@ -263,7 +263,7 @@ def print_profile(profiler: cProfile.Profile, label: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--quick", action="store_true", help="100k holdings, 2 repeats")
     parser.add_argument("--holdings", type=int, default=None,
                         help="holdings in all (default 1,000,000; --quick 100,000)")
