@@ -65,6 +65,7 @@ log = logging.getLogger("kvroute.epp")
 _PROMPT_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 _FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 _NOT_SET = processing_mode_pb2.ProcessingMode.NONE
+_BODY_MODES = processing_mode_pb2.ProcessingMode.BodySendMode
 
 
 class _Closed(Exception):
@@ -100,6 +101,7 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         self.metrics = metrics
         self.status_of = status_of
         self.picking = 0  # streams between their request headers and their answer
+        self.misconfiguration_logged = False
 
     async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         self.metrics.streams.inc()
@@ -143,8 +145,15 @@ class _Exchange:
             await self._violation(f"the stream began with {first.WhichOneof('request')}, not "
                                   "request_headers")
         if first.HasField("protocol_config"):
-            mode = first.protocol_config.response_body_mode
-            self.stream_response_body = mode in (_FULL_DUPLEX, _NOT_SET)
+            config = first.protocol_config
+            if config.request_body_mode != _FULL_DUPLEX:
+                # Another mode waits for the headers' answer before sending the body, and
+                # kvroute needs the body to answer: it would only ever time out.
+                mode = _BODY_MODES.Name(config.request_body_mode)
+                await self._misconfigured(
+                    f"the gateway sends request bodies in mode {mode}; an Endpoint Picker "
+                    "needs FULL_DUPLEX_STREAMED (with trailers SEND)")
+            self.stream_response_body = config.response_body_mode in (_FULL_DUPLEX, _NOT_SET)
         self._note_subset(first)
         headers = messages.headers_of(first.request_headers.headers)
         picker = self.picker
@@ -340,6 +349,12 @@ class _Exchange:
         self.picker.metrics.requests.labels(str(status)).inc()
         await self._write(messages.immediate(status, payload, details))
         raise _Closed
+
+    async def _misconfigured(self, what: str) -> None:
+        if not self.picker.misconfiguration_logged:
+            self.picker.misconfiguration_logged = True
+            log.error("refusing ext_proc streams: %s (logged once)", what)
+        await self.context.abort(grpc.StatusCode.FAILED_PRECONDITION, what)
 
     async def _violation(self, what: str) -> None:
         log.warning("ending an ext_proc stream: %s (a gateway that does not follow the "

@@ -36,6 +36,7 @@ import httpx
 import pytest
 import trustme
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from google.protobuf import struct_pb2
@@ -746,3 +747,22 @@ def test_plaintext_and_mutual_tls(tmp_path: Any, fleet: Fleet) -> None:
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
         scenario(run)
+
+
+def test_a_gateway_that_buffers_bodies_is_told_what_is_wrong(fleet: Fleet) -> None:
+    # In BUFFERED mode Envoy waits for the headers' answer before it sends the body, which
+    # the picker needs to answer: the stream is refused at once instead of timing out.
+    async def run() -> None:
+        epp = fleet.server.epp
+        async with channel(epp.port, epp.identity.certificate) as chan:
+            call = ext_proc_grpc.ExternalProcessorStub(chan).Process()
+            request = ext_proc.ProcessingRequest(
+                request_headers=ext_proc.HttpHeaders(end_of_stream=False))
+            request.protocol_config.request_body_mode = \
+                processing_mode_pb2.ProcessingMode.BUFFERED
+            await call.write(request)
+            assert await call.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "FULL_DUPLEX_STREAMED" in await call.details()
+
+    scenario(run)
+    fleet.assert_nothing_left()

@@ -245,3 +245,17 @@ def test_an_epp_port_already_taken_is_one_clear_line() -> None:
     assert result.returncode == 1
     assert f"the Endpoint Picker cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_grpc_and_envoys_messages_stay_in_the_grpc_edge() -> None:
+    from tests.test_packaging import _module_imports
+
+    edge = {"kvroute.app.epp", "kvroute.app.epp_messages", "kvroute.app.epp_server"}
+    for library in ("grpc", "grpc_health", "envoy", "google.protobuf"):
+        users = {m for m, targets in _module_imports(library).items()
+                 if m.startswith(("kvroute.app", "kvroute.index")) and targets}
+        assert users <= edge, (library, sorted(users - edge))
+    # The certificate library loads only with the EPP (config imports it when epp_port is set).
+    users = {m for m, targets in _module_imports("cryptography").items()
+             if m.startswith("kvroute.") and targets}
+    assert users == {"kvroute.app.epp_tls"}
