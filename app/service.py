@@ -450,6 +450,8 @@ class Service:
             "state": state,
             "dp_size": len(instance.workers),
         }
+        if instance.config.endpoint:  # where the Endpoint Picker sends gateways (app.endpoints)
+            out["endpoint"] = instance.config.endpoint
         if instance.discovery_error:
             out["discovery_error"] = instance.discovery_error
         load_error = self.load.failure(instance.id)

@@ -766,3 +766,29 @@ def test_a_gateway_that_buffers_bodies_is_told_what_is_wrong(fleet: Fleet) -> No
 
     scenario(run)
     fleet.assert_nothing_left()
+
+
+def test_an_instance_registered_with_an_endpoint_is_named_by_it(fleet: Fleet) -> None:
+    # The same simulated instance again, registered as a gateway would reach it elsewhere.
+    answer = fleet.http.post("/v1/instances", json={
+        "url": fleet.cluster.urls[0], "id": "behind-nat", "endpoint": "10.9.8.7:8000"})
+    assert answer.status_code == 201, answer.text
+    assert answer.json()["endpoint"] == "10.9.8.7:8000"
+    try:
+        wait_for(lambda: fleet.http.get("/v1/instances/behind-nat").json()["state"] == "live",
+                 "behind-nat to go live")
+        hint = metadata({SUBSET_NAMESPACE: {SUBSET_KEY: ["10.9.8.7:8000"]}})
+
+        async def run() -> None:
+            async with streams_to(fleet.server) as open_stream:
+                stream = open_stream()
+                picked = await pick(stream, "/v1/completions", completion([9, 8, 7]),
+                                    context=hint)
+                assert picked.endpoint == "10.9.8.7:8000"
+                assert picked.dynamic_metadata == {LB_NAMESPACE: {DESTINATION: "10.9.8.7:8000"}}
+                stream.cancel()
+
+        scenario(run)
+    finally:
+        fleet.http.delete("/v1/instances/behind-nat")
+    fleet.assert_nothing_left()
