@@ -77,13 +77,23 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         service = Service(settings)
         app.state.service = service
-        proxy = None
+        app.state.epp = None
+        proxy = epp = None
         try:
             await service.start()
             # The proxy's HTTP client lives as long as the service it forwards for.
             proxy = app.state.proxy = Proxy(service) if settings.proxy else None
+            if settings.epp_port is not None:
+                # Imported here: gRPC and Envoy's messages load only when the EPP is on.
+                from kvroute.app.epp_server import EppServer
+
+                epp = EppServer(service, STATUS_OF)
+                await epp.start()
+                app.state.epp = epp
             yield
         finally:
+            if epp is not None:
+                await epp.stop()
             if proxy is not None:
                 await proxy.close()
             await service.close()

@@ -33,6 +33,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--state-url", metavar="URL",
                        help="redis://HOST:PORT/N (Valkey or Redis): replicas share saved "
                             "state, placement guesses and load through it")
+    serve.add_argument("--epp-port", type=int, metavar="PORT",
+                       help="also answer as an Endpoint Picker (Envoy ext_proc gRPC, for the "
+                            "Gateway API Inference Extension) on this port; 9002 by convention")
     serve.add_argument("--allow-unauthenticated", action="store_true", default=None,
                        help="serve without api_token/admin_token on a non-loopback address "
                             "(a trusted network only; tokens come from the config file or "
@@ -46,6 +49,7 @@ def _serve(args: argparse.Namespace) -> int:
              "log_level": args.log_level, "proxy": args.proxy,
              "allow_unauthenticated": args.allow_unauthenticated,
              "state_dir": args.state_dir, "state_url": args.state_url,
+             "epp_port": args.epp_port,
              "instances": [{"url": url} for url in args.instance] or None}
     settings = load_settings(args.config, flags=flags)
     # log_level governs kvroute's own loggers too (debug: every proxy decision's scores).

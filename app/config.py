@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from kvroute.app.endpoints import parse_endpoint
 from kvroute.app.json_body import split_validation
 from kvroute.app.routing import CostWeights
 from kvroute.app.subscription import SubscriberOptions
@@ -85,6 +86,9 @@ class InstanceConfig(msgspec.Struct, forbid_unknown_fields=True):
     block_size: Positive | None = None
     # The instance's vLLM --api-key, sent when kvroute itself calls its /v1 endpoints.
     api_key: Text | None = None
+    # IP:PORT a gateway reaches this instance at, when kvroute answers as its Endpoint
+    # Picker (app.endpoints); default: the url's host (resolved when a name) and port.
+    endpoint: Text | None = None
 
     def __post_init__(self) -> None:
         # Errors start with the field's name; _explain prefixes the instance's path.
@@ -99,6 +103,12 @@ class InstanceConfig(msgspec.Struct, forbid_unknown_fields=True):
                 _check_zmq_endpoint(endpoint, name)
         if self.url is None and not self.events:
             raise ValueError("give `url` (discovery) or explicit `events` endpoints")
+        if self.endpoint is not None:
+            normalized = parse_endpoint(self.endpoint)
+            if normalized is None:
+                raise ValueError(f"endpoint: {self.endpoint!r} is not IP:PORT (an IP address, "
+                                 "IPv6 in brackets, and a port from 1 to 65535)")
+            self.endpoint = normalized
         if self.replay and len(self.replay) != len(self.events):
             raise ValueError(f"replay: {len(self.replay)} endpoint(s) for {len(self.events)} "
                              "event endpoint(s); give one per data-parallel rank")
@@ -189,6 +199,22 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
     # Saved holdings that no replay could confirm count like placement guesses for this
     # long, unless real events replace them first.
     unconfirmed_ttl: Seconds = _PUBLISHER_BOUNDS.unconfirmed_ttl
+    # The Endpoint Picker (app.epp): Envoy's ext_proc gRPC service on this port, on `host`;
+    # None: off. Gateways of the Gateway API Inference Extension ask it where each request
+    # goes (README, "kvroute as an Endpoint Picker").
+    epp_port: Port | None = None
+    # TLS on the EPP port, as gateways expect; they usually do not verify the certificate.
+    epp_tls: bool = True
+    # The EPP's certificate chain and key (PEM files), both or neither; neither: a
+    # self-signed certificate made at every start.
+    epp_tls_certfile: Text | None = None
+    epp_tls_keyfile: Text | None = None
+    # A CA bundle (PEM): the EPP then requires clients to present a certificate it signed.
+    epp_client_ca: Text | None = None
+    # Serve the EPP on an address other than loopback without client certificates. Its
+    # protocol has no authentication, and whoever reaches it sways routing: allow only the
+    # gateway on the network (the Helm chart's NetworkPolicy).
+    epp_allow_unauthenticated: bool = False
 
     def __post_init__(self) -> None:
         for name in _FLOAT_SETTINGS:
@@ -404,6 +430,7 @@ def load_settings(
         raise ConfigError("give state_dir (one process) or state_url (replicas sharing "
                           "Valkey/Redis), not both (the container image sets "
                           "KVROUTE_STATE_DIR: set it empty to use state_url)", "state_url")
+    _check_epp(settings)
     if settings.state_url is not None:
         scheme = settings.state_url.partition("://")[0].lower()
         if scheme not in ("redis", "rediss", "unix"):
@@ -415,6 +442,34 @@ def load_settings(
         raise ConfigError(f"instance id(s) {', '.join(repeated)} configured more than once; "
                           "give each instance a distinct `id`", "instances")
     return settings
+
+
+def _check_epp(settings: Settings) -> None:
+    if settings.epp_port is None:
+        return
+    if settings.epp_port == settings.port and settings.port != 0:
+        raise ConfigError(f"epp_port {settings.epp_port} is also the HTTP port; give the EPP "
+                          "its own (9002 by convention)", "epp_port")
+    if (settings.epp_tls_certfile is None) != (settings.epp_tls_keyfile is None):
+        raise ConfigError("give both epp_tls_certfile and epp_tls_keyfile, or neither (a "
+                          "self-signed certificate)", "epp_tls_certfile")
+    if not settings.epp_tls and (settings.epp_tls_certfile or settings.epp_client_ca):
+        raise ConfigError("epp_tls is off: epp_tls_certfile, epp_tls_keyfile and "
+                          "epp_client_ca need it on", "epp_tls")
+    from kvroute.app.epp_tls import check_pem_files  # cryptography: only with the EPP on
+
+    try:
+        check_pem_files(settings.epp_tls_certfile, settings.epp_tls_keyfile,
+                        settings.epp_client_ca)
+    except ValueError as exc:
+        raise ConfigError(str(exc), str(exc).partition(":")[0]) from None
+    if not (is_loopback(settings.host) or settings.epp_client_ca
+            or settings.epp_allow_unauthenticated):
+        raise ConfigError(f"the EPP on {settings.host}:{settings.epp_port} is reachable from "
+                          "other machines and its protocol has no authentication: set "
+                          "epp_client_ca (gateways then present a client certificate), or "
+                          "epp_allow_unauthenticated = true when only the gateway can reach "
+                          "the port (a NetworkPolicy)", "epp_port")
 
 
 def default_instance_id(config: InstanceConfig) -> str:

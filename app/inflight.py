@@ -3,7 +3,8 @@
 Ownership and invariants:
 
 - The proxy opens a `Ticket` for a request before it connects to the worker and holds it
-  until the response has ended, however it ends (complete, client gone, upstream error,
+  until the response has ended (the Endpoint Picker, app.epp, from its answer until the
+  gateway's stream for the request ends), however it ends (complete, client gone, upstream error,
   cancellation anywhere in the ASGI server). `Ticket.close()` is idempotent and never
   awaits, so a `finally` that calls it first cannot be interrupted before it has run:
   every opened ticket is closed exactly once, and a worker with nothing open has no entry.
@@ -59,6 +60,18 @@ class Ticket:
         if self._open and self._prefilling:
             self._prefilling = False
             self._ledger._add(self.key, 0, -self.prefill_tokens)
+
+    def move_to(self, key: WorkerKey) -> Ticket:
+        """The request was served by another worker than the one it was counted on: this
+        ticket closes and one for `key` opens in the same state (prefill queued or not).
+        Never awaits. A closed ticket moves nowhere: it is returned as it is."""
+        if not self._open or key == self.key:
+            return self
+        moved = self._ledger.open(key, self.prefill_tokens)
+        if not self._prefilling:
+            moved.started()
+        self.close()
+        return moved
 
     def close(self) -> None:
         """The response ended. Idempotent; never awaits."""

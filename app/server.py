@@ -19,7 +19,7 @@ import signal
 import socket
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import uvicorn
@@ -28,6 +28,9 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from kvroute.app.api import create_app
 from kvroute.app.config import Settings
 from kvroute.app.service import Service
+
+if TYPE_CHECKING:
+    from kvroute.app.epp_server import EppServer
 
 __all__ = ["MAX_HEADER_BYTES", "BackgroundServer", "BoundedHttpProtocol", "serve_forever"]
 
@@ -169,9 +172,26 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _epp_port_taken(settings: Settings) -> str | None:
+    """Why the Endpoint Picker's port cannot be listened on, if it cannot: checked before
+    anything starts, so a taken port is one clear line instead of a failed start-up's
+    traceback (gRPC binds only inside the app's lifespan)."""
+    if not settings.epp_port:  # off, or any free port
+        return None
+    try:
+        _bind(settings.host.strip("[]"), settings.epp_port).close()
+    except OSError as exc:
+        return f"the Endpoint Picker cannot listen on {settings.host}:{settings.epp_port}: {exc}"
+    return None
+
+
 def serve_forever(settings: Settings) -> int:
     """Serve until SIGINT/SIGTERM; the exit status for the CLI. Port 0 picks a free port,
     named in uvicorn's "running on" line."""
+    taken = _epp_port_taken(settings)
+    if taken is not None:
+        log.error("%s", taken)
+        return 1
     server = uvicorn.Server(_config(settings))
     # uvicorn shuts down gracefully on SIGTERM and then raises the signal again with the
     # previous handler restored; this one makes that a no-op, so a clean stop exits 0.
@@ -213,6 +233,11 @@ class BackgroundServer:
         """The running service, for in-process callers (benchmarks, tests) that drive it
         from their own thread while no request of theirs is in flight."""
         return self._config.app.state.service  # type: ignore[union-attr]
+
+    @property
+    def epp(self) -> EppServer | None:
+        """The running Endpoint Picker (its port, its certificate), None when it is off."""
+        return self._config.app.state.epp  # type: ignore[union-attr]
 
     def start(self, timeout: float = 20.0) -> BackgroundServer:
         self._thread.start()

@@ -23,6 +23,7 @@ import msgspec
 
 from kvroute.app.config import Settings
 from kvroute.app.errors import (
+    Busy,
     InvalidRequest,
     NoEligibleWorker,
     NotFound,
@@ -82,13 +83,17 @@ def decode_route_request(body: bytes) -> RouteRequest:
 @dataclass(frozen=True, slots=True)
 class Decision:
     """The chosen worker, every eligible worker's score, and the prompt's tokens (None
-    for a block-hash query)."""
+    for a block-hash query). `guess_expires` is when the placement guess the decision left
+    on the chosen worker runs out (None: it left none), `lora_name` the adapter it was
+    matched and guessed under."""
 
     kind: str
     worker: Worker
     best: Score
     scores: list[Score]
     tokens: list[int] | None
+    lora_name: str | None = None
+    guess_expires: float | None = None
 
     @property
     def uncached_tokens(self) -> int:
@@ -276,8 +281,11 @@ class Service:
         return tokens
 
     async def decide(self, request: RouteRequest,
-                     exclude: frozenset[WorkerKey] = frozenset()) -> Decision:
-        """Score every eligible worker (minus `exclude`) and choose one; raises a RequestError."""
+                     exclude: frozenset[WorkerKey] = frozenset(), *,
+                     shed_when_overloaded: bool = False) -> Decision:
+        """Score every eligible worker (minus `exclude`) and choose one; raises a RequestError.
+        With `shed_when_overloaded`, a request that finds every eligible worker overloaded is
+        refused (Busy) instead of sent to the least bad one, and leaves nothing behind."""
         given = [name for name in _INPUTS if getattr(request, name) is not None]
         if len(given) != 1:
             raise InvalidRequest("give exactly one of token_ids, block_hashes, prompt, messages"
@@ -319,25 +327,51 @@ class Service:
             prompt_tokens=len(tokens) if tokens is not None else None,
             prompt_blocks=len(request.block_hashes or ()))
         best = best_of(scores, ties)
+        if shed_when_overloaded and best.overloaded:  # best_of skips overloaded ones if it can
+            raise Busy(f"every eligible worker is overloaded ({len(scores)} scored: waiting "
+                       f"queue at {self.weights.overload_waiting} or KV-cache usage at "
+                       f"{self.weights.overload_kv_usage}); retry later")
         worker = next(w for w in eligible if w.key == (best.instance, best.dp_rank))
+        guess_expires = None
         if tokens and self.settings.placement_ttl > 0 and not request.probe:
             # Until its events arrive, the chosen worker counts as holding this prompt, so
             # a burst sharing a new prefix follows the first request instead of spreading.
+            guess_expires = time.monotonic() + self.settings.placement_ttl
             self.index.place(worker.key, tokens, block_size=worker.instance.block_size,
-                             lora_name=lora_name,
-                             expires=time.monotonic() + self.settings.placement_ttl)
+                             lora_name=lora_name, expires=guess_expires)
             if self.peers is not None:  # the other replicas follow it too
                 self.peers.publish_guess(worker.key, tokens,
                                          block_size=worker.instance.block_size,
                                          lora_name=lora_name, ttl=self.settings.placement_ttl)
         if tokens:
             self.metrics.match_ratio.observe(best.matched_tokens / len(tokens))
-        return Decision(kind=given[0], worker=worker, best=best, scores=scores, tokens=tokens)
+        return Decision(kind=given[0], worker=worker, best=best, scores=scores, tokens=tokens,
+                        lora_name=lora_name, guess_expires=guess_expires)
 
     def retract(self, decision: Decision) -> None:
         """The chosen worker did not take the request (it refused the connection): its
         placement guesses will not come true."""
         self.index.placements.forget(decision.worker.key)
+
+    def served_elsewhere(self, decision: Decision, served: Worker | None) -> None:
+        """The request was served by `served` (None: by no worker kvroute follows), not by
+        the chosen worker: the decision's placement guess moves there, with the expiry it
+        had. Only this decision's guess moves; other guesses on the chosen worker stay.
+        (Replicas that heard of the first guess keep it until it expires.)"""
+        expires = decision.guess_expires
+        if expires is None or decision.tokens is None:
+            return
+        self.index.withdraw(decision.worker.key, decision.tokens,
+                            lora_name=decision.lora_name, expires=expires)
+        left = expires - time.monotonic()
+        if served is None or left <= 0:
+            return
+        self.index.place(served.key, decision.tokens, block_size=served.instance.block_size,
+                         lora_name=decision.lora_name, expires=expires)
+        if self.peers is not None:
+            self.peers.publish_guess(served.key, decision.tokens,
+                                     block_size=served.instance.block_size,
+                                     lora_name=decision.lora_name, ttl=left)
 
     def _reading_taken(self, key: WorkerKey) -> float | None:
         load = self.load.get(key)
@@ -416,6 +450,8 @@ class Service:
             "state": state,
             "dp_size": len(instance.workers),
         }
+        if instance.config.endpoint:  # where the Endpoint Picker sends gateways (app.endpoints)
+            out["endpoint"] = instance.config.endpoint
         if instance.discovery_error:
             out["discovery_error"] = instance.discovery_error
         load_error = self.load.failure(instance.id)

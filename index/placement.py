@@ -93,6 +93,22 @@ class Placements:
         if not held:
             del self._guessed[worker]
 
+    def withdraw(self, worker: Hashable, keys: Sequence[bytes], expires: float) -> int:
+        """Take back the guess that placed `keys` on `worker` with expiry `expires` (the
+        request went elsewhere). Keys another guess placed (another expiry), or that the
+        worker really stored meanwhile, stay. Returns the number of keys taken back."""
+        held = self._guessed.get(worker)
+        if held is None:
+            return 0
+        taken = 0
+        for key in keys:
+            if held.get(key) == expires:
+                del held[key]
+                taken += 1
+        if not held:
+            del self._guessed[worker]
+        return taken
+
     def forget(self, worker: Hashable) -> None:
         """Drop every guess for a worker (cleared, dropped, or gone down)."""
         self._guessed.pop(worker, None)

@@ -855,6 +855,16 @@ class PrefixIndex:
         self.placements.place(worker, keys[held:], expires)
         return len(keys) - held
 
+    def withdraw(self, worker: WorkerKey, token_ids: Sequence[int], *,
+                 lora_name: str | None = None, expires: float) -> int:
+        """Take back the guess ``place`` made for these tokens with this ``expires`` (the
+        request was served by another worker); returns the number of blocks taken back."""
+        w = self._workers.get(worker)
+        if w is None or not w.block_size:
+            return 0
+        keys = chain_keys(token_ids, w.block_size, lora_name)
+        return self.placements.withdraw(worker, keys, expires)
+
     def _add_guesses(self, result: dict[WorkerKey, Match], targets: list[_Worker],
                      tokens: bytes, lora_name: str | None) -> None:
         """Extend the matches of workers with placement guesses and unconfirmed blocks: a

@@ -40,7 +40,8 @@ def test_values_yaml_parses_to_a_mapping() -> None:
 def test_templates_exist() -> None:
     names = {p.name for p in TEMPLATES}
     assert {"_helpers.tpl", "deployment.yaml", "service.yaml", "config.yaml",
-            "servicemonitor.yaml", "networkpolicy.yaml", "secret.yaml"} <= names
+            "servicemonitor.yaml", "networkpolicy.yaml", "secret.yaml",
+            "inferencepool.yaml"} <= names
 
 
 @pytest.mark.parametrize("template", TEMPLATES, ids=lambda p: p.name)
