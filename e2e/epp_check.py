@@ -48,11 +48,18 @@ def check_epp(cl: Cluster, rng: random.Random, requests: int = 16) -> CheckResul
     cl.say(f"  restarting kvroute with its defaults and the Endpoint Picker on :{port}")
     cl.kvroute.start({"KVROUTE_EPP_PORT": str(port)})
     cl.ids.clear()
-    cl.register_all()
     # Both sides start empty and exact: after check 10 the engines' replay keeps only a
-    # few batches, so a new kvroute could not learn what they cached before.
+    # few batches, so a new kvroute cannot learn what they cached before (its workers come
+    # up degraded); the reset's AllBlocksCleared makes them exact, and live, again.
+    for name, engine in cl.engines.items():
+        cl.ids[name] = cl.kvroute.register(engine.url)
+    for name in cl.engines:
+        cl.kvroute.wait_state(cl.ids[name], {"live", "degraded"}, 30.0, cl.say,
+                              "after registering")
+        cl.sync(name)
     for name in cl.engines:
         cl.reset_engine(name)
+        cl.kvroute.wait_state(cl.ids[name], {"live"}, 30.0, cl.say, "after the reset")
     certificate = ssl.get_server_certificate(("127.0.0.1", port)).encode()
     model = str(next(iter(cl.engines.values())).spec.model_dir)
     by_endpoint = {engine.url.removeprefix("http://"): name
