@@ -337,12 +337,7 @@ class Service:
             # Until its events arrive, the chosen worker counts as holding this prompt, so
             # a burst sharing a new prefix follows the first request instead of spreading.
             guess_expires = time.monotonic() + self.settings.placement_ttl
-            self.index.place(worker.key, tokens, block_size=worker.instance.block_size,
-                             lora_name=lora_name, expires=guess_expires)
-            if self.peers is not None:  # the other replicas follow it too
-                self.peers.publish_guess(worker.key, tokens,
-                                         block_size=worker.instance.block_size,
-                                         lora_name=lora_name, ttl=self.settings.placement_ttl)
+            self._guess(worker, tokens, lora_name, guess_expires, self.settings.placement_ttl)
         if tokens:
             self.metrics.match_ratio.observe(best.matched_tokens / len(tokens))
         return Decision(kind=given[0], worker=worker, best=best, scores=scores, tokens=tokens,
@@ -366,12 +361,17 @@ class Service:
         left = expires - time.monotonic()
         if served is None or left <= 0:
             return
-        self.index.place(served.key, decision.tokens, block_size=served.instance.block_size,
-                         lora_name=decision.lora_name, expires=expires)
+        self._guess(served, decision.tokens, decision.lora_name, expires, left)
+
+    def _guess(self, worker: Worker, tokens: list[int], lora_name: str | None,
+               expires: float, ttl: float) -> None:
+        """Place the guess that `worker` will hold `tokens` until `expires` (`ttl` seconds
+        from now), here and, through Valkey, on the other replicas."""
+        self.index.place(worker.key, tokens, block_size=worker.instance.block_size,
+                         lora_name=lora_name, expires=expires)
         if self.peers is not None:
-            self.peers.publish_guess(served.key, decision.tokens,
-                                     block_size=served.instance.block_size,
-                                     lora_name=decision.lora_name, ttl=left)
+            self.peers.publish_guess(worker.key, tokens, block_size=worker.instance.block_size,
+                                     lora_name=lora_name, ttl=ttl)
 
     def _reading_taken(self, key: WorkerKey) -> float | None:
         load = self.load.get(key)
