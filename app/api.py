@@ -113,7 +113,7 @@ def create_app(settings: Settings) -> FastAPI:
         status = STATUS_OF[type(exc)]
         if request.url.path == "/v1/route":
             request.app.state.service.metrics.route_errors.labels(str(status)).inc()
-        return JSONResponse({"error": exc.message, "field": exc.field, **exc.extra},
+        return JSONResponse(exc.payload(),
                             status_code=status,
                             headers={"www-authenticate": "Bearer"} if status == 401 else None)
 

@@ -87,10 +87,6 @@ class EppMetrics:
             "served than the one kvroute chose", registry=registry)
 
 
-def error_payload(exc: RequestError) -> dict[str, Any]:
-    return {"error": exc.message, "field": exc.field, **exc.extra}
-
-
 class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
     """The ext_proc servicer; lives on the service's event loop."""
 
@@ -342,7 +338,7 @@ class _Exchange:
 
     async def _refuse(self, exc: RequestError) -> None:
         status = self.picker.status_of[type(exc)]
-        await self._immediate(status, error_payload(exc), f"kvroute_{status}")
+        await self._immediate(status, exc.payload(), f"kvroute_{status}")
 
     async def _immediate(self, status: int, payload: dict[str, Any], details: str) -> None:
         """Answer the request locally and end the stream (raises _Closed)."""

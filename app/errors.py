@@ -24,6 +24,10 @@ class RequestError(Exception):
         super().__init__(message)
         self.message, self.field, self.extra = message, field, extra
 
+    def payload(self) -> dict[str, Any]:
+        """The JSON error shape every refusal is answered with, over HTTP and gRPC."""
+        return {"error": self.message, "field": self.field, **self.extra}
+
     def at(self, field: str) -> RequestError:
         """The same refusal, blamed on `field` (a lower layer could not know it)."""
         return type(self)(self.message, field, **self.extra)

@@ -118,7 +118,7 @@ class HttpGuard:
         return None
 
     async def _refuse(self, refusal: RequestError, send: Send) -> None:
-        body = msgspec.json.encode({"error": refusal.message, "field": refusal.field})
+        body = msgspec.json.encode(refusal.payload())
         await send({"type": "http.response.start", "status": self.status_of[type(refusal)],
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode())]})
