@@ -10,14 +10,14 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvroute.app.answers import Deleted, Error, Health, InstanceList, Readiness, encode
 from kvroute.app.auth import admin_guard, api_guard
 from kvroute.app.config import ConfigError, Settings, parse_instance
 from kvroute.app.discovery import DiscoveryError
@@ -65,9 +65,13 @@ STATUS_OF: dict[type[RequestError], int] = {
 }
 
 
-def _json(payload: Any, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(payload), status_code=status,
-                    media_type="application/json")
+def _json(answer: msgspec.Struct, status: int = 200) -> Response:
+    return Response(encode(answer), status_code=status, media_type="application/json")
+
+
+def _error(status: int, answer: Error, headers: dict[str, str] | None = None) -> Response:
+    return Response(encode(answer), status_code=status, media_type="application/json",
+                    headers=headers)
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -99,31 +103,27 @@ def create_app(settings: Settings) -> FastAPI:
     admin = [Depends(admin_guard(settings))]
 
     @app.exception_handler(RequestError)
-    async def _refused(request: Request, exc: RequestError) -> JSONResponse:
+    async def _refused(request: Request, exc: RequestError) -> Response:
         status = STATUS_OF[type(exc)]
         if request.url.path == "/v1/route":
             request.app.state.service.metrics.route_errors.labels(str(status)).inc()
-        return JSONResponse({"error": exc.message, "field": exc.field, **exc.extra},
-                            status_code=status,
-                            headers={"www-authenticate": "Bearer"} if status == 401 else None)
+        return _error(status, Error(exc.message, exc.field, **exc.extra),
+                      headers={"www-authenticate": "Bearer"} if status == 401 else None)
 
     @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unexpected error answering %s %s", request.method, request.url.path)
-        return JSONResponse({"error": f"internal error: {exc.__class__.__name__}",
-                             "field": None}, status_code=500)
+        return _error(500, Error(f"internal error: {exc.__class__.__name__}", None))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {}
         field = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return JSONResponse({"error": first.get("msg", "invalid request"), "field": field},
-                            status_code=422)
+        return _error(422, Error(first.get("msg", "invalid request"), field))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse({"error": str(exc.detail), "field": None},
-                            status_code=exc.status_code)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return _error(exc.status_code, Error(str(exc.detail), None))
 
     def service_of(request: Request) -> Service:
         return request.app.state.service
@@ -141,13 +141,13 @@ def create_app(settings: Settings) -> FastAPI:
     @app.get("/v1/instances", dependencies=api)
     async def list_instances(request: Request) -> Response:
         service = service_of(request)
-        return _json({"instances": [service.instance_json(i) for i in service.registry]})
+        return _json(InstanceList([service.instance_summary(i) for i in service.registry]))
 
     @app.get("/v1/instances/{instance_id}", dependencies=api)
     async def get_instance(instance_id: str, request: Request) -> Response:
         service = service_of(request)
         try:
-            return _json(service.instance_json(service.registry.get(instance_id), detail=True))
+            return _json(service.instance_detail(service.registry.get(instance_id)))
         except UnknownInstance:
             raise NotFound(f"unknown instance {instance_id!r}", "instance_id") from None
 
@@ -168,7 +168,7 @@ def create_app(settings: Settings) -> FastAPI:
                 raise AlreadyExists(f"instance {exc} is already registered", "id") from None
             except DiscoveryError as exc:
                 raise UpstreamFailed(f"discovery failed: {exc}", "url") from None
-            return _json(service.instance_json(instance, detail=True), status=201)
+            return _json(service.instance_detail(instance), status=201)
 
         @app.delete("/v1/instances/{instance_id}", dependencies=admin)
         async def delete_instance(instance_id: str, request: Request) -> Response:
@@ -177,25 +177,25 @@ def create_app(settings: Settings) -> FastAPI:
                 instance = await service.registry.remove(instance_id)
             except UnknownInstance:
                 raise NotFound(f"unknown instance {instance_id!r}", "instance_id") from None
-            return _json({"deleted": instance.id})
+            return _json(Deleted(instance.id))
 
     if settings.proxy:
         app.include_router(proxy_router(), dependencies=api)
 
     @app.get("/healthz")
     async def healthz() -> Response:
-        return _json({"status": "ok"})
+        return _json(Health())
 
     @app.get("/readyz")
     async def readyz(request: Request) -> Response:
         service = service_of(request)
         ready, reason = service.readiness()
-        body: dict[str, Any] = {"ready": ready, "reason": reason}
+        answer = Readiness(ready=ready, reason=reason)
         if service.peers is not None:  # losing Valkey leaves a replica ready: it routes alone
-            body["replicas"] = service.peers.status()
+            answer.replicas = service.peers.status()
         if service.state is not None:  # a failing save leaves it ready: it still routes
-            body["saved_state"] = service.state.status()
-        return _json(body, status=200 if ready else 503)
+            answer.saved_state = service.state.status()
+        return _json(answer, status=200 if ready else 503)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

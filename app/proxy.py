@@ -45,6 +45,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+from kvroute.app.answers import ModelCard, ModelList, encode
 from kvroute.app.errors import MalformedRequest, NoEligibleWorker, NotFound, UpstreamFailed
 from kvroute.app.inflight import Ticket
 from kvroute.app.json_body import decode_json, field_of
@@ -218,7 +219,7 @@ class Proxy:
             failed.add(worker.key)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("chose %s rank %d; scores %s", worker.instance.id,
-                          worker.endpoint.dp_rank, [s.as_json() for s in decision.scores])
+                          worker.endpoint.dp_rank, [s.answer() for s in decision.scores])
             if decision.tokens is not None and question.token_ids is None:
                 # A retry routes the same tokens without asking a tokenizer again.
                 question = msgspec.structs.replace(question, prompt=None, messages=None,
@@ -267,15 +268,14 @@ class Proxy:
             if not relayed:  # from here on the relay owns the ticket
                 ticket.close()
 
-    def models(self) -> dict[str, Any]:
+    def models(self) -> ModelList:
         """vLLM's model list shape; a model served by several instances is listed once."""
-        cards: dict[str, dict[str, Any]] = {}
+        cards: dict[str, ModelCard] = {}
         for instance in self.service.registry:
             for model in instance.models:
-                cards.setdefault(model, {"id": model, "object": "model",
-                                         "created": int(instance.added_at),
-                                         "owned_by": "vllm"})
-        return {"object": "list", "data": list(cards.values())}
+                cards.setdefault(model, ModelCard(id=model, created=int(instance.added_at),
+                                                  owned_by="vllm"))
+        return ModelList(data=list(cards.values()))
 
 
 class _ClientGone(Exception):
@@ -328,7 +328,6 @@ def proxy_router() -> APIRouter:
 
     @router.get("/v1/models", summary="Every model a registered instance serves")
     async def models(request: Request) -> Response:
-        return Response(msgspec.json.encode(proxy_of(request).models()),
-                        media_type="application/json")
+        return Response(encode(proxy_of(request).models()), media_type="application/json")
 
     return router

@@ -20,7 +20,15 @@ from typing import Annotated, Any
 
 import httpx
 import msgspec
+from msgspec import UNSET
 
+from kvroute.app.answers import (
+    InstanceDetail,
+    InstanceSummary,
+    MediumCounts,
+    RouteAnswer,
+    WorkerDetail,
+)
 from kvroute.app.config import Settings
 from kvroute.app.errors import (
     InvalidRequest,
@@ -53,6 +61,7 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
 EngineHash = int | str
 _HEX = re.compile(r"(?:0x)?([0-9a-fA-F]+)")
 _INPUTS = ("token_ids", "block_hashes", "prompt", "messages")
+NO_HOLDINGS = {"GPU": 0, "CPU": 0, "STORAGE": 0}
 # Instances asked in turn to tokenize a text prompt before the request fails.
 TOKENIZE_ATTEMPTS = 3
 
@@ -361,7 +370,7 @@ class Service:
             queued_prefill=(forwarded.queued_prefill_tokens + answered.queued_prefill_tokens
                             + peers.queued_prefill))
 
-    async def route(self, body: bytes) -> tuple[str, dict[str, Any]]:
+    async def route(self, body: bytes) -> tuple[str, RouteAnswer]:
         """(input kind, answer) for a POST /v1/route body; raises a RequestError."""
         request = decode_route_request(body)
         decision = await self.decide(request)
@@ -371,16 +380,16 @@ class Service:
             # A caller follows the answer before the instance's metrics can show it. (In
             # proxy mode the proxy counts the requests it forwards itself, exactly.)
             self.answers.add(decision.worker.key, decision.uncached_tokens, time.monotonic())
-        return decision.kind, {
-            "instance": best.instance,
-            "url": decision.worker.instance.url,
-            "dp_rank": best.dp_rank,
-            "matched_blocks": best.matched_blocks,
-            "matched_tokens": best.matched_tokens,
-            "prompt_tokens": len(decision.tokens) if decision.tokens is not None else None,
-            "prompt_blocks": len(request.block_hashes) if request.block_hashes else None,
-            "scores": [score.as_json() for score in _ranked(decision.scores)],
-        }
+        return decision.kind, RouteAnswer(
+            instance=best.instance,
+            url=decision.worker.instance.url,
+            dp_rank=best.dp_rank,
+            matched_blocks=best.matched_blocks,
+            matched_tokens=best.matched_tokens,
+            prompt_tokens=len(decision.tokens) if decision.tokens is not None else None,
+            prompt_blocks=len(request.block_hashes) if request.block_hashes else None,
+            scores=[score.answer() for score in _ranked(decision.scores)],
+        )
 
     # -- replicas (app.valkey) ----------------------------------------------
     def _follows(self, key: tuple[str, int]) -> bool:
@@ -399,7 +408,27 @@ class Service:
         return loads
 
     # -- instances -------------------------------------------------------
-    def instance_json(self, instance: Instance, *, detail: bool = False) -> dict[str, Any]:
+    def instance_summary(self, instance: Instance) -> InstanceSummary:
+        return InstanceSummary(**self._instance_fields(instance))
+
+    def instance_detail(self, instance: Instance) -> InstanceDetail:
+        self.index.expire_unconfirmed(time.monotonic())
+        holdings = self.index.stats().holdings
+        workers = [
+            WorkerDetail(
+                dp_rank=worker.endpoint.dp_rank,
+                events_endpoint=worker.endpoint.endpoint,
+                replay_endpoint=worker.endpoint.replay_endpoint,
+                state=worker.state,
+                holdings=MediumCounts(**{**NO_HOLDINGS, **holdings.get(worker.key, {})}),
+                unconfirmed_blocks=self.index.unconfirmed_blocks(worker.key),
+                stats=worker.subscriber.status,
+            )
+            for worker in instance.workers
+        ]
+        return InstanceDetail(**self._instance_fields(instance), workers=workers)
+
+    def _instance_fields(self, instance: Instance) -> dict[str, Any]:
         states = [worker.state for worker in instance.workers]
         if not states:
             state = "discovering"
@@ -408,35 +437,16 @@ class Service:
         else:
             state = WorkerState.DOWN if all(s == WorkerState.DOWN for s in states) else next(
                 s for s in states if not s.serving)
-        out: dict[str, Any] = {
+        return {
             "id": instance.id,
             "url": instance.url,
             "models": list(instance.models),
             "block_size": instance.block_size,
             "state": state,
             "dp_size": len(instance.workers),
+            "discovery_error": instance.discovery_error or UNSET,
+            "load_error": self.load.failure(instance.id) or UNSET,
         }
-        if instance.discovery_error:
-            out["discovery_error"] = instance.discovery_error
-        load_error = self.load.failure(instance.id)
-        if load_error:
-            out["load_error"] = load_error
-        if detail:
-            self.index.expire_unconfirmed(time.monotonic())
-            holdings = self.index.stats().holdings
-            out["workers"] = [
-                {
-                    "dp_rank": worker.endpoint.dp_rank,
-                    "events_endpoint": worker.endpoint.endpoint,
-                    "replay_endpoint": worker.endpoint.replay_endpoint,
-                    "state": worker.state,
-                    "holdings": dict(holdings.get(worker.key, {})),
-                    "unconfirmed_blocks": self.index.unconfirmed_blocks(worker.key),
-                    "stats": worker.subscriber.status.as_dict(),
-                }
-                for worker in instance.workers
-            ]
-        return out
 
 
 def _state_store(settings: Settings) -> StateStore | None:
