@@ -24,10 +24,12 @@ from kvroute.app.discovery import DiscoveryError
 from kvroute.app.errors import (
     AlreadyExists,
     Busy,
+    Conflict,
     InvalidRequest,
     LimitReached,
     MalformedRequest,
     NoEligibleWorker,
+    NotAllowed,
     NotFound,
     RequestError,
     TimedOut,
@@ -40,7 +42,7 @@ from kvroute.app.http_guard import HttpGuard
 from kvroute.app.json_body import decode_json
 from kvroute.app.metrics import CONTENT_TYPE
 from kvroute.app.proxy import Proxy, proxy_router
-from kvroute.app.registry import DuplicateInstance, UnknownInstance
+from kvroute.app.registry import DuplicateInstance, ModelNotServed, UnknownInstance
 from kvroute.app.request_body import read_body
 from kvroute.app.service import Service
 
@@ -52,9 +54,11 @@ log = logging.getLogger("kvroute.api")
 STATUS_OF: dict[type[RequestError], int] = {
     MalformedRequest: 400,
     Unauthorized: 401,
+    NotAllowed: 403,
     NotFound: 404,
     TimedOut: 408,
     AlreadyExists: 409,
+    Conflict: 409,
     LimitReached: 409,
     TooLarge: 413,
     UnsupportedMediaType: 415,
@@ -166,6 +170,8 @@ def create_app(settings: Settings) -> FastAPI:
                 instance = await service.registry.add(config)
             except DuplicateInstance as exc:
                 raise AlreadyExists(f"instance {exc} is already registered", "id") from None
+            except ModelNotServed as exc:
+                raise Conflict(f"{exc}", "model") from None
             except DiscoveryError as exc:
                 raise UpstreamFailed(f"discovery failed: {exc}", "url") from None
             return _json(service.instance_detail(instance), status=201)

@@ -39,6 +39,14 @@ from urllib.parse import urlsplit
 import msgspec
 
 from kvroute.app.json_body import split_validation
+from kvroute.app.patterns import (
+    HTTP_ORIGIN,
+    INSTANCE_ID,
+    NOT_BLANK,
+    ZMQ_ENDPOINT,
+    described,
+    matches,
+)
 from kvroute.app.routing import CostWeights
 from kvroute.app.subscriber import SubscriberOptions
 
@@ -51,12 +59,14 @@ __all__ = [
 ]
 
 ENV_PREFIX = "KVROUTE_"
+# Endpoint hosts that say "every interface" (where an engine binds), not where to connect.
+BIND_HOSTS = frozenset({"*", "0.0.0.0", "::"})
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]  # 0: the OS picks a free port
 Positive = Annotated[int, msgspec.Meta(gt=0)]
 NonNegative = Annotated[float, msgspec.Meta(ge=0)]  # and finite: see __post_init__
 Seconds = Annotated[float, msgspec.Meta(gt=0)]  # and finite
-Text = Annotated[str, msgspec.Meta(pattern=r"\S")]  # not empty, not only spaces
+Text = Annotated[str, msgspec.Meta(pattern=NOT_BLANK)]  # not empty, not only spaces
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 
 
@@ -69,18 +79,23 @@ class ConfigError(ValueError):
         self.field = field
 
 
+Endpoint = described(str, ZMQ_ENDPOINT)
+Endpoints = Endpoint | tuple[Endpoint, ...]
+
+
 class InstanceConfig(msgspec.Struct, forbid_unknown_fields=True):
     """One vLLM instance. `url` alone is enough; explicit endpoints skip discovery.
 
     `events[r]` and `replay[r]` are data-parallel rank r's PUB and ROUTER endpoints.
     After construction `url` has no trailing slash and `events`/`replay` are tuples.
+    The string fields' patterns (app.patterns) are checked here, not by msgspec.
     """
 
-    url: Text | None = None
-    id: Text | None = None
+    url: described(str, HTTP_ORIGIN) | None = None  # type: ignore[valid-type]
+    id: described(str, INSTANCE_ID) | None = None  # type: ignore[valid-type]
     model: Text | None = None
-    events: str | tuple[str, ...] = ()
-    replay: str | tuple[str, ...] = ()
+    events: Endpoints = ()
+    replay: Endpoints = ()
     topic: str = ""
     block_size: Positive | None = None
     # The instance's vLLM --api-key, sent when kvroute itself calls its /v1 endpoints.
@@ -102,11 +117,10 @@ class InstanceConfig(msgspec.Struct, forbid_unknown_fields=True):
         if self.replay and len(self.replay) != len(self.events):
             raise ValueError(f"replay: {len(self.replay)} endpoint(s) for {len(self.events)} "
                              "event endpoint(s); give one per data-parallel rank")
-        if self.id is not None and "/" in self.id:
-            raise ValueError("id: must not contain '/'")
-        if self.id is not None and not self.id.isprintable():
+        if self.id is not None and not matches(INSTANCE_ID, self.id):
             # It names the instance in URLs, logs and metric labels.
-            raise ValueError("id: must not contain control or other non-printable characters")
+            raise ValueError("id: must not contain '/' or control characters, nor begin or "
+                             "end with a space")
 
     def __repr__(self) -> str:
         return _repr_without_secrets(self)
@@ -227,27 +241,22 @@ def is_loopback(host: str) -> bool:
 
 def _origin(url: str) -> str:
     """`url` as scheme://host[:port]: kvroute builds every request URL from it, so a path,
-    query, fragment or credentials would end up where nobody looks (and in answers)."""
-    try:
-        parts = urlsplit(url.strip())
-        port = parts.port  # raises for a port out of range
-    except ValueError as exc:
-        raise ValueError(f"url: {url!r} is not an http(s)://HOST[:PORT] URL: {exc}") from None
-    extra = parts.path.strip("/") or parts.query or parts.fragment or "@" in parts.netloc
-    if parts.scheme not in ("http", "https") or not parts.hostname or extra or port == 0:
+    query, fragment or credentials would end up where nobody looks (and in answers).
+    HTTP_ORIGIN admits only what urlsplit reads as such an origin."""
+    if not matches(HTTP_ORIGIN, url):
         raise ValueError(f"url: {url!r} is not an http(s)://HOST[:PORT] URL (no path, query, "
                          "fragment or credentials)")
+    parts = urlsplit(url)
+    assert parts.hostname is not None
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    return f"{parts.scheme}://{host}" + (f":{port}" if port is not None else "")
+    return f"{parts.scheme}://{host}" + (f":{parts.port}" if parts.port is not None else "")
 
 
 def _check_zmq_endpoint(endpoint: str, name: str) -> None:
-    scheme, _, rest = endpoint.partition("://")
-    host, _, port = rest.rpartition(":")
-    if scheme != "tcp" or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{name}: {endpoint!r} is not a tcp://HOST:PORT endpoint")
-    if host in ("*", "0.0.0.0"):
+    if _endpoint_host(endpoint) in BIND_HOSTS:
         raise ValueError(f"{name}: {endpoint!r} is a bind address; give the host to connect to")
+    if not matches(ZMQ_ENDPOINT, endpoint):
+        raise ValueError(f"{name}: {endpoint!r} is not a tcp://HOST:PORT endpoint")
 
 
 def _endpoint_host(endpoint: str) -> str:
@@ -281,7 +290,7 @@ def _explain(exc: msgspec.ValidationError, where: str, given: Any) -> ConfigErro
     if unknown:
         path = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
         message = "unknown setting; known: " + ", ".join(_known(path))
-    message = message.replace("`str` matching regex '\\\\S'", "a non-blank string")
+    message = message.replace(f"`str` matching regex {NOT_BLANK!r}", "a non-blank string")
     if message.startswith("Invalid enum value"):  # log_level, the one Literal setting
         message += "; one of " + ", ".join(get_args(LogLevel))
     message = message[:1].lower() + message[1:]

@@ -48,10 +48,11 @@ from fastapi.responses import Response, StreamingResponse
 from kvroute.app.answers import ModelCard, ModelList, encode
 from kvroute.app.errors import MalformedRequest, NoEligibleWorker, NotFound, UpstreamFailed
 from kvroute.app.inflight import Ticket
-from kvroute.app.json_body import decode_json, field_of
+from kvroute.app.json_body import decode_json, split_validation
 from kvroute.app.registry import Worker
 from kvroute.app.request_body import read_body
-from kvroute.app.service import RouteRequest, Service
+from kvroute.app.route_request import RouteRequest
+from kvroute.app.service import Service
 from kvroute.app.upstream import url_at
 
 __all__ = ["MAX_CONNECT_ATTEMPTS", "Proxy", "proxy_router", "route_request_of"]
@@ -74,8 +75,10 @@ _FORWARDING = frozenset({"x-forwarded-for", "forwarded"})
 _ENDPOINTS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
 
 
-def route_request_of(path: str, body: bytes) -> RouteRequest:
-    """The routing question an OpenAI request body asks; MalformedRequest names a bad field."""
+def route_request_of(path: str, body: bytes,
+                     kind: type[RouteRequest] = RouteRequest) -> RouteRequest:
+    """The routing question an OpenAI request body asks, as `kind` (the service's limits);
+    MalformedRequest names a bad field."""
     payload = decode_json(body)
     if not isinstance(payload, dict):
         raise MalformedRequest("the body must be a JSON object")
@@ -84,6 +87,7 @@ def route_request_of(path: str, body: bytes) -> RouteRequest:
         raise MalformedRequest("`model` must be a string", "model")
     question: dict[str, Any] = {"model": model}
     field = _ENDPOINTS[path]
+    where = field
     if field == "messages":
         messages = payload.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -91,27 +95,40 @@ def route_request_of(path: str, body: bytes) -> RouteRequest:
                                    "messages")
         question["messages"] = messages
     else:
-        question.update(_prompt_question(payload.get("prompt")))
+        name, value, where = _prompt_question(payload.get("prompt"))
+        question[name] = value
     try:
-        return msgspec.convert(question, RouteRequest)
+        return msgspec.convert(question, kind)
     except msgspec.ValidationError as exc:
-        raise MalformedRequest(str(exc), field_of(str(exc))) from None
+        text, path = split_validation(str(exc))
+        at = _body_field(path, where)
+        raise MalformedRequest(f"{text} (at `{at}`)" if at else text, at or None) from None
 
 
-def _prompt_question(prompt: Any) -> dict[str, Any]:
-    """`prompt` as text or token ids; a batch is routed by its first prompt."""
+def _body_field(path: str, where: str) -> str:
+    """A field of the routing question as the OpenAI body names it: the question's
+    `token_ids` or `prompt` is the body's `prompt` (`prompt[0]` for a batch)."""
+    for name in ("token_ids", "prompt"):
+        if path == name or path.startswith((f"{name}[", f"{name}.")):
+            return where + path[len(name):]
+    return path
+
+
+def _prompt_question(prompt: Any) -> tuple[str, Any, str]:
+    """`prompt` as text or token ids: (question field, value, where in the body); a batch
+    is routed by its first prompt."""
     where = "prompt"
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         prompt, where = prompt[0], "prompt[0]"
     if isinstance(prompt, str):
-        return {"prompt": prompt}
+        return "prompt", prompt, where
     if not isinstance(prompt, list) or not prompt:
         raise MalformedRequest("`prompt` must be a string, a non-empty list of token ids, or a "
                                "batch of those", "prompt")
     for i, token in enumerate(prompt):
         if type(token) is not int or not 0 <= token < 2**32:
             raise MalformedRequest("token ids must be integers in [0, 2**32)", f"{where}[{i}]")
-    return {"token_ids": prompt}
+    return "token_ids", prompt, where
 
 
 def _forwarded_headers(request: Request, worker: Worker,
@@ -201,7 +218,7 @@ class Proxy:
     async def forward(self, request: Request, path: str) -> Response:
         body = await read_body(request, self.service.settings.max_body_bytes,
                                timeout=self.service.settings.body_timeout)
-        question = route_request_of(path, body)
+        question = route_request_of(path, body, self.service.route_request)
         self._check_model(question.model)
         failed: set[tuple[str, int]] = set()
         refused: list[str] = []

@@ -167,7 +167,7 @@ def test_tokens_are_read_but_never_shown():
 
 
 def test_blank_names_are_refused():
-    with pytest.raises(ConfigError, match="instances\\[0\\].id: expected a non-blank string"):
+    with pytest.raises(ConfigError, match="instances\\[0\\].id: must not .* begin or end"):
         load_settings(environ={}, flags={"instances": [{"url": "http://a:1", "id": "  "}]})
 
 

@@ -294,11 +294,18 @@ def test_bad_bodies_get_a_clear_error_naming_the_field(fleet: Fleet, path: str, 
 
 def test_oversized_bodies_are_refused_before_routing():
     settings = Settings(host="127.0.0.1", port=0, log_level="warning", proxy=True,
-                        max_body_bytes=1024)
+                        max_body_bytes=1024, max_prompt_tokens=8)
     with BackgroundServer(settings) as server:
         answer = httpx.post(f"{server.url}/v1/completions", timeout=HTTP_TIMEOUT,
                             json={"prompt": [1] * 1000})
         assert answer.status_code == 413 and "limit" in answer.json()["error"]
+        # Within the body limit, over max_prompt_tokens: refused like any bad prompt, and
+        # named as the OpenAI body names it.
+        for prompt, field in (([1] * 9, "prompt"), ([[1] * 9, [1]], "prompt[0]")):
+            long = httpx.post(f"{server.url}/v1/completions", timeout=HTTP_TIMEOUT,
+                              json={"prompt": prompt})
+            assert long.status_code == 400 and long.json()["field"] == field, long.text
+            assert "<= 8" in long.json()["error"]
         models = httpx.get(f"{server.url}/v1/models", timeout=HTTP_TIMEOUT)
         assert models.json() == {"object": "list", "data": []}
         nobody = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1]},
