@@ -43,9 +43,10 @@ def split_validation(message: str) -> tuple[str, str]:
 
 
 def field_of(validation_message: str) -> str | None:
-    """`... - at `$.token_ids[3]`` -> `token_ids[3]`; unknown fields name themselves."""
+    """`... - at `$.token_ids[3]`` -> `token_ids[3]`; unknown and missing fields of the
+    document itself name themselves."""
     text, path = split_validation(validation_message)
     if path:
         return path
-    found = re.search(r"unknown field `([^`]*)`", text)
+    found = re.search(r"(?:unknown|missing required) field `([^`]*)`", text)
     return found.group(1) if found else None

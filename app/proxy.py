@@ -28,6 +28,7 @@ instances' models. Invariants:
   pending upstream request is cancelled.
 - Batched completions (`prompt` a list of strings or of token lists) are forwarded as they
   are and routed by their first prompt: vLLM runs a batch on the one instance it reaches.
+  What kvroute reads of a body, and how it checks it, is `app.openai_request`.
 - Errors of the proxy itself are kvroute's JSON `{"error", "field"}`: 400 for a body that is
   not an OpenAI request, 404 for a model no registered instance serves, 413 for size
   limits, 502 for an upstream that broke before answering, 503 when no worker is left.
@@ -46,16 +47,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from kvroute.app.answers import ModelCard, ModelList, encode
-from kvroute.app.errors import MalformedRequest, NoEligibleWorker, NotFound, UpstreamFailed
+from kvroute.app.errors import NoEligibleWorker, NotFound, UpstreamFailed
 from kvroute.app.inflight import Ticket
-from kvroute.app.json_body import decode_json, split_validation
+from kvroute.app.openai_request import route_request_of
 from kvroute.app.registry import Worker
 from kvroute.app.request_body import read_body
-from kvroute.app.route_request import RouteRequest
 from kvroute.app.service import Service
 from kvroute.app.upstream import url_at
 
-__all__ = ["MAX_CONNECT_ATTEMPTS", "Proxy", "proxy_router", "route_request_of"]
+__all__ = ["MAX_CONNECT_ATTEMPTS", "Proxy", "proxy_router"]
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -72,63 +72,6 @@ _NOT_FORWARDED = _HOP_BY_HOP | {"host", "content-length", "accept-encoding", "ex
 _NOT_RELAYED = _HOP_BY_HOP | {"date", "server"}
 # Rewritten with this hop appended.
 _FORWARDING = frozenset({"x-forwarded-for", "forwarded"})
-_ENDPOINTS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
-
-
-def route_request_of(path: str, body: bytes,
-                     kind: type[RouteRequest] = RouteRequest) -> RouteRequest:
-    """The routing question an OpenAI request body asks, as `kind` (the service's limits);
-    MalformedRequest names a bad field."""
-    payload = decode_json(body)
-    if not isinstance(payload, dict):
-        raise MalformedRequest("the body must be a JSON object")
-    model = payload.get("model")
-    if model is not None and not isinstance(model, str):
-        raise MalformedRequest("`model` must be a string", "model")
-    question: dict[str, Any] = {"model": model}
-    field = _ENDPOINTS[path]
-    where = field
-    if field == "messages":
-        messages = payload.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise MalformedRequest("`messages` must be a non-empty list of chat messages",
-                                   "messages")
-        question["messages"] = messages
-    else:
-        name, value, where = _prompt_question(payload.get("prompt"))
-        question[name] = value
-    try:
-        return msgspec.convert(question, kind)
-    except msgspec.ValidationError as exc:
-        text, path = split_validation(str(exc))
-        at = _body_field(path, where)
-        raise MalformedRequest(f"{text} (at `{at}`)" if at else text, at or None) from None
-
-
-def _body_field(path: str, where: str) -> str:
-    """A field of the routing question as the OpenAI body names it: the question's
-    `token_ids` or `prompt` is the body's `prompt` (`prompt[0]` for a batch)."""
-    for name in ("token_ids", "prompt"):
-        if path == name or path.startswith((f"{name}[", f"{name}.")):
-            return where + path[len(name):]
-    return path
-
-
-def _prompt_question(prompt: Any) -> tuple[str, Any, str]:
-    """`prompt` as text or token ids: (question field, value, where in the body); a batch
-    is routed by its first prompt."""
-    where = "prompt"
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        prompt, where = prompt[0], "prompt[0]"
-    if isinstance(prompt, str):
-        return "prompt", prompt, where
-    if not isinstance(prompt, list) or not prompt:
-        raise MalformedRequest("`prompt` must be a string, a non-empty list of token ids, or a "
-                               "batch of those", "prompt")
-    for i, token in enumerate(prompt):
-        if type(token) is not int or not 0 <= token < 2**32:
-            raise MalformedRequest("token ids must be integers in [0, 2**32)", f"{where}[{i}]")
-    return "token_ids", prompt, where
 
 
 def _forwarded_headers(request: Request, worker: Worker,

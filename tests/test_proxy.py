@@ -275,6 +275,12 @@ def test_upstream_errors_come_back_as_they_came(fleet: Fleet):
         ("/v1/completions", b'{"prompt": [1, true]}', 400, "prompt[1]"),
         ("/v1/completions", b'{"prompt": [[1, -2]]}', 400, "prompt[0][1]"),
         ("/v1/completions", b'{"prompt": 5}', 400, "prompt"),
+        # The whole batch is checked, not only the prompt it is routed by; and an empty
+        # prompt asks nothing to route.
+        ("/v1/completions", b'{"prompt": ["a", 5]}', 400, "prompt[1]"),
+        ("/v1/completions", b'{"prompt": ["a", ""]}', 400, "prompt[1]"),
+        ("/v1/completions", b'{"prompt": [[1], [2, "x"]]}', 400, "prompt[1][1]"),
+        ("/v1/completions", b'{"prompt": ""}', 400, "prompt"),
         ("/v1/completions", b'{"prompt": "x", "model": 5}', 400, "model"),
         ("/v1/completions", b'{"prompt": "x", "model": "nope"}', 404, "model"),
         ("/v1/chat/completions", b'{"messages": []}', 400, "messages"),
