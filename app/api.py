@@ -16,6 +16,8 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
+from starlette.types import Scope
 
 from kvroute.app.answers import Deleted, Error, Health, InstanceList, Readiness, encode
 from kvroute.app.auth import admin_guard, api_guard
@@ -41,12 +43,12 @@ from kvroute.app.errors import (
 from kvroute.app.http_guard import HttpGuard
 from kvroute.app.json_body import decode_json
 from kvroute.app.metrics import CONTENT_TYPE
-from kvroute.app.proxy import Proxy, proxy_router
+from kvroute.app.proxy import Proxy, add_proxy_routes
 from kvroute.app.registry import DuplicateInstance, ModelNotServed, UnknownInstance
-from kvroute.app.request_body import read_body
+from kvroute.app.request_body import REGISTRATION_MAX_BYTES, read_body
 from kvroute.app.service import Service
 
-__all__ = ["create_app"]
+__all__ = ["allowed_methods", "create_app"]
 
 log = logging.getLogger("kvroute.api")
 
@@ -78,6 +80,16 @@ def _error(status: int, answer: Error, headers: dict[str, str] | None = None) ->
                     headers=headers)
 
 
+def allowed_methods(app: FastAPI, scope: Scope) -> str:
+    """The methods some route of `app` answers on the request's path, as an Allow value."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        if isinstance(route, Route) and route.methods and route.path_regex.fullmatch(
+                scope["path"]):
+            methods |= route.methods
+    return ", ".join(sorted(methods))
+
+
 def create_app(settings: Settings) -> FastAPI:
     """The ASGI app; the Service is built and torn down in its lifespan."""
 
@@ -97,7 +109,8 @@ def create_app(settings: Settings) -> FastAPI:
             await service.close()
 
     docs = settings.docs
-    app = FastAPI(title="kvroute", version="0.1.0", lifespan=lifespan,
+    # No redirect from /path/ to /path: an API client gets a 404, not a 307 it must follow.
+    app = FastAPI(title="kvroute", version="0.1.0", lifespan=lifespan, redirect_slashes=False,
                   summary="KV-cache-aware routing index for vLLM fleets",
                   openapi_url="/openapi.json" if docs else None,
                   docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None)
@@ -127,6 +140,13 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 405:
+            # Starlette names only the first route of the path; every method of it is
+            # allowed (RFC 9110: a 405 lists them all).
+            allowed = allowed_methods(request.app, request.scope)
+            return _error(405, Error(f"{request.method} is not allowed on "
+                                     f"{request.url.path}; allowed: {allowed}", None),
+                          headers={"allow": allowed})
         return _error(exc.status_code, Error(str(exc.detail), None))
 
     def service_of(request: Request) -> Service:
@@ -160,7 +180,8 @@ def create_app(settings: Settings) -> FastAPI:
         @app.post("/v1/instances", status_code=201, dependencies=admin)
         async def add_instance(request: Request) -> Response:
             service = service_of(request)
-            body = await read_body(request, 64 * 1024, timeout=settings.body_timeout)
+            body = await read_body(request, REGISTRATION_MAX_BYTES,
+                                   timeout=settings.body_timeout)
             raw = decode_json(body)
             try:
                 config = parse_instance(raw, "body")
@@ -186,7 +207,7 @@ def create_app(settings: Settings) -> FastAPI:
             return _json(Deleted(instance.id))
 
     if settings.proxy:
-        app.include_router(proxy_router(), dependencies=api)
+        add_proxy_routes(app, dependencies=api)
 
     @app.get("/healthz")
     async def healthz() -> Response:

@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any
 
 import httpx
 import msgspec
-from fastapi import APIRouter, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from kvroute.app.answers import ModelCard, ModelList, encode
@@ -55,7 +55,7 @@ from kvroute.app.request_body import read_body
 from kvroute.app.service import Service
 from kvroute.app.upstream import url_at
 
-__all__ = ["MAX_CONNECT_ATTEMPTS", "Proxy", "proxy_router"]
+__all__ = ["MAX_CONNECT_ATTEMPTS", "Proxy", "add_proxy_routes"]
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -269,25 +269,23 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def proxy_router() -> APIRouter:
-    """The proxy's routes. They forward through ``app.state.proxy``, which the app's
-    lifespan creates after the service has started and closes before it stops."""
-    router = APIRouter()
+def add_proxy_routes(app: FastAPI, dependencies: Sequence[Any]) -> None:
+    """The proxy's routes, on `app` itself (an included router is a nested object that
+    app.api's 405 answer and app.openapi would have to look into). They forward through
+    ``app.state.proxy``, which the app's lifespan creates after the service has started and
+    closes before it stops."""
 
     def proxy_of(request: Request) -> Proxy:
         return request.app.state.proxy
 
-    @router.post("/v1/completions", summary="OpenAI completions, forwarded to the chosen worker")
+    @app.post("/v1/completions", dependencies=dependencies)
     async def completions(request: Request) -> Response:
         return await proxy_of(request).forward(request, "/v1/completions")
 
-    @router.post("/v1/chat/completions",
-                 summary="OpenAI chat completions, forwarded to the chosen worker")
+    @app.post("/v1/chat/completions", dependencies=dependencies)
     async def chat_completions(request: Request) -> Response:
         return await proxy_of(request).forward(request, "/v1/chat/completions")
 
-    @router.get("/v1/models", summary="Every model a registered instance serves")
+    @app.get("/v1/models", dependencies=dependencies)
     async def models(request: Request) -> Response:
         return Response(encode(proxy_of(request).models()), media_type="application/json")
-
-    return router
