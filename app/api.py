@@ -10,6 +10,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 from fastapi import Depends, FastAPI, Request
@@ -43,6 +44,7 @@ from kvroute.app.errors import (
 from kvroute.app.http_guard import HttpGuard
 from kvroute.app.json_body import decode_json
 from kvroute.app.metrics import CONTENT_TYPE
+from kvroute.app.openapi import openapi_document
 from kvroute.app.proxy import Proxy, add_proxy_routes
 from kvroute.app.registry import DuplicateInstance, ModelNotServed, UnknownInstance
 from kvroute.app.request_body import REGISTRATION_MAX_BYTES, read_body
@@ -152,8 +154,7 @@ def create_app(settings: Settings) -> FastAPI:
     def service_of(request: Request) -> Service:
         return request.app.state.service
 
-    @app.post("/v1/route", summary="The worker with the longest cached prefix of a prompt",
-              dependencies=api)
+    @app.post("/v1/route", dependencies=api)
     async def route(request: Request) -> Response:
         service = service_of(request)
         started = time.perf_counter()
@@ -228,4 +229,11 @@ def create_app(settings: Settings) -> FastAPI:
     async def metrics(request: Request) -> Response:
         return Response(service_of(request).metrics.render(), media_type=CONTENT_TYPE)
 
+    def openapi() -> dict[str, Any]:
+        # What each operation takes and answers is app.contract's; built once, on demand.
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_document(app, settings)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
