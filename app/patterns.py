@@ -39,8 +39,10 @@ _IPV6 = "|".join([
     rf"{_H16}:(?::{_H16}){{1,6}}",
     rf":(?:(?::{_H16}){{1,7}}|:)",
 ])
-# A DNS name or IPv4 address (RFC 3986 unreserved characters), or a bracketed IPv6 address.
-_HOST = rf"(?:[A-Za-z0-9._~-]+|\[(?:{_IPV6})\])"
+# A DNS name or IPv4 address, as libzmq connects to one (it refuses a name that does not
+# begin with a letter or digit, or that has a character besides those and "._-"), or a
+# bracketed IPv6 address.
+_HOST = rf"(?:[A-Za-z0-9][A-Za-z0-9._-]*|\[(?:{_IPV6})\])"
 
 # An instance's HTTP origin: http(s)://HOST[:PORT], any letter case in the scheme, trailing
 # slashes allowed; no path, query, fragment or credentials.

@@ -285,8 +285,13 @@ class Registry:
             if worker.task is not None and not worker.task.done():
                 worker.task.cancel()
             if worker.task is not None:
-                with contextlib.suppress(asyncio.CancelledError):
+                try:
                     await worker.task
+                except asyncio.CancelledError:
+                    pass
+                except Exception:  # its end is not the remover's failure
+                    log.exception("subscriber %s rank %d ended with an error",
+                                  worker.instance.id, worker.endpoint.dp_rank)
 
 
 def _nothing_saved(endpoint: WorkerEndpoint) -> None:
