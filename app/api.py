@@ -42,7 +42,7 @@ from kvroute.app.errors import (
     UpstreamFailed,
 )
 from kvroute.app.http_guard import HttpGuard
-from kvroute.app.json_body import decode_json
+from kvroute.app.json_body import decode_json, integral_numbers
 from kvroute.app.metrics import CONTENT_TYPE
 from kvroute.app.openapi import openapi_document
 from kvroute.app.proxy import Proxy, add_proxy_routes
@@ -183,7 +183,7 @@ def create_app(settings: Settings) -> FastAPI:
             service = service_of(request)
             body = await read_body(request, REGISTRATION_MAX_BYTES,
                                    timeout=settings.body_timeout)
-            raw = decode_json(body)
+            raw = integral_numbers(decode_json(body))  # block_size 16.0 is 16 to its schema
             try:
                 config = parse_instance(raw, "body")
             except ConfigError as exc:

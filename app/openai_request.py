@@ -17,7 +17,7 @@ from typing import Annotated, Any
 import msgspec
 
 from kvroute.app.errors import InvalidRequest, MalformedRequest
-from kvroute.app.json_body import decode_json, split_validation
+from kvroute.app.json_body import decode_json, integral_numbers, split_validation
 from kvroute.app.route_request import ChatMessage, RouteRequest
 
 __all__ = ["PROMPT_SCHEMA", "ChatQuestion", "CompletionQuestion", "route_request_of"]
@@ -64,7 +64,7 @@ def route_request_of(path: str, body: bytes,
     if isinstance(read, ChatQuestion):
         question["messages"] = read.messages
     else:
-        name, value, where = _prompt_question(read.prompt)
+        name, value, where = _prompt_question(integral_numbers(read.prompt))
         question[name] = value
     try:
         return msgspec.convert(question, kind)

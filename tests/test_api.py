@@ -156,6 +156,21 @@ def test_no_workers_is_503(client: httpx.Client):
     assert answer.json()["error"].startswith("no eligible worker")
 
 
+def test_integral_numbers_are_integers_as_json_schema_says(cluster, client):
+    """3.0 is an integer to JSON Schema, so the document allows it as a token id or hash;
+    msgspec refused it (found by schemathesis: a schema-valid request answered 422)."""
+    register(client, cluster.urls[0])
+    by_float = route(client, token_ids=[1.0, 2e0, 3])
+    assert by_float.status_code == 200, by_float.text
+    assert by_float.json()["prompt_tokens"] == 3
+    assert route(client, block_hashes=["8", 57235.0, 18446744073709551615]).status_code == 200
+    fraction = route(client, token_ids=[1, 2.5])
+    assert fraction.status_code == 422 and fraction.json()["field"] == "token_ids[1]"
+    registered = client.post("/v1/instances", json={"url": cluster.urls[0], "id": "f",
+                                                    "block_size": 16.0})
+    assert registered.status_code == 201 and registered.json()["block_size"] == 16
+
+
 @pytest.mark.parametrize(
     ("body", "status", "field"),
     [

@@ -151,10 +151,19 @@ def test_a_batch_of_prompts_is_routed_by_its_first_prompt(fleet: Fleet):
     fleet.cluster.complete(0, first, max_tokens=1)
     fleet.route_until_best(fleet.ids[0], token_ids=first)
     answer = post(fleet, "/v1/completions", {"prompt": [first, second], "max_tokens": 1})
-    # The simulator serves one prompt per request, so the batch reaches it and is refused
-    # there: what matters is where it went and that the upstream's answer came back as is.
+    assert answer.status_code == 200, answer.text
     assert answer.headers["x-kvroute-instance"] == fleet.ids[0]
-    assert answer.status_code == 400 and "token ids" in answer.json()["error"]["message"]
+    assert [choice["index"] for choice in answer.json()["choices"]] == [0, 1]
+    assert answer.json()["usage"]["prompt_tokens"] == len(first) + len(second)
+
+
+def test_token_ids_written_as_integral_numbers_are_token_ids(fleet: Fleet):
+    """JSON Schema (and vLLM) read 5.0 as the integer 5; kvroute refused it."""
+    answer = post(fleet, "/v1/completions", {"prompt": [5.0, 6.0, 7], "max_tokens": 1})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["prompt_tokens"] == 3
+    fraction = post(fleet, "/v1/completions", {"prompt": [5.5], "max_tokens": 1})
+    assert fraction.status_code == 400 and fraction.json()["field"] == "prompt[0]"
 
 
 def test_models_lists_the_union_of_the_registered_instances_models(fleet: Fleet):
