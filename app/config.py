@@ -81,6 +81,12 @@ class ConfigError(ValueError):
 
 Endpoint = described(str, ZMQ_ENDPOINT)
 Endpoints = Endpoint | tuple[Endpoint, ...]
+# InstanceConfig's "`url` or `events`" as JSON Schema (the check is its __post_init__).
+URL_OR_EVENTS: dict[str, Any] = {"anyOf": [
+    {"required": ["url"], "properties": {"url": {"type": "string"}}},
+    {"required": ["events"], "properties": {"events": {
+        "anyOf": [{"type": "string"}, {"type": "array", "minItems": 1}]}}},
+]}
 
 
 class InstanceConfig(msgspec.Struct, forbid_unknown_fields=True):

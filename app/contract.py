@@ -31,7 +31,7 @@ from kvroute.app.answers import (
     Readiness,
     RouteAnswer,
 )
-from kvroute.app.config import InstanceConfig, Settings
+from kvroute.app.config import URL_OR_EVENTS, InstanceConfig, Settings
 from kvroute.app.openai_request import ChatQuestion, CompletionQuestion
 from kvroute.app.request_body import REGISTRATION_MAX_BYTES
 from kvroute.app.route_request import inputs_schema, route_request_type
@@ -174,7 +174,8 @@ ADD_INSTANCE = Operation(
         "and is never shown back. Only while `manage_instances` is on."),
     tag="instances",
     guard="admin",
-    body=lambda settings: InstanceConfig,
+    body=lambda settings: Annotated[InstanceConfig,
+                                    msgspec.Meta(extra_json_schema=URL_OR_EVENTS)],
     body_limit=f"{REGISTRATION_MAX_BYTES // 1024} KiB",
     answers=_merge(
         {201: Answer(("registered; its workers start connecting",), InstanceDetail)},

@@ -132,3 +132,31 @@ def test_the_document_and_the_docs_page_are_served_only_with_docs_on(docs: bool)
         app = server._config.app  # the running app: its routes and settings
         assert served.json() == json.loads(render(openapi_document(app, settings)))
         assert operations(served.json()) == set(CONTRACT)
+
+
+@pytest.mark.parametrize("body", [
+    {}, {"url": None}, {"events": []}, {"events": ""}, {"url": "http://h:1"},
+    {"events": "tcp://h:1"}, {"events": ["tcp://h:1"], "replay": ["tcp://h:2"]},
+    {"url": "http://h:1", "id": " x"}, {"url": "http://h:1", "block_size": 0},
+    {"url": "http://h:1", "block_size": 16.0}, {"url": "ftp://h"}, {"url": "http://h:1", "x": 1},
+])
+def test_the_registration_schema_accepts_what_registration_accepts(body: dict):
+    """The rules JSON Schema can state are in the schema: a body is valid to it exactly when
+    InstanceConfig takes it ("url or events" was missing: {} was schema-valid)."""
+    import jsonschema_rs
+
+    from kvroute.app.config import ConfigError, parse_instance
+    from kvroute.app.json_body import integral_numbers
+
+    document = json.loads(COMMITTED.read_text())
+    schema = document["paths"]["/v1/instances"]["post"]["requestBody"]["content"][
+        "application/json"]["schema"]
+    valid = jsonschema_rs.Draft202012Validator(
+        {**schema, "components": document["components"]}).is_valid(body)
+    try:
+        parse_instance(integral_numbers(json.loads(json.dumps(body))), "body")
+    except ConfigError:
+        accepted = False
+    else:
+        accepted = True
+    assert valid == accepted
