@@ -40,6 +40,7 @@ import msgspec
 
 from kvroute.app.json_body import split_validation
 from kvroute.app.patterns import (
+    API_KEY,
     HTTP_ORIGIN,
     INSTANCE_ID,
     NOT_BLANK,
@@ -105,7 +106,7 @@ class InstanceConfig(msgspec.Struct, forbid_unknown_fields=True):
     topic: str = ""
     block_size: Positive | None = None
     # The instance's vLLM --api-key, sent when kvroute itself calls its /v1 endpoints.
-    api_key: Text | None = None
+    api_key: described(str, API_KEY) | None = None  # type: ignore[valid-type]
 
     def __post_init__(self) -> None:
         # Errors start with the field's name; _explain prefixes the instance's path.
@@ -124,9 +125,11 @@ class InstanceConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"replay: {len(self.replay)} endpoint(s) for {len(self.events)} "
                              "event endpoint(s); give one per data-parallel rank")
         if self.id is not None and not matches(INSTANCE_ID, self.id):
-            # It names the instance in URLs, logs and metric labels.
-            raise ValueError("id: must not contain '/' or control characters, nor begin or "
-                             "end with a space")
+            raise ValueError("id: must be printable ASCII without '/', and not begin or end "
+                             "with a space")
+        if self.api_key is not None and not matches(API_KEY, self.api_key):
+            raise ValueError("api_key: must be printable ASCII (it is sent in a header), and "
+                             "not begin or end with a space")
 
     def __repr__(self) -> str:
         return _repr_without_secrets(self)

@@ -17,7 +17,8 @@ from typing import Annotated, Any
 import msgspec
 
 __all__ = [
-    "BLOCK_HASH_HEX", "HTTP_ORIGIN", "INSTANCE_ID", "NOT_BLANK", "ZMQ_ENDPOINT", "described",
+    "API_KEY", "BLOCK_HASH_HEX", "HTTP_ORIGIN", "INSTANCE_ID", "NOT_BLANK", "ZMQ_ENDPOINT",
+    "described",
     "matches",
 ]
 
@@ -49,11 +50,12 @@ _HOST = rf"(?:[A-Za-z0-9][A-Za-z0-9._-]*|\[(?:{_IPV6})\])"
 HTTP_ORIGIN = rf"^[hH][tT][tT][pP][sS]?://{_HOST}(?::{_PORT})?/*$"
 # A ZeroMQ endpoint to connect to.
 ZMQ_ENDPOINT = rf"^tcp://{_HOST}:{_PORT}$"
-# An instance id names it in URLs, logs and metric labels: no '/', no control characters
-# (C0, DEL, C1, line and paragraph separators), no space at either end.
-_ID_EDGE = r"[^/\x00-\x20\x7f-\x9f\u2028\u2029]"
-_ID_INNER = r"[^/\x00-\x1f\x7f-\x9f\u2028\u2029]"
-INSTANCE_ID = rf"^{_ID_EDGE}(?:{_ID_INNER}*{_ID_EDGE})?$"
+# An instance id names it in URLs, logs, metric labels and the proxy's x-kvroute-instance
+# header, whose value must be ASCII: printable ASCII but '/', no space at either end.
+INSTANCE_ID = r"^[!-.0-~](?:[ -.0-~]*[!-.0-~])?$"
+# An instance's vLLM --api-key goes into an Authorization header: printable ASCII, no space at
+# either end (a header value loses those).
+API_KEY = r"^[!-~](?:[ -~]*[!-~])?$"
 # vLLM's block hash as a hex string: an integer hash (up to 16 digits) or a bytes hash (32
 # or 64 digits), with an optional 0x.
 BLOCK_HASH_HEX = r"^(?:0x)?(?:[0-9a-fA-F]{1,16}|[0-9a-fA-F]{32}|[0-9a-fA-F]{64})$"

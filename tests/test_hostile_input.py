@@ -33,7 +33,10 @@ def client() -> Iterator[httpx.Client]:
         ("/v1/route", b'{"messages": ' + DEEP + b"}", 422, "messages[0]"),
         ("/v1/route", DEEP, 422, "Expected `object`, got `array`"),
         ("/v1/completions", b'{"model": "m", "prompt": "\xc3"}', 400, "not valid JSON"),
+        # Decoded as the chat struct, the first message is not an object: refused at once.
         ("/v1/chat/completions", b'{"model": "m", "messages": ' + DEEP + b"}", 400,
+         "messages[0]"),
+        ("/v1/completions", b'{"model": "m", "prompt": ' + DEEP + b"}", 400,
          "nested too deeply"),
         ("/v1/route", b'{"prompt": "\\ud800"}', 400, "not valid JSON"),
         ("/v1/completions", b'{"model": "m", "prompt": "\\udfff"}', 400, "not valid JSON"),

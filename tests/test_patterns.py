@@ -26,6 +26,7 @@ PATTERNS = {
     "ZMQ_ENDPOINT": patterns.ZMQ_ENDPOINT,
     "INSTANCE_ID": patterns.INSTANCE_ID,
     "BLOCK_HASH_HEX": patterns.BLOCK_HASH_HEX,
+    "API_KEY": patterns.API_KEY,
 }
 MANY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -141,6 +142,9 @@ def test_the_ipv6_form_admits_the_usual_spellings(address: str):
     (patterns.INSTANCE_ID, " a", False),
     (patterns.INSTANCE_ID, "a/b", False),
     (patterns.INSTANCE_ID, "a\x85b", False),
+    (patterns.INSTANCE_ID, "I\u0126", False),  # not ASCII: it goes into a header
+    (patterns.API_KEY, "sk-abc/+=", True),
+    (patterns.API_KEY, "k\u00e9", False),
     (patterns.INSTANCE_ID, "a\n", False),
     (patterns.BLOCK_HASH_HEX, "0x" + "f" * 16, True),
     (patterns.BLOCK_HASH_HEX, "f" * 17, False),
