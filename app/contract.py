@@ -134,6 +134,8 @@ ROUTE = Operation(
                    "or `messages`; its reason is quoted"),
          404: _why("`model` is served by no registered instance",
                    "a `candidates` id is not registered (`unknown` lists them)"),
+         409: _why("`prompt` or `messages` with `tokenizer = \"instance\"`, and no eligible "
+                   "instance has a `url` to tokenize with (registered with `events` only)"),
          413: _why("the prompt is over `max_prompt_tokens` once tokenized",
                    "the `messages`' text together is over `max_prompt_chars`"),
          422: _why("`prompt` or `messages` while no `tokenizer` is configured"),
@@ -263,6 +265,7 @@ def _forwarded(kind: str, question: type) -> Operation:
             {400: _why("the body is not the OpenAI request kvroute reads (`field` names "
                        "what), or the prompt's tokenizer refused it"),
              404: _why("`model` is served by no registered instance"),
+             409: _why("a text prompt, and no eligible instance has a `url` to tokenize with"),
              413: _why("the prompt is over `max_prompt_tokens` once tokenized",
                        "the `messages`' text together is over `max_prompt_chars`"),
              502: _why("the instance broke before answering, or tokenizing failed"),

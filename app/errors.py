@@ -67,8 +67,9 @@ class AlreadyExists(RequestError):
 
 
 class Conflict(RequestError):
-    """A registration that contradicts what the instance itself reports (a `model` it does
-    not serve); the same request can succeed once the instance changes."""
+    """A well-formed request the instances' current state cannot serve: a registration whose
+    `model` the instance does not serve, a text prompt whose eligible instances have no url to
+    tokenize with. The same request can succeed once that state changes."""
 
 
 class LimitReached(RequestError):

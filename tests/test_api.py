@@ -256,6 +256,28 @@ def test_text_prompts_through_the_instance_tokenizer(cluster: SimCluster):
         server.stop()
 
 
+def test_text_without_an_instance_url_to_tokenize_with_is_a_conflict(cluster: SimCluster):
+    """Candidates registered with event endpoints only cannot tokenize a prompt: a 409 that
+    says what would work, not a 503 inviting a retry that cannot help (found by
+    schemathesis)."""
+    server = start_service(tokenizer="instance")
+    try:
+        with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as client:
+            (source,) = cluster.instances[0].kv_event_sources()
+            bare = client.post("/v1/instances", json={
+                "id": "bare", "events": [source["endpoint"]],
+                "replay": [source["replay_endpoint"]], "model": "sim-model"})
+            assert bare.status_code == 201, bare.text
+            wait_for(lambda: client.get("/v1/instances/bare").json()["state"] == "live",
+                     "the instance to go live")
+            answer = route(client, prompt="hello", candidates=["bare"])
+            assert answer.status_code == 409, answer.text
+            assert "url" in answer.json()["error"] and "token_ids" in answer.json()["error"]
+            assert route(client, token_ids=[1, 2, 3], candidates=["bare"]).status_code == 200
+    finally:
+        server.stop()
+
+
 def test_chat_messages_are_checked_before_tokenizing(cluster: SimCluster):
     """A content part's text must be text, and the messages' text together is within
     max_prompt_chars (the one size rule a schema cannot state: a sum)."""
