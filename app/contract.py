@@ -58,6 +58,8 @@ class Answer:
     body: Any = Error
     media_type: str = JSON
     headers: Mapping[str, str] = field(default_factory=dict)  # name -> description
+    # OpenAPI links: name -> (operationId, {parameter: runtime expression}).
+    links: Mapping[str, tuple[str, Mapping[str, str]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +112,10 @@ def _json_body(limit: str) -> dict[int | str, Answer]:
 
 
 def _route_body(settings: Settings) -> Any:
-    return Annotated[route_request_type(settings),
-                     msgspec.Meta(extra_json_schema=inputs_schema(settings))]
+    examples = [{"token_ids": [128000, 9906, 1917, 0], "model": "llama-3-8b"},
+                {"prompt": "Summarise the ticket below.", "probe": True}]
+    return Annotated[route_request_type(settings), msgspec.Meta(
+        extra_json_schema=inputs_schema(settings), examples=examples)]
 
 
 ROUTE = Operation(
@@ -176,11 +180,18 @@ ADD_INSTANCE = Operation(
         "and is never shown back. Only while `manage_instances` is on."),
     tag="instances",
     guard="admin",
-    body=lambda settings: Annotated[InstanceConfig,
-                                    msgspec.Meta(extra_json_schema=URL_OR_EVENTS)],
+    body=lambda settings: Annotated[InstanceConfig, msgspec.Meta(
+        extra_json_schema=URL_OR_EVENTS,
+        examples=[{"url": "http://10.0.0.5:8000"},
+                  {"id": "gpu-b", "url": "http://10.0.0.6:8000", "model": "llama-3-8b",
+                   "events": ["tcp://10.0.0.6:5557"], "replay": ["tcp://10.0.0.6:5558"]}])],
     body_limit=f"{REGISTRATION_MAX_BYTES // 1024} KiB",
     answers=_merge(
-        {201: Answer(("registered; its workers start connecting",), InstanceDetail)},
+        {201: Answer(("registered; its workers start connecting",), InstanceDetail,
+                     links={"get_instance": ("get_instance",
+                                             {"instance_id": "$response.body#/id"}),
+                            "delete_instance": ("delete_instance",
+                                                {"instance_id": "$response.body#/id"})})},
         ADMISSION, _json_body(f"{REGISTRATION_MAX_BYTES // 1024} KiB"),
         {403: _why("an `events` or `replay` endpoint is on another host than `url`'s, "
                    "which `zmq_endpoint_hosts` does not list"),

@@ -97,6 +97,9 @@ def _response(answer: Answer, schemas: _Schemas) -> dict[str, Any]:
         out["headers"] = {name: {"description": text, "required": True,
                                  "schema": {"type": "string"}}
                           for name, text in answer.headers.items()}
+    if answer.links:
+        out["links"] = {name: {"operationId": operation, "parameters": dict(parameters)}
+                        for name, (operation, parameters) in answer.links.items()}
     if isinstance(answer.body, Relayed):
         out["content"] = {JSON: {"schema": {"type": "object"}},
                           "text/event-stream": {"schema": {"type": "string"}}}

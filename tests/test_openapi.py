@@ -66,6 +66,12 @@ def test_the_reference_document_describes_every_operation_the_contract_has():
         "description": document["components"]["securitySchemes"]["api_token"]["description"]}
     metrics = document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert list(metrics) == ["text/plain"]
+    # The links from a registration to reading and removing the same instance.
+    ids = {operation["operationId"] for methods in document["paths"].values()
+           for operation in methods.values()}
+    links = document["paths"]["/v1/instances"]["post"]["responses"]["201"]["links"]
+    assert {link["operationId"] for link in links.values()} == {"get_instance",
+                                                                 "delete_instance"} <= ids
 
 
 def test_every_route_has_a_contract_entry_and_the_reverse():
@@ -160,3 +166,20 @@ def test_the_registration_schema_accepts_what_registration_accepts(body: dict):
     else:
         accepted = True
     assert valid == accepted
+
+
+def test_every_request_example_is_valid_to_its_schema():
+    import jsonschema_rs
+
+    document = json.loads(COMMITTED.read_text())
+    seen = 0
+    for methods in document["paths"].values():
+        for operation in methods.values():
+            body = operation.get("requestBody", {}).get("content", {}).get("application/json")
+            schema = (body or {}).get("schema", {})
+            validator = jsonschema_rs.Draft202012Validator(
+                {**schema, "components": document["components"]})
+            for example in schema.get("examples", ()):
+                assert validator.is_valid(example), (operation["operationId"], example)
+                seen += 1
+    assert seen >= 4
