@@ -99,6 +99,8 @@ class RouteAnswer(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class InstanceSummary(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A registered instance; its state is its workers' (`discovering` until they are known)."""
+
     id: str
     url: str | None
     models: list[str]
@@ -110,6 +112,8 @@ class InstanceSummary(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class WorkerDetail(msgspec.Struct, forbid_unknown_fields=True):
+    """One data-parallel rank of an instance: where its events come from, what it holds."""
+
     dp_rank: int
     events_endpoint: str
     replay_endpoint: str | None
@@ -120,6 +124,8 @@ class WorkerDetail(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class InstanceDetail(InstanceSummary, forbid_unknown_fields=True, kw_only=True):
+    """A registered instance, worker by worker."""
+
     workers: list[WorkerDetail]
 
 
@@ -161,6 +167,8 @@ class SavedStateStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
 
 class Readiness(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Whether this replica is ready, and why (what it still waits for)."""
+
     ready: bool
     reason: str
     replicas: ReplicasStatus | UnsetType = UNSET  # with state_url

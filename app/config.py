@@ -92,17 +92,19 @@ URL_OR_EVENTS: dict[str, Any] = {"anyOf": [
 
 class InstanceConfig(msgspec.Struct, forbid_unknown_fields=True):
     """One vLLM instance. `url` alone is enough; explicit endpoints skip discovery.
+    `events[r]` and `replay[r]` are data-parallel rank r's PUB and ROUTER endpoints."""
 
-    `events[r]` and `replay[r]` are data-parallel rank r's PUB and ROUTER endpoints.
-    After construction `url` has no trailing slash and `events`/`replay` are tuples.
-    The string fields' patterns (app.patterns) are checked here, not by msgspec.
-    """
+    # (This docstring describes the registration body in the OpenAPI document.) After
+    # construction `url` has no trailing slash and `events`/`replay` are tuples; the string
+    # fields' patterns (app.patterns) are checked in __post_init__, not by msgspec.
 
     url: described(str, HTTP_ORIGIN) | None = None  # type: ignore[valid-type]
     id: described(str, INSTANCE_ID) | None = None  # type: ignore[valid-type]
     model: Text | None = None
-    events: Endpoints = ()
-    replay: Endpoints = ()
+    # None (not an empty list) by default: client generators mistake a list default in a
+    # union for a string (openapi-python-client sent events "[]").
+    events: Endpoints | None = None
+    replay: Endpoints | None = None
     topic: str = ""
     block_size: Positive | None = None
     # The instance's vLLM --api-key, sent when kvroute itself calls its /v1 endpoints.
@@ -110,10 +112,10 @@ class InstanceConfig(msgspec.Struct, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         # Errors start with the field's name; _explain prefixes the instance's path.
-        if isinstance(self.events, str):
-            self.events = (self.events,)
-        if isinstance(self.replay, str):
-            self.replay = (self.replay,)
+        if not isinstance(self.events, tuple):
+            self.events = () if self.events is None else (self.events,)
+        if not isinstance(self.replay, tuple):
+            self.replay = () if self.replay is None else (self.replay,)
         if self.url is not None:
             self.url = _origin(self.url)
         for name in ("events", "replay"):

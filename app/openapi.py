@@ -13,6 +13,7 @@ both tokens set, a tokenizer, default limits. `kvroute openapi` prints that docu
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Mapping
 from importlib.metadata import version
@@ -83,6 +84,9 @@ class _Schemas:
         schemas, components = msgspec.json.schema_components(self.types, ref_template=REF)
         for holder, number in self._places:
             holder.update(schemas[number])
+        for component in components.values():  # docstrings, without their indentation
+            if "description" in component:
+                component["description"] = inspect.cleandoc(component["description"])
         return components
 
 

@@ -44,6 +44,9 @@ TEXT_INPUTS = frozenset({"prompt", "messages"})
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
+    """An OpenAI chat message; kvroute tokenizes `role` and `content` (other fields are
+    ignored)."""
+
     role: str
     content: str | list[ContentPart] | None = None
 
@@ -78,7 +81,8 @@ def _limited(max_tokens: int, max_hashes: int, max_chars: int) -> type[RouteRequ
          ("block_hashes",
           Annotated[list[EngineHash], msgspec.Meta(max_length=max_hashes)] | None, None),
          ("prompt", Annotated[str, msgspec.Meta(max_length=max_chars)] | None, None)],
-        bases=(RouteRequest,), forbid_unknown_fields=True, module=__name__)
+        bases=(RouteRequest,), forbid_unknown_fields=True, module=__name__,
+        namespace={"__doc__": RouteRequest.__doc__})
 
 
 def inputs_schema(settings: Settings) -> dict[str, Any]:
