@@ -62,14 +62,17 @@ def _add_openapi(subparsers: argparse._SubParsersAction) -> None:
                     "limits. With --config: the document `kvroute serve --config FILE` "
                     "serves at /openapi.json (the KVROUTE_* environment applies too).")
     openapi.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    openapi.add_argument("--markdown", action="store_true",
+                         help="print the README's table of operations instead")
 
 
 def _openapi(args: argparse.Namespace) -> int:
     from kvroute.app.api import create_app
-    from kvroute.app.openapi import openapi_document, reference_settings, render
+    from kvroute.app.openapi import markdown_table, openapi_document, reference_settings, render
 
     settings = reference_settings() if args.config is None else load_settings(args.config)
-    sys.stdout.write(render(openapi_document(create_app(settings), settings)))
+    document = openapi_document(create_app(settings), settings)
+    sys.stdout.write(markdown_table(document) if args.markdown else render(document))
     return 0
 
 

@@ -255,15 +255,15 @@ def _or_relayed(answers: Mapping[int | str, Answer], relayed: Relayed
             for status, answer in answers.items()}
 
 
-def _forwarded(kind: str, question: type) -> Operation:
+def _forwarded(kind: str, question: type, reads: str) -> Operation:
     relayed = Relayed("the instance's own answer (also for its errors), relayed as it came")
     return Operation(
         summary=f"OpenAI {kind}, forwarded to the chosen worker",
         description=(
             "Routed like `POST /v1/route` and forwarded byte for byte to the chosen worker "
             "with `X-data-parallel-rank`; the answer, streamed or not, is the instance's. "
-            "kvroute reads only the fields below; any other field is the instance's to "
-            "judge. A status kvroute answers itself has kvroute's error body and no "
+            f"kvroute reads only {reads}; any other field is the instance's to judge. A "
+            "status kvroute answers itself has kvroute's error body and no "
             "`x-kvroute-instance` header. Only with `proxy` on."),
         tag="proxy",
         guard="api",
@@ -300,8 +300,11 @@ CONTRACT: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/instances"): ADD_INSTANCE,
     ("GET", "/v1/instances/{instance_id}"): GET_INSTANCE,
     ("DELETE", "/v1/instances/{instance_id}"): DELETE_INSTANCE,
-    ("POST", "/v1/completions"): _forwarded("completions", CompletionQuestion),
-    ("POST", "/v1/chat/completions"): _forwarded("chat completions", ChatQuestion),
+    ("POST", "/v1/completions"): _forwarded(
+        "completions", CompletionQuestion,
+        "`model` and `prompt` (text, token ids, or a batch of either, routed by its first)"),
+    ("POST", "/v1/chat/completions"): _forwarded(
+        "chat completions", ChatQuestion, "`model` and `messages`"),
     ("GET", "/v1/models"): MODELS,
     ("GET", "/healthz"): HEALTHZ,
     ("GET", "/readyz"): READYZ,

@@ -28,7 +28,7 @@ from kvroute.app.config import Settings
 from kvroute.app.contract import CONTRACT, JSON, Answer, Operation, Relayed
 from kvroute.app.patterns import INSTANCE_ID
 
-__all__ = ["openapi_document", "reference_settings", "render"]
+__all__ = ["markdown_table", "openapi_document", "reference_settings", "render"]
 
 REF = "#/components/schemas/{name}"
 TOKENS = {
@@ -178,3 +178,17 @@ def openapi_document(app: FastAPI, settings: Settings) -> dict[str, Any]:
 def render(document: Mapping[str, Any]) -> str:
     """The document as docs/openapi.json holds it: indented, keys in document order."""
     return msgspec.json.format(msgspec.json.encode(document), indent=2).decode() + "\n"
+
+
+def markdown_table(document: Mapping[str, Any]) -> str:
+    """The README's table of operations: what each does and every status it answers."""
+    rows = ["| method and path | what it does | statuses |", "|---|---|---|"]
+    for path, methods in document["paths"].items():
+        for method, operation in methods.items():
+            text = f"**{operation['summary']}.** {operation['description']}"
+            statuses = ", ".join(status for status in operation["responses"]
+                                 if status != "default")
+            if "default" in operation["responses"]:
+                statuses += ", and any status of the instance's own answer"
+            rows.append(f"| `{method.upper()} {path}` | {text.replace('|', '/')} | {statuses} |")
+    return "\n".join(rows) + "\n"
