@@ -29,18 +29,18 @@ def decode_json(body: bytes, type: type[T] | Any = Any) -> T:
     """`body` decoded as `type`; MalformedRequest if it is not JSON, InvalidRequest (naming
     the field) if it is JSON of the wrong shape."""
     try:
-        return msgspec.json.decode(body, type=type)
-    except msgspec.ValidationError as exc:
-        if "got `float`" not in str(exc):
-            raise InvalidRequest(str(exc), field_of(str(exc))) from None
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-        raise MalformedRequest(f"body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise MalformedRequest("body is not valid JSON: nested too deeply") from None
-    try:
-        return msgspec.convert(integral_numbers(msgspec.json.decode(body)), type)
+        try:
+            return msgspec.json.decode(body, type=type)
+        except msgspec.ValidationError as exc:
+            if "got `float`" not in str(exc):
+                raise
+            # Read again with integral numbers as ints; the rest of the body has not been
+            # read yet, so it may still turn out not to be JSON.
+            return msgspec.convert(integral_numbers(msgspec.json.decode(body)), type)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(str(exc), field_of(str(exc))) from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise MalformedRequest(f"body is not valid JSON: {exc}") from None
     except RecursionError:
         raise MalformedRequest("body is not valid JSON: nested too deeply") from None
 
