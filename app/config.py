@@ -46,6 +46,7 @@ from kvroute.app.patterns import (
     NOT_BLANK,
     ZMQ_ENDPOINT,
     described,
+    documented,
     matches,
 )
 from kvroute.app.routing import CostWeights
@@ -98,17 +99,27 @@ class InstanceConfig(msgspec.Struct, forbid_unknown_fields=True):
     # construction `url` has no trailing slash and `events`/`replay` are tuples; the string
     # fields' patterns (app.patterns) are checked in __post_init__, not by msgspec.
 
-    url: described(str, HTTP_ORIGIN) | None = None  # type: ignore[valid-type]
-    id: described(str, INSTANCE_ID) | None = None  # type: ignore[valid-type]
-    model: Text | None = None
+    url: documented(described(str, HTTP_ORIGIN) | None,
+                    "its HTTP origin, http(s)://HOST[:PORT]: no path, query or credentials"
+                    ) = None
+    id: documented(described(str, INSTANCE_ID) | None,
+                   "its name in kvroute (default: the url's HOST:PORT): printable ASCII "
+                   "without '/'") = None
+    model: documented(Text | None, "the model it serves (checked against its /v1/models "
+                                   "when that answers)") = None
     # None (not an empty list) by default: client generators mistake a list default in a
     # union for a string (openapi-python-client sent events "[]").
-    events: Endpoints | None = None
-    replay: Endpoints | None = None
-    topic: str = ""
-    block_size: Positive | None = None
+    events: documented(Endpoints | None, "each data-parallel rank's KV-event endpoint, "
+                                         "tcp://HOST:PORT (skips discovery)") = None
+    replay: documented(Endpoints | None, "each rank's replay endpoint, one per `events` "
+                                         "entry") = None
+    topic: documented(str, "the ZeroMQ topic of its events (default: all)") = ""
+    block_size: documented(Positive | None, "tokens per KV block (default: discovered)"
+                           ) = None
     # The instance's vLLM --api-key, sent when kvroute itself calls its /v1 endpoints.
-    api_key: described(str, API_KEY) | None = None  # type: ignore[valid-type]
+    api_key: documented(described(str, API_KEY) | None,
+                        "its vLLM --api-key, for kvroute's own calls to it; never shown back"
+                        ) = None
 
     def __post_init__(self) -> None:
         # Errors start with the field's name; _explain prefixes the instance's path.

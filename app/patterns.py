@@ -18,8 +18,7 @@ import msgspec
 
 __all__ = [
     "API_KEY", "BLOCK_HASH_HEX", "HTTP_ORIGIN", "INSTANCE_ID", "NOT_BLANK", "ZMQ_ENDPOINT",
-    "described",
-    "matches",
+    "described", "documented", "matches",
 ]
 
 # Contains something besides ASCII whitespace (unanchored: a `search`, in both engines).
@@ -75,3 +74,8 @@ def described(kind: Any, pattern: str) -> Any:
     """`kind` (str) with `pattern` in its JSON Schema; the code that reads the field checks
     it with `matches` (msgspec's own `pattern` uses `re.search`, see the module doc)."""
     return Annotated[kind, msgspec.Meta(extra_json_schema={"pattern": pattern})]
+
+
+def documented(kind: Any, description: str) -> Any:
+    """`kind` with a description for people in its JSON Schema (a field of a request)."""
+    return Annotated[kind, msgspec.Meta(description=description)]

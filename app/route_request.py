@@ -20,7 +20,7 @@ import msgspec
 
 from kvroute.app.config import Settings
 from kvroute.app.errors import InvalidRequest
-from kvroute.app.patterns import BLOCK_HASH_HEX, INSTANCE_ID, described, matches
+from kvroute.app.patterns import BLOCK_HASH_HEX, INSTANCE_ID, described, documented, matches
 
 __all__ = ["INPUTS", "ChatMessage", "RouteRequest", "inputs_schema", "parse_hash",
            "route_request_type"]
@@ -51,19 +51,31 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
     content: str | list[ContentPart] | None = None
 
 
+# What each input is, for people (the limited fields of route_request_type say it too).
+TOKEN_IDS = "the prompt's token ids (at most `max_prompt_tokens`)"
+BLOCK_HASHES = ("vLLM's block hashes of the prompt: 64-bit ints, signed or not, or hex "
+                "strings (at most `max_block_hashes`)")
+PROMPT = "text, tokenized as the instance would (at most `max_prompt_chars` characters)"
+
+
 class RouteRequest(msgspec.Struct, forbid_unknown_fields=True):
     """Exactly one of `token_ids`, `block_hashes`, `prompt` (text) or `messages` (chat)."""
 
-    token_ids: list[TokenId] | None = None
-    block_hashes: list[EngineHash] | None = None
-    prompt: str | None = None
-    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)] | None = None
-    model: str | None = None
-    lora_name: str | None = None
-    candidates: Annotated[list[InstanceId], msgspec.Meta(min_length=1)] | None = None
+    token_ids: documented(list[TokenId] | None, TOKEN_IDS) = None
+    block_hashes: documented(list[EngineHash] | None, BLOCK_HASHES) = None
+    prompt: documented(str | None, PROMPT) = None
+    messages: documented(Annotated[list[ChatMessage], msgspec.Meta(min_length=1)] | None,
+                         "a chat, rendered with the model's chat template") = None
+    model: documented(str | None, "only instances serving it (a LoRA adapter's name "
+                                  "matches the blocks cached for it)") = None
+    lora_name: documented(str | None, "the LoRA adapter the blocks were cached under") = None
+    candidates: documented(
+        Annotated[list[InstanceId], msgspec.Meta(min_length=1)] | None,
+        "only these instances (ids)") = None
     # The caller only asks what kvroute would do and will not send the request: the answer
     # leaves no placement guess and does not count as load on the chosen worker.
-    probe: bool = False
+    probe: documented(bool, "only asking: the answer leaves no placement guess and counts "
+                            "as no load") = False
 
 
 def route_request_type(settings: Settings) -> type[RouteRequest]:
@@ -76,11 +88,14 @@ def route_request_type(settings: Settings) -> type[RouteRequest]:
 def _limited(max_tokens: int, max_hashes: int, max_chars: int) -> type[RouteRequest]:
     return msgspec.defstruct(
         "RouteRequest",
-        [("token_ids",
-          Annotated[list[TokenId], msgspec.Meta(max_length=max_tokens)] | None, None),
-         ("block_hashes",
-          Annotated[list[EngineHash], msgspec.Meta(max_length=max_hashes)] | None, None),
-         ("prompt", Annotated[str, msgspec.Meta(max_length=max_chars)] | None, None)],
+        [("token_ids", documented(
+            Annotated[list[TokenId], msgspec.Meta(max_length=max_tokens)] | None, TOKEN_IDS),
+          None),
+         ("block_hashes", documented(
+             Annotated[list[EngineHash], msgspec.Meta(max_length=max_hashes)] | None,
+             BLOCK_HASHES), None),
+         ("prompt", documented(Annotated[str, msgspec.Meta(max_length=max_chars)] | None,
+                               PROMPT), None)],
         bases=(RouteRequest,), forbid_unknown_fields=True, module=__name__,
         namespace={"__doc__": RouteRequest.__doc__})
 
