@@ -138,7 +138,7 @@ class Deleted(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Health(msgspec.Struct, forbid_unknown_fields=True):
-    status: Literal["ok"] = "ok"
+    status: Literal["ok"]
 
 
 class ReplicasStatus(msgspec.Struct, forbid_unknown_fields=True):
@@ -177,7 +177,7 @@ class Readiness(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class ModelCard(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     id: str
-    object: Literal["model"] = "model"
+    object: Literal["model"]
     created: int
     owned_by: str
 
@@ -185,5 +185,5 @@ class ModelCard(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class ModelList(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """vLLM's model list shape."""
 
-    object: Literal["list"] = "list"
+    object: Literal["list"]
     data: list[ModelCard]

@@ -212,7 +212,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz() -> Response:
-        return _json(Health())
+        return _json(Health("ok"))
 
     @app.get("/readyz")
     async def readyz(request: Request) -> Response:

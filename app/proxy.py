@@ -233,9 +233,10 @@ class Proxy:
         cards: dict[str, ModelCard] = {}
         for instance in self.service.registry:
             for model in instance.models:
-                cards.setdefault(model, ModelCard(id=model, created=int(instance.added_at),
+                cards.setdefault(model, ModelCard(id=model, object="model",
+                                                  created=int(instance.added_at),
                                                   owned_by="vllm"))
-        return ModelList(data=list(cards.values()))
+        return ModelList(object="list", data=list(cards.values()))
 
 
 class _ClientGone(Exception):
