@@ -32,6 +32,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.index_bench --quick
+	$(BIN)/python -m benchmarks.route_bench --quick
 	$(BIN)/python -m benchmarks.saved_state --quick
 	$(BIN)/python -m benchmarks.hitrate --quick
 	$(BIN)/python -m benchmarks.hitrate --quick --clients 1,4,16 --out bench-out/clients \

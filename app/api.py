@@ -15,19 +15,24 @@ from typing import Any
 import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
+from starlette.types import Scope
 
+from kvroute.app.answers import Deleted, Error, Health, InstanceList, Readiness, encode
 from kvroute.app.auth import admin_guard, api_guard
 from kvroute.app.config import ConfigError, Settings, parse_instance
 from kvroute.app.discovery import DiscoveryError
 from kvroute.app.errors import (
     AlreadyExists,
     Busy,
+    Conflict,
     InvalidRequest,
     LimitReached,
     MalformedRequest,
     NoEligibleWorker,
+    NotAllowed,
     NotFound,
     RequestError,
     TimedOut,
@@ -37,14 +42,15 @@ from kvroute.app.errors import (
     UpstreamFailed,
 )
 from kvroute.app.http_guard import HttpGuard
-from kvroute.app.json_body import decode_json
+from kvroute.app.json_body import decode_json, integral_numbers
 from kvroute.app.metrics import CONTENT_TYPE
-from kvroute.app.proxy import Proxy, proxy_router
-from kvroute.app.registry import DuplicateInstance, UnknownInstance
-from kvroute.app.request_body import read_body
+from kvroute.app.openapi import openapi_document
+from kvroute.app.proxy import Proxy, add_proxy_routes
+from kvroute.app.registry import DuplicateInstance, ModelNotServed, UnknownInstance
+from kvroute.app.request_body import REGISTRATION_MAX_BYTES, read_body
 from kvroute.app.service import Service
 
-__all__ = ["create_app"]
+__all__ = ["allowed_methods", "create_app"]
 
 log = logging.getLogger("kvroute.api")
 
@@ -52,9 +58,11 @@ log = logging.getLogger("kvroute.api")
 STATUS_OF: dict[type[RequestError], int] = {
     MalformedRequest: 400,
     Unauthorized: 401,
+    NotAllowed: 403,
     NotFound: 404,
     TimedOut: 408,
     AlreadyExists: 409,
+    Conflict: 409,
     LimitReached: 409,
     TooLarge: 413,
     UnsupportedMediaType: 415,
@@ -65,9 +73,23 @@ STATUS_OF: dict[type[RequestError], int] = {
 }
 
 
-def _json(payload: Any, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(payload), status_code=status,
-                    media_type="application/json")
+def _json(answer: msgspec.Struct, status: int = 200) -> Response:
+    return Response(encode(answer), status_code=status, media_type="application/json")
+
+
+def _error(status: int, answer: Error, headers: dict[str, str] | None = None) -> Response:
+    return Response(encode(answer), status_code=status, media_type="application/json",
+                    headers=headers)
+
+
+def allowed_methods(app: FastAPI, scope: Scope) -> str:
+    """The methods some route of `app` answers on the request's path, as an Allow value."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        if isinstance(route, Route) and route.methods and route.path_regex.fullmatch(
+                scope["path"]):
+            methods |= route.methods
+    return ", ".join(sorted(methods))
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -99,7 +121,8 @@ def create_app(settings: Settings) -> FastAPI:
             await service.close()
 
     docs = settings.docs
-    app = FastAPI(title="kvroute", version="0.1.0", lifespan=lifespan,
+    # No redirect from /path/ to /path: an API client gets a 404, not a 307 it must follow.
+    app = FastAPI(title="kvroute", version="0.1.0", lifespan=lifespan, redirect_slashes=False,
                   summary="KV-cache-aware routing index for vLLM fleets",
                   openapi_url="/openapi.json" if docs else None,
                   docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None)
@@ -109,37 +132,39 @@ def create_app(settings: Settings) -> FastAPI:
     admin = [Depends(admin_guard(settings))]
 
     @app.exception_handler(RequestError)
-    async def _refused(request: Request, exc: RequestError) -> JSONResponse:
+    async def _refused(request: Request, exc: RequestError) -> Response:
         status = STATUS_OF[type(exc)]
         if request.url.path == "/v1/route":
             request.app.state.service.metrics.route_errors.labels(str(status)).inc()
-        return JSONResponse(exc.payload(),
-                            status_code=status,
-                            headers={"www-authenticate": "Bearer"} if status == 401 else None)
+        return _error(status, Error(**exc.payload()),
+                      headers={"www-authenticate": "Bearer"} if status == 401 else None)
 
     @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unexpected error answering %s %s", request.method, request.url.path)
-        return JSONResponse({"error": f"internal error: {exc.__class__.__name__}",
-                             "field": None}, status_code=500)
+        return _error(500, Error(f"internal error: {exc.__class__.__name__}", None))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {}
         field = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return JSONResponse({"error": first.get("msg", "invalid request"), "field": field},
-                            status_code=422)
+        return _error(422, Error(first.get("msg", "invalid request"), field))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse({"error": str(exc.detail), "field": None},
-                            status_code=exc.status_code)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 405:
+            # Starlette names only the first route of the path; every method of it is
+            # allowed (RFC 9110: a 405 lists them all).
+            allowed = allowed_methods(request.app, request.scope)
+            return _error(405, Error(f"{request.method} is not allowed on "
+                                     f"{request.url.path}; allowed: {allowed}", None),
+                          headers={"allow": allowed})
+        return _error(exc.status_code, Error(str(exc.detail), None))
 
     def service_of(request: Request) -> Service:
         return request.app.state.service
 
-    @app.post("/v1/route", summary="The worker with the longest cached prefix of a prompt",
-              dependencies=api)
+    @app.post("/v1/route", dependencies=api)
     async def route(request: Request) -> Response:
         service = service_of(request)
         started = time.perf_counter()
@@ -151,13 +176,13 @@ def create_app(settings: Settings) -> FastAPI:
     @app.get("/v1/instances", dependencies=api)
     async def list_instances(request: Request) -> Response:
         service = service_of(request)
-        return _json({"instances": [service.instance_json(i) for i in service.registry]})
+        return _json(InstanceList([service.instance_summary(i) for i in service.registry]))
 
     @app.get("/v1/instances/{instance_id}", dependencies=api)
     async def get_instance(instance_id: str, request: Request) -> Response:
         service = service_of(request)
         try:
-            return _json(service.instance_json(service.registry.get(instance_id), detail=True))
+            return _json(service.instance_detail(service.registry.get(instance_id)))
         except UnknownInstance:
             raise NotFound(f"unknown instance {instance_id!r}", "instance_id") from None
 
@@ -166,8 +191,9 @@ def create_app(settings: Settings) -> FastAPI:
         @app.post("/v1/instances", status_code=201, dependencies=admin)
         async def add_instance(request: Request) -> Response:
             service = service_of(request)
-            body = await read_body(request, 64 * 1024, timeout=settings.body_timeout)
-            raw = decode_json(body)
+            body = await read_body(request, REGISTRATION_MAX_BYTES,
+                                   timeout=settings.body_timeout)
+            raw = integral_numbers(decode_json(body))  # block_size 16.0 is 16 to its schema
             try:
                 config = parse_instance(raw, "body")
             except ConfigError as exc:
@@ -176,9 +202,11 @@ def create_app(settings: Settings) -> FastAPI:
                 instance = await service.registry.add(config)
             except DuplicateInstance as exc:
                 raise AlreadyExists(f"instance {exc} is already registered", "id") from None
+            except ModelNotServed as exc:
+                raise Conflict(f"{exc}", "model") from None
             except DiscoveryError as exc:
                 raise UpstreamFailed(f"discovery failed: {exc}", "url") from None
-            return _json(service.instance_json(instance, detail=True), status=201)
+            return _json(service.instance_detail(instance), status=201)
 
         @app.delete("/v1/instances/{instance_id}", dependencies=admin)
         async def delete_instance(instance_id: str, request: Request) -> Response:
@@ -187,28 +215,35 @@ def create_app(settings: Settings) -> FastAPI:
                 instance = await service.registry.remove(instance_id)
             except UnknownInstance:
                 raise NotFound(f"unknown instance {instance_id!r}", "instance_id") from None
-            return _json({"deleted": instance.id})
+            return _json(Deleted(instance.id))
 
     if settings.proxy:
-        app.include_router(proxy_router(), dependencies=api)
+        add_proxy_routes(app, dependencies=api)
 
     @app.get("/healthz")
     async def healthz() -> Response:
-        return _json({"status": "ok"})
+        return _json(Health("ok"))
 
     @app.get("/readyz")
     async def readyz(request: Request) -> Response:
         service = service_of(request)
         ready, reason = service.readiness()
-        body: dict[str, Any] = {"ready": ready, "reason": reason}
+        answer = Readiness(ready=ready, reason=reason)
         if service.peers is not None:  # losing Valkey leaves a replica ready: it routes alone
-            body["replicas"] = service.peers.status()
+            answer.replicas = service.peers.status()
         if service.state is not None:  # a failing save leaves it ready: it still routes
-            body["saved_state"] = service.state.status()
-        return _json(body, status=200 if ready else 503)
+            answer.saved_state = service.state.status()
+        return _json(answer, status=200 if ready else 503)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         return Response(service_of(request).metrics.render(), media_type=CONTENT_TYPE)
 
+    def openapi() -> dict[str, Any]:
+        # What each operation takes and answers is app.contract's; built once, on demand.
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_document(app, settings)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

@@ -1,4 +1,5 @@
-"""`kvroute`: serve the routing API, run the simulated demo, or tail an event stream."""
+"""`kvroute`: serve the routing API, print its OpenAPI document, run the simulated demo, or
+tail an event stream."""
 
 from __future__ import annotations
 
@@ -57,6 +58,28 @@ def _serve(args: argparse.Namespace) -> int:
     return serve_forever(settings)
 
 
+def _add_openapi(subparsers: argparse._SubParsersAction) -> None:
+    openapi = subparsers.add_parser(
+        "openapi", help="print the HTTP API's OpenAPI document",
+        description="Print the OpenAPI 3.1 document (JSON). Without --config: the reference "
+                    "document (docs/openapi.json): every endpoint, tokens required, default "
+                    "limits. With --config: the document `kvroute serve --config FILE` "
+                    "serves at /openapi.json (the KVROUTE_* environment applies too).")
+    openapi.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    openapi.add_argument("--markdown", action="store_true",
+                         help="print the README's table of operations instead")
+
+
+def _openapi(args: argparse.Namespace) -> int:
+    from kvroute.app.api import create_app
+    from kvroute.app.openapi import markdown_table, openapi_document, reference_settings, render
+
+    settings = reference_settings() if args.config is None else load_settings(args.config)
+    document = openapi_document(create_app(settings), settings)
+    sys.stdout.write(markdown_table(document) if args.markdown else render(document))
+    return 0
+
+
 def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     demo = subparsers.add_parser(
         "demo", help="run kvroute against a built-in simulated vLLM cluster",
@@ -83,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
                                      description="KV-cache-aware routing for vLLM fleets")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(subparsers)
+    _add_openapi(subparsers)
     _add_demo(subparsers)
     tail.add_parser(subparsers)
     return parser
@@ -99,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serve(args)
         if args.command == "demo":
             return _demo(args)
+        if args.command == "openapi":
+            return _openapi(args)
         from kvroute.app import tail
 
         return tail.run(args)

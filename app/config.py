@@ -40,6 +40,17 @@ import msgspec
 
 from kvroute.app.endpoints import parse_endpoint
 from kvroute.app.json_body import split_validation
+from kvroute.app.patterns import (
+    API_KEY,
+    HTTP_ORIGIN,
+    INSTANCE_ID,
+    IP_ENDPOINT,
+    NOT_BLANK,
+    ZMQ_ENDPOINT,
+    described,
+    documented,
+    matches,
+)
 from kvroute.app.routing import CostWeights
 from kvroute.app.subscription import SubscriberOptions
 
@@ -52,12 +63,14 @@ __all__ = [
 ]
 
 ENV_PREFIX = "KVROUTE_"
+# Endpoint hosts that say "every interface" (where an engine binds), not where to connect.
+BIND_HOSTS = frozenset({"*", "0.0.0.0", "::"})
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]  # 0: the OS picks a free port
 Positive = Annotated[int, msgspec.Meta(gt=0)]
 NonNegative = Annotated[float, msgspec.Meta(ge=0)]  # and finite: see __post_init__
 Seconds = Annotated[float, msgspec.Meta(gt=0)]  # and finite
-Text = Annotated[str, msgspec.Meta(pattern=r"\S")]  # not empty, not only spaces
+Text = Annotated[str, msgspec.Meta(pattern=NOT_BLANK)]  # not empty, not only spaces
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 
 
@@ -70,32 +83,55 @@ class ConfigError(ValueError):
         self.field = field
 
 
+Endpoint = described(str, ZMQ_ENDPOINT)
+Endpoints = Endpoint | tuple[Endpoint, ...]
+# InstanceConfig's "`url` or `events`" as JSON Schema (the check is its __post_init__).
+URL_OR_EVENTS: dict[str, Any] = {"anyOf": [
+    {"required": ["url"], "properties": {"url": {"type": "string"}}},
+    {"required": ["events"], "properties": {"events": {
+        "anyOf": [{"type": "string"}, {"type": "array", "minItems": 1}]}}},
+]}
+
+
 class InstanceConfig(msgspec.Struct, forbid_unknown_fields=True):
     """One vLLM instance. `url` alone is enough; explicit endpoints skip discovery.
+    `events[r]` and `replay[r]` are data-parallel rank r's PUB and ROUTER endpoints."""
 
-    `events[r]` and `replay[r]` are data-parallel rank r's PUB and ROUTER endpoints.
-    After construction `url` has no trailing slash and `events`/`replay` are tuples.
-    """
+    # (This docstring describes the registration body in the OpenAPI document.) After
+    # construction `url` has no trailing slash and `events`/`replay` are tuples; the string
+    # fields' patterns (app.patterns) are checked in __post_init__, not by msgspec.
 
-    url: Text | None = None
-    id: Text | None = None
-    model: Text | None = None
-    events: str | tuple[str, ...] = ()
-    replay: str | tuple[str, ...] = ()
-    topic: str = ""
-    block_size: Positive | None = None
+    url: documented(described(str, HTTP_ORIGIN) | None,
+                    "its HTTP origin, http(s)://HOST[:PORT]: no path, query or credentials"
+                    ) = None
+    id: documented(described(str, INSTANCE_ID) | None,
+                   "its name in kvroute (default: the url's HOST:PORT): printable ASCII "
+                   "without '/'") = None
+    model: documented(Text | None, "the model it serves (checked against its /v1/models "
+                                   "when that answers)") = None
+    # None (not an empty list) by default: client generators mistake a list default in a
+    # union for a string (openapi-python-client sent events "[]").
+    events: documented(Endpoints | None, "each data-parallel rank's KV-event endpoint, "
+                                         "tcp://HOST:PORT (skips discovery)") = None
+    replay: documented(Endpoints | None, "each rank's replay endpoint, one per `events` "
+                                         "entry") = None
+    topic: documented(str, "the ZeroMQ topic of its events (default: all)") = ""
+    block_size: documented(Positive | None, "tokens per KV block (default: discovered)"
+                           ) = None
     # The instance's vLLM --api-key, sent when kvroute itself calls its /v1 endpoints.
-    api_key: Text | None = None
-    # IP:PORT a gateway reaches this instance at, when kvroute answers as its Endpoint
-    # Picker (app.endpoints); default: the url's host (resolved when a name) and port.
-    endpoint: Text | None = None
+    api_key: documented(described(str, API_KEY) | None,
+                        "its vLLM --api-key, for kvroute's own calls to it; never shown back"
+                        ) = None
+    endpoint: documented(described(str, IP_ENDPOINT) | None,
+                         "IP:PORT a gateway reaches it at when kvroute is its Endpoint Picker "
+                         "(default: the url's host, resolved when a name, and port)") = None
 
     def __post_init__(self) -> None:
         # Errors start with the field's name; _explain prefixes the instance's path.
-        if isinstance(self.events, str):
-            self.events = (self.events,)
-        if isinstance(self.replay, str):
-            self.replay = (self.replay,)
+        if not isinstance(self.events, tuple):
+            self.events = () if self.events is None else (self.events,)
+        if not isinstance(self.replay, tuple):
+            self.replay = () if self.replay is None else (self.replay,)
         if self.url is not None:
             self.url = _origin(self.url)
         for name in ("events", "replay"):
@@ -104,7 +140,8 @@ class InstanceConfig(msgspec.Struct, forbid_unknown_fields=True):
         if self.url is None and not self.events:
             raise ValueError("give `url` (discovery) or explicit `events` endpoints")
         if self.endpoint is not None:
-            normalized = parse_endpoint(self.endpoint)
+            normalized = (parse_endpoint(self.endpoint)
+                          if matches(IP_ENDPOINT, self.endpoint) else None)
             if normalized is None:
                 raise ValueError(f"endpoint: {self.endpoint!r} is not IP:PORT (an IP address, "
                                  "IPv6 in brackets, and a port from 1 to 65535)")
@@ -112,11 +149,12 @@ class InstanceConfig(msgspec.Struct, forbid_unknown_fields=True):
         if self.replay and len(self.replay) != len(self.events):
             raise ValueError(f"replay: {len(self.replay)} endpoint(s) for {len(self.events)} "
                              "event endpoint(s); give one per data-parallel rank")
-        if self.id is not None and "/" in self.id:
-            raise ValueError("id: must not contain '/'")
-        if self.id is not None and not self.id.isprintable():
-            # It names the instance in URLs, logs and metric labels.
-            raise ValueError("id: must not contain control or other non-printable characters")
+        if self.id is not None and not matches(INSTANCE_ID, self.id):
+            raise ValueError("id: must be printable ASCII without '/', and not begin or end "
+                             "with a space")
+        if self.api_key is not None and not matches(API_KEY, self.api_key):
+            raise ValueError("api_key: must be printable ASCII (it is sent in a header), and "
+                             "not begin or end with a space")
 
     def __repr__(self) -> str:
         return _repr_without_secrets(self)
@@ -253,27 +291,22 @@ def is_loopback(host: str) -> bool:
 
 def _origin(url: str) -> str:
     """`url` as scheme://host[:port]: kvroute builds every request URL from it, so a path,
-    query, fragment or credentials would end up where nobody looks (and in answers)."""
-    try:
-        parts = urlsplit(url.strip())
-        port = parts.port  # raises for a port out of range
-    except ValueError as exc:
-        raise ValueError(f"url: {url!r} is not an http(s)://HOST[:PORT] URL: {exc}") from None
-    extra = parts.path.strip("/") or parts.query or parts.fragment or "@" in parts.netloc
-    if parts.scheme not in ("http", "https") or not parts.hostname or extra or port == 0:
+    query, fragment or credentials would end up where nobody looks (and in answers).
+    HTTP_ORIGIN admits only what urlsplit reads as such an origin."""
+    if not matches(HTTP_ORIGIN, url):
         raise ValueError(f"url: {url!r} is not an http(s)://HOST[:PORT] URL (no path, query, "
                          "fragment or credentials)")
+    parts = urlsplit(url)
+    assert parts.hostname is not None
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    return f"{parts.scheme}://{host}" + (f":{port}" if port is not None else "")
+    return f"{parts.scheme}://{host}" + (f":{parts.port}" if parts.port is not None else "")
 
 
 def _check_zmq_endpoint(endpoint: str, name: str) -> None:
-    scheme, _, rest = endpoint.partition("://")
-    host, _, port = rest.rpartition(":")
-    if scheme != "tcp" or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{name}: {endpoint!r} is not a tcp://HOST:PORT endpoint")
-    if host in ("*", "0.0.0.0"):
+    if _endpoint_host(endpoint) in BIND_HOSTS:
         raise ValueError(f"{name}: {endpoint!r} is a bind address; give the host to connect to")
+    if not matches(ZMQ_ENDPOINT, endpoint):
+        raise ValueError(f"{name}: {endpoint!r} is not a tcp://HOST:PORT endpoint")
 
 
 def _endpoint_host(endpoint: str) -> str:
@@ -307,7 +340,7 @@ def _explain(exc: msgspec.ValidationError, where: str, given: Any) -> ConfigErro
     if unknown:
         path = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
         message = "unknown setting; known: " + ", ".join(_known(path))
-    message = message.replace("`str` matching regex '\\\\S'", "a non-blank string")
+    message = message.replace(f"`str` matching regex {NOT_BLANK!r}", "a non-blank string")
     if message.startswith("Invalid enum value"):  # log_level, the one Literal setting
         message += "; one of " + ", ".join(get_args(LogLevel))
     message = message[:1].lower() + message[1:]

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "AlreadyExists", "Busy", "InvalidRequest", "LimitReached", "MalformedRequest",
-    "NoEligibleWorker", "NotFound", "RequestError", "TimedOut", "TooLarge", "Unauthorized",
-    "UnsupportedMediaType", "UpstreamFailed",
+    "AlreadyExists", "Busy", "Conflict", "InvalidRequest", "LimitReached", "MalformedRequest",
+    "NoEligibleWorker", "NotAllowed", "NotFound", "RequestError", "TimedOut", "TooLarge",
+    "Unauthorized", "UnsupportedMediaType", "UpstreamFailed",
 ]
 
 
@@ -48,6 +48,11 @@ class UnsupportedMediaType(RequestError):
     requests (text/plain, forms) from reaching anything that changes state."""
 
 
+class NotAllowed(RequestError):
+    """The operator's configuration does not allow what a well-formed request asks (event
+    endpoints on another host than the instance's, unless `zmq_endpoint_hosts` lists it)."""
+
+
 class InvalidRequest(RequestError):
     """A well-formed request with a value kvroute cannot accept (a token id out of
     range, two inputs at once, an unknown candidate)."""
@@ -63,6 +68,12 @@ class NotFound(RequestError):
 
 class AlreadyExists(RequestError):
     """Registering an instance under an id already registered."""
+
+
+class Conflict(RequestError):
+    """A well-formed request the instances' current state cannot serve: a registration whose
+    `model` the instance does not serve, a text prompt whose eligible instances have no url to
+    tokenize with. The same request can succeed once that state changes."""
 
 
 class LimitReached(RequestError):

@@ -23,9 +23,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import msgspec
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvroute.app.answers import Error, encode
 from kvroute.app.config import Settings, is_loopback
 from kvroute.app.errors import Busy, MalformedRequest, RequestError
 
@@ -118,7 +118,7 @@ class HttpGuard:
         return None
 
     async def _refuse(self, refusal: RequestError, send: Send) -> None:
-        body = msgspec.json.encode(refusal.payload())
+        body = encode(Error(**refusal.payload()))
         await send({"type": "http.response.start", "status": self.status_of[type(refusal)],
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode())]})

@@ -28,6 +28,7 @@ instances' models. Invariants:
   pending upstream request is cancelled.
 - Batched completions (`prompt` a list of strings or of token lists) are forwarded as they
   are and routed by their first prompt: vLLM runs a batch on the one instance it reaches.
+  What kvroute reads of a body, and how it checks it, is `app.openai_request`.
 - Errors of the proxy itself are kvroute's JSON `{"error", "field"}`: 400 for a body that is
   not an OpenAI request, 404 for a model no registered instance serves, 413 for size
   limits, 502 for an upstream that broke before answering, 503 when no worker is left.
@@ -37,24 +38,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any
 
 import httpx
 import msgspec
-from fastapi import APIRouter, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from kvroute.app.errors import MalformedRequest, NoEligibleWorker, NotFound, UpstreamFailed
+from kvroute.app.answers import ModelCard, ModelList, encode
+from kvroute.app.errors import NoEligibleWorker, NotFound, UpstreamFailed
 from kvroute.app.inflight import Ticket
-from kvroute.app.json_body import decode_json, field_of
+from kvroute.app.openai_request import route_request_of
 from kvroute.app.registry import Worker
 from kvroute.app.request_body import read_body
-from kvroute.app.service import RouteRequest, Service
+from kvroute.app.service import Service
 from kvroute.app.subscription import WorkerKey
 from kvroute.app.upstream import url_at
 
-__all__ = ["MAX_CONNECT_ATTEMPTS", "Proxy", "proxy_router", "route_request_of"]
+__all__ = ["MAX_CONNECT_ATTEMPTS", "Proxy", "add_proxy_routes"]
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -71,47 +73,6 @@ _NOT_FORWARDED = _HOP_BY_HOP | {"host", "content-length", "accept-encoding", "ex
 _NOT_RELAYED = _HOP_BY_HOP | {"date", "server"}
 # Rewritten with this hop appended.
 _FORWARDING = frozenset({"x-forwarded-for", "forwarded"})
-_ENDPOINTS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
-
-
-def route_request_of(path: str, body: bytes) -> RouteRequest:
-    """The routing question an OpenAI request body asks; MalformedRequest names a bad field."""
-    payload = decode_json(body)
-    if not isinstance(payload, dict):
-        raise MalformedRequest("the body must be a JSON object")
-    model = payload.get("model")
-    if model is not None and not isinstance(model, str):
-        raise MalformedRequest("`model` must be a string", "model")
-    question: dict[str, Any] = {"model": model}
-    field = _ENDPOINTS[path]
-    if field == "messages":
-        messages = payload.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise MalformedRequest("`messages` must be a non-empty list of chat messages",
-                                   "messages")
-        question["messages"] = messages
-    else:
-        question.update(_prompt_question(payload.get("prompt")))
-    try:
-        return msgspec.convert(question, RouteRequest)
-    except msgspec.ValidationError as exc:
-        raise MalformedRequest(str(exc), field_of(str(exc))) from None
-
-
-def _prompt_question(prompt: Any) -> dict[str, Any]:
-    """`prompt` as text or token ids; a batch is routed by its first prompt."""
-    where = "prompt"
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        prompt, where = prompt[0], "prompt[0]"
-    if isinstance(prompt, str):
-        return {"prompt": prompt}
-    if not isinstance(prompt, list) or not prompt:
-        raise MalformedRequest("`prompt` must be a string, a non-empty list of token ids, or a "
-                               "batch of those", "prompt")
-    for i, token in enumerate(prompt):
-        if type(token) is not int or not 0 <= token < 2**32:
-            raise MalformedRequest("token ids must be integers in [0, 2**32)", f"{where}[{i}]")
-    return {"token_ids": prompt}
 
 
 def _forwarded_headers(request: Request, worker: Worker,
@@ -201,7 +162,7 @@ class Proxy:
     async def forward(self, request: Request, path: str) -> Response:
         body = await read_body(request, self.service.settings.max_body_bytes,
                                timeout=self.service.settings.body_timeout)
-        question = route_request_of(path, body)
+        question = route_request_of(path, body, self.service.route_request)
         self._check_model(question.model)
         failed: set[WorkerKey] = set()
         refused: list[str] = []
@@ -219,7 +180,7 @@ class Proxy:
             failed.add(worker.key)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("chose %s rank %d; scores %s", worker.instance.id,
-                          worker.endpoint.dp_rank, [s.as_json() for s in decision.scores])
+                          worker.endpoint.dp_rank, [s.answer() for s in decision.scores])
             if decision.tokens is not None and question.token_ids is None:
                 # A retry routes the same tokens without asking a tokenizer again.
                 question = msgspec.structs.replace(question, prompt=None, messages=None,
@@ -268,15 +229,15 @@ class Proxy:
             if not relayed:  # from here on the relay owns the ticket
                 ticket.close()
 
-    def models(self) -> dict[str, Any]:
+    def models(self) -> ModelList:
         """vLLM's model list shape; a model served by several instances is listed once."""
-        cards: dict[str, dict[str, Any]] = {}
+        cards: dict[str, ModelCard] = {}
         for instance in self.service.registry:
             for model in instance.models:
-                cards.setdefault(model, {"id": model, "object": "model",
-                                         "created": int(instance.added_at),
-                                         "owned_by": "vllm"})
-        return {"object": "list", "data": list(cards.values())}
+                cards.setdefault(model, ModelCard(id=model, object="model",
+                                                  created=int(instance.added_at),
+                                                  owned_by="vllm"))
+        return ModelList(object="list", data=list(cards.values()))
 
 
 class _ClientGone(Exception):
@@ -310,26 +271,23 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def proxy_router() -> APIRouter:
-    """The proxy's routes. They forward through ``app.state.proxy``, which the app's
-    lifespan creates after the service has started and closes before it stops."""
-    router = APIRouter()
+def add_proxy_routes(app: FastAPI, dependencies: Sequence[Any]) -> None:
+    """The proxy's routes, on `app` itself (an included router is a nested object that
+    app.api's 405 answer and app.openapi would have to look into). They forward through
+    ``app.state.proxy``, which the app's lifespan creates after the service has started and
+    closes before it stops."""
 
     def proxy_of(request: Request) -> Proxy:
         return request.app.state.proxy
 
-    @router.post("/v1/completions", summary="OpenAI completions, forwarded to the chosen worker")
+    @app.post("/v1/completions", dependencies=dependencies)
     async def completions(request: Request) -> Response:
         return await proxy_of(request).forward(request, "/v1/completions")
 
-    @router.post("/v1/chat/completions",
-                 summary="OpenAI chat completions, forwarded to the chosen worker")
+    @app.post("/v1/chat/completions", dependencies=dependencies)
     async def chat_completions(request: Request) -> Response:
         return await proxy_of(request).forward(request, "/v1/chat/completions")
 
-    @router.get("/v1/models", summary="Every model a registered instance serves")
+    @app.get("/v1/models", dependencies=dependencies)
     async def models(request: Request) -> Response:
-        return Response(msgspec.json.encode(proxy_of(request).models()),
-                        media_type="application/json")
-
-    return router
+        return Response(encode(proxy_of(request).models()), media_type="application/json")

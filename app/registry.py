@@ -31,13 +31,14 @@ import zmq.asyncio
 
 from kvroute.app.config import InstanceConfig, default_instance_id, foreign_endpoints
 from kvroute.app.discovery import DiscoveryError, WorkerEndpoint, discover, discover_models
-from kvroute.app.errors import InvalidRequest, LimitReached
+from kvroute.app.errors import LimitReached, NotAllowed
 from kvroute.app.saved_state import SavedWorker
 from kvroute.app.subscriber import Subscriber
 from kvroute.app.subscription import SubscriberOptions, WorkerKey, WorkerState
 from kvroute.index import PrefixIndex
 
-__all__ = ["DuplicateInstance", "Instance", "Registry", "UnknownInstance", "Worker"]
+__all__ = ["DuplicateInstance", "Instance", "ModelNotServed", "Registry", "UnknownInstance",
+           "Worker"]
 
 log = logging.getLogger("kvroute.registry")
 
@@ -52,6 +53,10 @@ class DuplicateInstance(Exception):
 
 class UnknownInstance(KeyError):
     pass
+
+
+class ModelNotServed(DiscoveryError):
+    """The instance answers, and does not serve the `model` its registration names."""
 
 
 @dataclass(slots=True)
@@ -132,8 +137,8 @@ class Registry:
 
         With `wait_for_discovery` false (configured instances at start-up), an
         unreachable instance is registered anyway and discovered in the background.
-        Raises DuplicateInstance, LimitReached, InvalidRequest (explicit endpoints on a
-        foreign host), or DiscoveryError when waiting.
+        Raises DuplicateInstance, LimitReached, NotAllowed (explicit endpoints on a
+        foreign host), or DiscoveryError (ModelNotServed among them) when waiting.
         """
         instance_id = default_instance_id(config)
         if instance_id in self._instances:
@@ -144,8 +149,8 @@ class Registry:
         foreign = foreign_endpoints(config.url, (*config.events, *config.replay),
                                     self._endpoint_hosts)
         if foreign:
-            raise InvalidRequest(f"endpoint {foreign[0]} is not on the instance's host; the "
-                                 "operator can allow its host in zmq_endpoint_hosts", "events")
+            raise NotAllowed(f"endpoint {foreign[0]} is not on the instance's host; the "
+                             "operator can allow its host in zmq_endpoint_hosts", "events")
         instance = Instance(id=instance_id, config=config, url=config.url,
                             models=(config.model,) if config.model else (),
                             block_size=config.block_size)
@@ -245,7 +250,7 @@ class Registry:
     def _check_model(instance: Instance, models: list[str]) -> None:
         wanted = instance.config.model
         if wanted is not None and wanted not in models:
-            raise DiscoveryError(instance.url or instance.id,
+            raise ModelNotServed(instance.url or instance.id,
                                  f"it serves {', '.join(models)}; not {wanted!r} (the "
                                  "registration's `model`)")
 
@@ -281,8 +286,13 @@ class Registry:
             if worker.task is not None and not worker.task.done():
                 worker.task.cancel()
             if worker.task is not None:
-                with contextlib.suppress(asyncio.CancelledError):
+                try:
                     await worker.task
+                except asyncio.CancelledError:
+                    pass
+                except Exception:  # its end is not the remover's failure
+                    log.exception("subscriber %s rank %d ended with an error",
+                                  worker.instance.id, worker.endpoint.dp_rank)
 
 
 def _nothing_saved(endpoint: WorkerEndpoint) -> None:

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 
 from xxhash import xxh3_64_intdigest, xxh3_128_digest
 
+from kvroute.app.answers import CostTerms, LoadReadings, MediumCounts, WorkerScore
 from kvroute.app.subscription import WorkerKey
 from kvroute.index import Match
 
@@ -110,31 +111,32 @@ class Score:
     queued_prefill: float
     running: float
     overloaded: bool
-    load: dict[str, float | int | None]
+    load: LoadReadings
     pending_blocks: int = 0
 
     @property
     def cost(self) -> float:
         return self.prefill_cost + self.queue_cost
 
-    def as_json(self) -> dict[str, object]:
-        return {
-            "instance": self.instance,
-            "dp_rank": self.dp_rank,
-            "matched_blocks": self.matched_blocks,
-            "matched_tokens": self.matched_tokens,
-            "block_size": self.block_size,
-            "by_medium": self.by_medium,
-            "pending_blocks": self.pending_blocks,
-            "state": self.state,
-            "cost": round(self.cost, 3),
-            "cost_terms": {"prefill": round(self.prefill_cost, 3),
-                           "queue": round(self.queue_cost, 3)},
-            "queued_prefill_tokens": self.queued_prefill,
-            "running_requests": self.running,
-            "overloaded": self.overloaded,
-            "load": self.load,
-        }
+    def answer(self) -> WorkerScore:
+        """This score as the API shows it."""
+        return WorkerScore(
+            instance=self.instance,
+            dp_rank=self.dp_rank,
+            matched_blocks=self.matched_blocks,
+            matched_tokens=self.matched_tokens,
+            block_size=self.block_size,
+            by_medium=MediumCounts(**self.by_medium),
+            pending_blocks=self.pending_blocks,
+            state=self.state,
+            cost=round(self.cost, 3),
+            cost_terms=CostTerms(prefill=round(self.prefill_cost, 3),
+                                 queue=round(self.queue_cost, 3)),
+            queued_prefill_tokens=self.queued_prefill,
+            running_requests=self.running,
+            overloaded=self.overloaded,
+            load=self.load,
+        )
 
 
 def score_workers(
@@ -178,9 +180,9 @@ def score_workers(
             queue_cost=(weights.queued_prefill_token * queued
                         + weights.running_request * running),
             queued_prefill=queued, running=running, overloaded=overloaded,
-            load={"running": view.running, "waiting": view.waiting,
-                  "kv_usage": view.kv_usage, "inflight": view.inflight,
-                  "answered": view.answered, "queued_prefill": view.queued_prefill},
+            load=LoadReadings(running=view.running, waiting=view.waiting,
+                              kv_usage=view.kv_usage, inflight=view.inflight,
+                              answered=view.answered, queued_prefill=view.queued_prefill),
             pending_blocks=pending,
         ))
     return scores

@@ -21,10 +21,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from kvroute.app.answers import Error, encode
 from kvroute.app.api import create_app
 from kvroute.app.config import Settings
 from kvroute.app.service import Service
@@ -119,7 +119,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         if self.cycle is None or self.cycle.response_complete:
-            body = msgspec.json.encode({"error": message, "field": None})
+            body = encode(Error(message, None))
             self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n"
                                  b"content-length: %d\r\nconnection: close\r\n\r\n%s"
                                  % (status, _REASONS[status], len(body), body))

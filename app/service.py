@@ -13,14 +13,22 @@ instead of being coerced. Refusals are `app.errors` kinds; the HTTP layer picks 
 from __future__ import annotations
 
 import logging
-import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
 import httpx
 import msgspec
+from msgspec import UNSET
 
+from kvroute.app.answers import (
+    InstanceDetail,
+    InstanceSummary,
+    MediumCounts,
+    RouteAnswer,
+    WorkerDetail,
+)
 from kvroute.app.config import Settings
 from kvroute.app.errors import (
     Busy,
@@ -36,6 +44,7 @@ from kvroute.app.json_body import decode_json
 from kvroute.app.load import LoadMonitor
 from kvroute.app.metrics import ServiceMetrics
 from kvroute.app.registry import Instance, Registry, Worker
+from kvroute.app.route_request import INPUTS, RouteRequest, parse_hash, route_request_type
 from kvroute.app.routing import CostWeights, Score, TieBreaker, WorkerView, best_of, score_workers
 from kvroute.app.state_keeper import StateCollector, StateKeeper
 from kvroute.app.state_store import DirectoryStore, StateStore
@@ -44,40 +53,19 @@ from kvroute.app.tokenizer import Tokenizer, make_tokenizer
 from kvroute.app.valkey import NO_LOAD, PeerLoad, Peers, PeersCollector, ValkeyStore
 from kvroute.index import PrefixIndex
 
-__all__ = ["Decision", "RouteRequest", "Service", "decode_route_request"]
+__all__ = ["Decision", "Service", "route_request_decoder"]
 
 log = logging.getLogger("kvroute.service")
 
-TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
-# vLLM hashes: signed (older versions) or unsigned 64-bit ints, or hex strings. msgspec
-# bounds cannot span both ranges, so `_parse_hash` checks them.
-EngineHash = int | str
-_HEX = re.compile(r"(?:0x)?([0-9a-fA-F]+)")
-_INPUTS = ("token_ids", "block_hashes", "prompt", "messages")
+NO_HOLDINGS = {"GPU": 0, "CPU": 0, "STORAGE": 0}
 # Instances asked in turn to tokenize a text prompt before the request fails.
 TOKENIZE_ATTEMPTS = 3
 
 
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-
-
-class RouteRequest(msgspec.Struct, forbid_unknown_fields=True):
-    token_ids: list[TokenId] | None = None
-    block_hashes: list[EngineHash] | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    model: str | None = None
-    lora_name: str | None = None
-    candidates: list[str] | None = None
-    # The caller only asks what kvroute would do and will not send the request: the answer
-    # leaves no placement guess and does not count as load on the chosen worker.
-    probe: bool = False
-
-
-def decode_route_request(body: bytes) -> RouteRequest:
-    return decode_json(body, RouteRequest)
+def route_request_decoder(settings: Settings) -> Callable[[bytes], RouteRequest]:
+    """How POST /v1/route reads its body under `settings`; refusals are RequestErrors."""
+    kind = route_request_type(settings)
+    return lambda body: decode_json(body, kind)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,27 +89,13 @@ class Decision:
         return 0 if self.tokens is None else len(self.tokens) - self.best.matched_tokens
 
 
-def _parse_hash(value: int | str, position: int) -> int | bytes:
-    if isinstance(value, int):
-        if not -(2**63) <= value < 2**64:
-            raise InvalidRequest("an integer block hash must fit in 64 bits (signed or "
-                                 "unsigned)", f"block_hashes[{position}]")
-        return value
-    match = _HEX.fullmatch(value.strip())
-    digits = match.group(1) if match else ""
-    if match and len(digits) <= 16:
-        return int(digits, 16)
-    if match and len(digits) in (32, 64):
-        return bytes.fromhex(digits)
-    raise InvalidRequest("a block hash string must be hex: up to 16 digits for an integer "
-                         "hash, 32 or 64 for a bytes hash", f"block_hashes[{position}]")
-
-
 class Service:
     """Everything one kvroute process owns; created in the app's lifespan."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self.route_request = route_request_type(settings)
+        self.decode_route_request = route_request_decoder(settings)
         self.index = PrefixIndex()
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
         self.registry = Registry(self.index, self.client, options=SubscriberOptions(
@@ -207,13 +181,10 @@ class Service:
     # -- routing ---------------------------------------------------------
     def _eligible(self, request: RouteRequest) -> list[Worker]:
         if request.candidates is not None:
-            if not request.candidates:
-                raise InvalidRequest("`candidates` is empty: name at least one instance, or "
-                                     "leave it out for all", "candidates")
             unknown = sorted({c for c in request.candidates if c not in self.registry})
             if unknown:
-                raise InvalidRequest(f"unknown candidate instance(s): {', '.join(unknown)}",
-                                     "candidates", unknown=unknown)
+                raise NotFound(f"unknown candidate instance(s): {', '.join(unknown)}",
+                               "candidates", unknown=unknown)
             wanted = set(request.candidates)
         else:
             wanted = None
@@ -231,22 +202,24 @@ class Service:
             if worker.state.serving
         ]
 
-    def _check_sizes(self, request: RouteRequest) -> None:
-        limits = self.settings
-        if request.token_ids is not None and len(request.token_ids) > limits.max_prompt_tokens:
-            raise TooLarge(f"{len(request.token_ids)} token ids exceed the limit of "
-                           f"{limits.max_prompt_tokens}", "token_ids")
-        if (request.block_hashes is not None
-                and len(request.block_hashes) > limits.max_block_hashes):
-            raise TooLarge(f"{len(request.block_hashes)} block hashes exceed the limit of "
-                           f"{limits.max_block_hashes}", "block_hashes")
-        text = request.prompt if request.prompt is not None else ""
-        if request.messages is not None:
-            text = "".join(str(m.content or "") for m in request.messages)
-        if len(text) > limits.max_prompt_chars:
-            field = "prompt" if request.prompt is not None else "messages"
-            raise TooLarge(f"{len(text)} characters exceed the limit of "
-                           f"{limits.max_prompt_chars}", field)
+    def _check_messages(self, request: RouteRequest) -> None:
+        """Content parts carry text, and the messages' text together is within
+        max_prompt_chars (the struct's types bound `prompt`, each list, each message)."""
+        chars = 0
+        for number, message in enumerate(request.messages or ()):
+            content = message.content
+            if isinstance(content, str):
+                chars += len(content)
+                continue
+            for part_number, part in enumerate(content or ()):
+                text = part.get("text", "")
+                if not isinstance(text, str):
+                    raise InvalidRequest("a content part's `text` must be a string",
+                                         f"messages[{number}].content[{part_number}].text")
+                chars += len(text)
+        if chars > self.settings.max_prompt_chars:
+            raise TooLarge(f"the messages hold {chars} characters, over the limit of "
+                           f"{self.settings.max_prompt_chars}", "messages")
 
     async def _tokens(self, request: RouteRequest, eligible: list[Worker]) -> list[int]:
         if request.token_ids is not None:
@@ -286,12 +259,12 @@ class Service:
         """Score every eligible worker (minus `exclude`) and choose one; raises a RequestError.
         With `shed_when_overloaded`, a request that finds every eligible worker overloaded is
         refused (Busy) instead of sent to the least bad one, and leaves nothing behind."""
-        given = [name for name in _INPUTS if getattr(request, name) is not None]
+        given = [name for name in INPUTS if getattr(request, name) is not None]
         if len(given) != 1:
             raise InvalidRequest("give exactly one of token_ids, block_hashes, prompt, messages"
                                  + (f" (got {', '.join(given)})" if given else ""),
                                  given[1] if len(given) > 1 else "token_ids")
-        self._check_sizes(request)
+        self._check_messages(request)
         self.answers.settle(time.monotonic(), self._reading_taken)
         eligible = [w for w in self._eligible(request) if w.key not in exclude]
         if not eligible:
@@ -303,7 +276,7 @@ class Service:
         tokens: list[int] | None = None
         lora_name = request.lora_name
         if request.block_hashes is not None:
-            hashes = [_parse_hash(h, i) for i, h in enumerate(request.block_hashes)]
+            hashes = [parse_hash(h, i) for i, h in enumerate(request.block_hashes)]
             matches = self.index.match_hashes(hashes, workers=[w.key for w in eligible])
             ties = TieBreaker(first_hash=hashes[0] if hashes else None)
         else:
@@ -395,9 +368,9 @@ class Service:
             queued_prefill=(forwarded.queued_prefill_tokens + answered.queued_prefill_tokens
                             + peers.queued_prefill))
 
-    async def route(self, body: bytes) -> tuple[str, dict[str, Any]]:
+    async def route(self, body: bytes) -> tuple[str, RouteAnswer]:
         """(input kind, answer) for a POST /v1/route body; raises a RequestError."""
-        request = decode_route_request(body)
+        request = self.decode_route_request(body)
         decision = await self.decide(request)
         best = decision.best
         if (decision.tokens is not None and self.settings.load_interval > 0
@@ -405,16 +378,16 @@ class Service:
             # A caller follows the answer before the instance's metrics can show it. (In
             # proxy mode the proxy counts the requests it forwards itself, exactly.)
             self.answers.add(decision.worker.key, decision.uncached_tokens, time.monotonic())
-        return decision.kind, {
-            "instance": best.instance,
-            "url": decision.worker.instance.url,
-            "dp_rank": best.dp_rank,
-            "matched_blocks": best.matched_blocks,
-            "matched_tokens": best.matched_tokens,
-            "prompt_tokens": len(decision.tokens) if decision.tokens is not None else None,
-            "prompt_blocks": len(request.block_hashes) if request.block_hashes else None,
-            "scores": [score.as_json() for score in _ranked(decision.scores)],
-        }
+        return decision.kind, RouteAnswer(
+            instance=best.instance,
+            url=decision.worker.instance.url,
+            dp_rank=best.dp_rank,
+            matched_blocks=best.matched_blocks,
+            matched_tokens=best.matched_tokens,
+            prompt_tokens=len(decision.tokens) if decision.tokens is not None else None,
+            prompt_blocks=len(request.block_hashes) if request.block_hashes else None,
+            scores=[score.answer() for score in _ranked(decision.scores)],
+        )
 
     # -- replicas (app.valkey) ----------------------------------------------
     def _follows(self, key: WorkerKey) -> bool:
@@ -433,7 +406,27 @@ class Service:
         return loads
 
     # -- instances -------------------------------------------------------
-    def instance_json(self, instance: Instance, *, detail: bool = False) -> dict[str, Any]:
+    def instance_summary(self, instance: Instance) -> InstanceSummary:
+        return InstanceSummary(**self._instance_fields(instance))
+
+    def instance_detail(self, instance: Instance) -> InstanceDetail:
+        self.index.expire_unconfirmed(time.monotonic())
+        holdings = self.index.stats().holdings
+        workers = [
+            WorkerDetail(
+                dp_rank=worker.endpoint.dp_rank,
+                events_endpoint=worker.endpoint.endpoint,
+                replay_endpoint=worker.endpoint.replay_endpoint,
+                state=worker.state,
+                holdings=MediumCounts(**{**NO_HOLDINGS, **holdings.get(worker.key, {})}),
+                unconfirmed_blocks=self.index.unconfirmed_blocks(worker.key),
+                stats=worker.subscriber.status,
+            )
+            for worker in instance.workers
+        ]
+        return InstanceDetail(**self._instance_fields(instance), workers=workers)
+
+    def _instance_fields(self, instance: Instance) -> dict[str, Any]:
         states = [worker.state for worker in instance.workers]
         if not states:
             state = "discovering"
@@ -442,37 +435,18 @@ class Service:
         else:
             state = WorkerState.DOWN if all(s == WorkerState.DOWN for s in states) else next(
                 s for s in states if not s.serving)
-        out: dict[str, Any] = {
+        return {
             "id": instance.id,
             "url": instance.url,
             "models": list(instance.models),
             "block_size": instance.block_size,
             "state": state,
             "dp_size": len(instance.workers),
+            # Where the Endpoint Picker sends gateways (app.endpoints), when configured.
+            "endpoint": instance.config.endpoint or UNSET,
+            "discovery_error": instance.discovery_error or UNSET,
+            "load_error": self.load.failure(instance.id) or UNSET,
         }
-        if instance.config.endpoint:  # where the Endpoint Picker sends gateways (app.endpoints)
-            out["endpoint"] = instance.config.endpoint
-        if instance.discovery_error:
-            out["discovery_error"] = instance.discovery_error
-        load_error = self.load.failure(instance.id)
-        if load_error:
-            out["load_error"] = load_error
-        if detail:
-            self.index.expire_unconfirmed(time.monotonic())
-            holdings = self.index.stats().holdings
-            out["workers"] = [
-                {
-                    "dp_rank": worker.endpoint.dp_rank,
-                    "events_endpoint": worker.endpoint.endpoint,
-                    "replay_endpoint": worker.endpoint.replay_endpoint,
-                    "state": worker.state,
-                    "holdings": dict(holdings.get(worker.key, {})),
-                    "unconfirmed_blocks": self.index.unconfirmed_blocks(worker.key),
-                    "stats": worker.subscriber.status.as_dict(),
-                }
-                for worker in instance.workers
-            ]
-        return out
 
 
 def _state_store(settings: Settings) -> StateStore | None:

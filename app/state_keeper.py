@@ -30,6 +30,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvroute.app.answers import SavedStateLoaded, SavedStateStatus
 from kvroute.app.registry import Registry
 from kvroute.app.saved_state import (
     PIECE_BLOCKS,
@@ -120,18 +121,18 @@ class StateKeeper:
     def unclaimed(self) -> int:
         return len(self._unclaimed)
 
-    def status(self) -> dict[str, object]:
+    def status(self) -> SavedStateStatus:
         """For /readyz: where the state goes and how the last save and the load went."""
-        out: dict[str, object] = {"store": self.store.where, "saves": self.saves}
+        out = SavedStateStatus(store=self.store.where, saves=self.saves)
         if self.last_save_at is not None:
-            out["last_save_age_seconds"] = round(max(0.0, time.time() - self.last_save_at), 1)
+            out.last_save_age_seconds = round(max(0.0, time.time() - self.last_save_at), 1)
         if self.save_error is not None:
-            out["save_error"] = self.save_error
+            out.save_error = self.save_error
         if self.loaded is not None:
-            out["loaded"] = {"workers": len(self.loaded.workers),
-                             "blocks": self.loaded.blocks, "unclaimed": self.unclaimed}
+            out.loaded = SavedStateLoaded(workers=len(self.loaded.workers),
+                                          blocks=self.loaded.blocks, unclaimed=self.unclaimed)
         if self.load_error is not None:
-            out["load_error"] = self.load_error
+            out.load_error = self.load_error
         return out
 
     # -- saving ----------------------------------------------------------

@@ -166,7 +166,15 @@ class Subscriber:
         """Subscribe and apply until ``stop()``; never raises for wire or peer faults."""
         self._task = asyncio.current_task()
         try:
-            self._live.open()
+            try:
+                self._live.open()
+            except zmq.ZMQError as exc:
+                # An endpoint ZeroMQ will not even try (registration checks the form it
+                # accepts, so this is a last line): down for good, said once.
+                self.status.last_error = f"ZeroMQ refuses {self.endpoint.endpoint}: {exc}"
+                log.error("%s: %s", self.worker, self.status.last_error)
+                self._set_state(WorkerState.DOWN)
+                return
             await self._main_loop()
         finally:
             await self._live.close()

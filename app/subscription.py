@@ -15,7 +15,8 @@ from typing import Any
 
 
 class WorkerState(StrEnum):
-    """Where a worker's subscriber stands; the only spelling of these states in kvroute."""
+    """Where a worker's subscriber stands (the only spelling of these states in kvroute):
+    `live` and `degraded` workers take traffic."""
 
     CONNECTING = "connecting"  # no connection yet, or reconnecting: holds nothing
     REPLAYING = "replaying"  # rebuilding from the publisher's buffer
@@ -85,6 +86,8 @@ class WorkerEndpoint:
 
 @dataclass(slots=True)
 class WorkerStatus:
+    """A worker's subscriber: its state, the last sequence number applied, and counters."""
+
     state: WorkerState = WorkerState.CONNECTING
     last_seq: int | None = None
     batches: int = 0

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import httpx
 import msgspec
 
-from kvroute.app.errors import MalformedRequest, NoEligibleWorker, TooLarge, UpstreamFailed
+from kvroute.app.errors import Conflict, MalformedRequest, TooLarge, UpstreamFailed
 from kvroute.app.upstream import UpstreamError, fetch, tokenize_max_bytes, url_at
 
 __all__ = ["InstanceTokenizer", "LocalTokenizer", "TokenizerError", "Tokenizer", "make_tokenizer"]
@@ -127,7 +127,10 @@ class InstanceTokenizer:
 
     async def _tokenize(self, url: str | None, body: dict[str, Any]) -> list[int]:
         if url is None:
-            raise NoEligibleWorker("no live instance to tokenize with")
+            # The eligible instances were registered without a url: asking again cannot help,
+            # registering one with its url (or sending token ids) does.
+            raise Conflict("no eligible instance has an HTTP `url` to ask /tokenize: send "
+                           "token_ids, or register the instance with its url")
         try:
             answer = await fetch(self._client, "POST", url_at(url, "/tokenize"), json=body,
                                  max_bytes=self._max_bytes, deadline=self._timeout)

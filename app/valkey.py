@@ -57,6 +57,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from kvroute.app.answers import ReplicasStatus
 from kvroute.app.state_store import StateStoreError
 from kvroute.app.subscription import WorkerKey
 from kvroute.index import PrefixIndex
@@ -307,7 +308,7 @@ class Peers:
         self._expire(time.monotonic())
         return len(self._peers)
 
-    def status(self) -> dict[str, object]:
+    def status(self) -> ReplicasStatus:
         """For /readyz: whether this replica shares, and a sentence saying so."""
         peers = self.live_peers()
         if self.connected:
@@ -317,7 +318,7 @@ class Peers:
         else:
             detail = (f"{self.where} unreachable for {time.monotonic() - self._lost_at:.0f} s "
                       f"({self._error}); routing on this replica's own view, retrying")
-        return {"connected": self.connected, "peers": peers, "detail": detail}
+        return ReplicasStatus(connected=self.connected, peers=peers, detail=detail)
 
     # -- lifecycle ---------------------------------------------------------
     def start(self) -> None:

@@ -10,6 +10,10 @@ exact tokens the engine sees. Generated tokens are lowercase letters chosen dete
 from the prompt, so responses are reproducible. Response ids are ``cmpl-``/``chatcmpl-`` plus the
 ``X-Request-Id`` header when given (as in vLLM), else a random hex.
 
+A completions ``prompt`` may be a batch (texts or token lists, as vLLM takes): each prompt runs
+as its own engine request, the answer has one choice per prompt and the usage of all of them;
+a batch is not streamed (400).
+
 Streaming (``"stream": true``): the engine runs the request as usual; the response is then sent
 as one SSE event per generated token, ``stream_interval_s`` apart, so a client can go away
 mid-stream. A client that goes away, streaming or not, gets its request aborted in the engine
@@ -88,14 +92,22 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse({"error": body}, status_code=status)
 
 
-def _prompt_tokens(body: dict[str, Any]) -> list[int] | str:
-    """A completion's prompt as token ids, or an error message."""
+def _prompt_tokens(body: dict[str, Any]) -> list[list[int]] | str:
+    """A completion's prompts as token ids, or an error message. As vLLM: text, token ids
+    (a number with a zero fractional part is one, as pydantic reads it), or a batch of
+    texts or of token lists."""
     prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return tokenize_text(prompt)
-    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
-        return prompt
-    return "'prompt' must be a string or a list of token ids (integers)"
+    batch = prompt if isinstance(prompt, list) and prompt and isinstance(
+        prompt[0], str | list) else [prompt]
+    if all(isinstance(each, str) for each in batch):
+        return [tokenize_text(each) for each in batch]
+    if all(isinstance(each, list) and all(_is_token(t) for t in each) for each in batch):
+        return [[int(t) for t in each] for each in batch]
+    return "'prompt' must be text, a list of token ids (integers), or a batch of either"
+
+
+def _is_token(value: Any) -> bool:
+    return type(value) is int or (type(value) is float and value.is_integer())
 
 
 def _check_tokens(tokens: list[int], vocab_size: int) -> str | None:
@@ -226,15 +238,16 @@ async def _generate(inst: SimInstance, request: Request, *, chat: bool) -> Respo
         problem = validate_messages(body.get("messages"))
         if problem:
             return _error(400, problem, "messages")
-        tokens: list[int] | str = tokenize_text(chat_prompt(body["messages"]))
+        prompts: list[list[int]] | str = [tokenize_text(chat_prompt(body["messages"]))]
         limit = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     else:
-        tokens = _prompt_tokens(body)
+        prompts = _prompt_tokens(body)
         limit = "max_tokens"
-    problem = tokens if isinstance(tokens, str) else _check_tokens(tokens, cfg.vocab_size)
+    problem = prompts if isinstance(prompts, str) else next(
+        filter(None, (_check_tokens(tokens, cfg.vocab_size) for tokens in prompts)), None)
     if problem:
         return _error(400, problem, "messages" if chat else "prompt")
-    assert not isinstance(tokens, str)
+    assert not isinstance(prompts, str)
     max_tokens = body.get(limit, 16)
     if type(max_tokens) is not int or max_tokens < 1:
         return _error(400, f"'{limit}' must be a positive integer", limit)
@@ -244,6 +257,8 @@ async def _generate(inst: SimInstance, request: Request, *, chat: bool) -> Respo
     if options is not None and (not stream or not isinstance(options, dict)):
         return _error(400, "'stream_options' must be an object, and only with stream=true",
                       "stream_options")
+    if stream and len(prompts) > 1:
+        return _error(400, "the simulator streams one prompt at a time", "stream")
     rank_header = request.headers.get("x-data-parallel-rank")
     rank: int | None = None
     if rank_header is not None:
@@ -254,17 +269,25 @@ async def _generate(inst: SimInstance, request: Request, *, chat: bool) -> Respo
     request.state.sim_rank = target.rank
     request_id = ("chatcmpl-" if chat else "cmpl-") + (
         request.headers.get("x-request-id") or uuid.uuid4().hex)
+    # A batch runs as one engine request per prompt, as vLLM runs it.
+    engine_ids = [request_id] if len(prompts) == 1 else [
+        f"{request_id}-{number}" for number in range(len(prompts))]
+    futures: list[Future[RequestOutcome]] = []
     try:
-        fut = target.submit(tokens, planned_output(tokens, max_tokens), request_id)
+        for engine_id, tokens in zip(engine_ids, prompts, strict=True):
+            futures.append(target.submit(tokens, planned_output(tokens, max_tokens), engine_id))
     except EngineError as exc:
+        for engine_id in engine_ids[:len(futures)]:
+            target.abort(engine_id)
         return _error(400, str(exc), "messages" if chat else "prompt")
     created = int(time.time())
     if stream:
         include_usage = bool((options or {}).get("include_usage"))
-        return _Stream(_stream_events(inst, target, request_id, fut, chat=chat,
+        return _Stream(_stream_events(inst, target, request_id, futures[0], chat=chat,
                                       created=created, include_usage=include_usage))
-    finished = asyncio.ensure_future(asyncio.wait_for(asyncio.wrap_future(fut),
-                                                      _REQUEST_TIMEOUT_S))
+    finished = asyncio.ensure_future(asyncio.wait_for(
+        asyncio.gather(*(asyncio.wrap_future(future) for future in futures)),
+        _REQUEST_TIMEOUT_S))
     gone = asyncio.ensure_future(_client_gone(request))
     try:
         await asyncio.wait({finished, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -272,14 +295,15 @@ async def _generate(inst: SimInstance, request: Request, *, chat: bool) -> Respo
         gone.cancel()
         finished.cancel()
     if not finished.done() or finished.cancelled() or finished.exception() is not None:
-        target.abort(request_id)
+        for engine_id in engine_ids:
+            target.abort(engine_id)
         if gone.done() and not gone.cancelled():
             inst.record(request_id, b"", aborted=True)
             return Response(status_code=499)  # nobody is left to read it
         return _error(503, "the simulated engine did not finish the request in time")
-    outcome = finished.result()
-    payload = completion_body(chat, request_id, created, cfg.model, outcome,
-                              detokenize(list(outcome.output_tokens)))
+    outcomes = finished.result()
+    payload = completion_body(chat, request_id, created, cfg.model, outcomes,
+                              [detokenize(list(outcome.output_tokens)) for outcome in outcomes])
     inst.record(request_id, payload)
     return Response(payload, media_type="application/json")
 

@@ -58,34 +58,34 @@ def _encode(payload: Any) -> bytes:
     return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def _usage(outcome: RequestOutcome) -> dict[str, Any]:
-    completion = len(outcome.output_tokens)
+def _usage(*outcomes: RequestOutcome) -> dict[str, Any]:
+    """Token counts of one request, or of a batch's requests together (as vLLM sums them)."""
+    prompt = sum(outcome.prompt_tokens for outcome in outcomes)
+    completion = sum(len(outcome.output_tokens) for outcome in outcomes)
     return {
-        "prompt_tokens": outcome.prompt_tokens,
-        "total_tokens": outcome.prompt_tokens + completion,
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
         "completion_tokens": completion,
-        "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outcomes)},
     }
 
 
 def completion_body(chat: bool, response_id: str, created: int, model: str,
-                    outcome: RequestOutcome, text: str) -> bytes:
-    """A whole (non-streamed) completion or chat completion."""
-    if chat:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": "length",
-            "stop_reason": None,
-        }
-        kind = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length",
-                  "stop_reason": None, "prompt_logprobs": None}
-        kind = "text_completion"
+                    outcomes: list[RequestOutcome], texts: list[str]) -> bytes:
+    """A whole (non-streamed) completion or chat completion: one choice per prompt of a
+    batch (a chat has one)."""
+    choices: list[dict[str, Any]] = []
+    for index, text in enumerate(texts):
+        if chat:
+            choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                            "logprobs": None, "finish_reason": "length", "stop_reason": None})
+        else:
+            choices.append({"index": index, "text": text, "logprobs": None,
+                            "finish_reason": "length", "stop_reason": None,
+                            "prompt_logprobs": None})
+    kind = "chat.completion" if chat else "text_completion"
     return _encode({"id": response_id, "object": kind, "created": created, "model": model,
-                    "choices": [choice], "usage": _usage(outcome)})
+                    "choices": choices, "usage": _usage(*outcomes)})
 
 
 def sse_events(chat: bool, response_id: str, created: int, model: str,

@@ -130,8 +130,9 @@ def test_cold_prefixes_spread_and_candidates_limit(cluster: SimCluster, client: 
 
     only_a = route(client, token_ids=cold, candidates=[a["id"]]).json()
     assert only_a["instance"] == a["id"] and len(only_a["scores"]) == 1
+    # Naming an instance kvroute does not know is a 404, as for a model nobody serves.
     unknown = route(client, token_ids=cold, candidates=[a["id"], "nope", "zz"])
-    assert unknown.status_code == 422
+    assert unknown.status_code == 404
     assert unknown.json()["field"] == "candidates" and unknown.json()["unknown"] == ["nope", "zz"]
 
 
@@ -155,6 +156,21 @@ def test_no_workers_is_503(client: httpx.Client):
     assert answer.json()["error"].startswith("no eligible worker")
 
 
+def test_integral_numbers_are_integers_as_json_schema_says(cluster, client):
+    """3.0 is an integer to JSON Schema, so the document allows it as a token id or hash;
+    msgspec refused it (found by schemathesis: a schema-valid request answered 422)."""
+    register(client, cluster.urls[0])
+    by_float = route(client, token_ids=[1.0, 2e0, 3])
+    assert by_float.status_code == 200, by_float.text
+    assert by_float.json()["prompt_tokens"] == 3
+    assert route(client, block_hashes=["8", 57235.0, 18446744073709551615]).status_code == 200
+    fraction = route(client, token_ids=[1, 2.5])
+    assert fraction.status_code == 422 and fraction.json()["field"] == "token_ids[1]"
+    registered = client.post("/v1/instances", json={"url": cluster.urls[0], "id": "f",
+                                                    "block_size": 16.0})
+    assert registered.status_code == 201 and registered.json()["block_size"] == 16
+
+
 @pytest.mark.parametrize(
     ("body", "status", "field"),
     [
@@ -174,6 +190,14 @@ def test_no_workers_is_503(client: httpx.Client):
         (b'{"token_ids": [1], "candidates": "a"}', 422, "candidates"),
         (b'{"token_ids": [1], "lora_name": 3}', 422, "lora_name"),
         (b'[1, 2]', 422, None),
+        # What the OpenAPI document's patterns forbid, the service refuses too: a hex hash
+        # with padding or a final newline (Python's `$` would let that one through).
+        (b'{"block_hashes": [" 0xab"]}', 422, "block_hashes[0]"),
+        (b'{"block_hashes": ["ab\\n"]}', 422, "block_hashes[0]"),
+        (b'{"block_hashes": ["0x"]}', 422, "block_hashes[0]"),
+        (b'{"block_hashes": [18446744073709551616]}', 422, "block_hashes[0]"),
+        (b'{"messages": []}', 422, "messages"),
+        (b'{"token_ids": [1], "candidates": ["a/b"]}', 404, "candidates"),
     ],
 )
 def test_bad_route_requests_name_the_field(cluster, client, body, status, field):
@@ -187,8 +211,11 @@ def test_bad_route_requests_name_the_field(cluster, client, body, status, field)
 
 def test_size_limits(cluster: SimCluster, client: httpx.Client):
     register(client, cluster.urls[0])
+    # A list longer than the schema's maxItems is refused like any value it forbids (422);
+    # 413 is for sizes a schema cannot state, such as the body's bytes.
     too_many = route(client, token_ids=list(range(4097)))
-    assert too_many.status_code == 413 and too_many.json()["field"] == "token_ids"
+    assert too_many.status_code == 422 and too_many.json()["field"] == "token_ids"
+    assert "4096" in too_many.json()["error"]
     huge = client.post("/v1/route", content=b"[" + b"1," * 200_000 + b"1]",
                        headers={"content-type": "application/json"})
     assert huge.status_code == 413
@@ -225,6 +252,51 @@ def test_text_prompts_through_the_instance_tokenizer(cluster: SimCluster):
             answer = route_until(client, full, "text prompt to match", prompt=text)
             assert answer["instance"] == a["id"]
             assert answer["prompt_tokens"] == len(tokens["tokens"])
+    finally:
+        server.stop()
+
+
+def test_text_without_an_instance_url_to_tokenize_with_is_a_conflict(cluster: SimCluster):
+    """Candidates registered with event endpoints only cannot tokenize a prompt: a 409 that
+    says what would work, not a 503 inviting a retry that cannot help (found by
+    schemathesis)."""
+    server = start_service(tokenizer="instance")
+    try:
+        with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as client:
+            (source,) = cluster.instances[0].kv_event_sources()
+            bare = client.post("/v1/instances", json={
+                "id": "bare", "events": [source["endpoint"]],
+                "replay": [source["replay_endpoint"]], "model": "sim-model"})
+            assert bare.status_code == 201, bare.text
+            wait_for(lambda: client.get("/v1/instances/bare").json()["state"] == "live",
+                     "the instance to go live")
+            answer = route(client, prompt="hello", candidates=["bare"])
+            assert answer.status_code == 409, answer.text
+            assert "url" in answer.json()["error"] and "token_ids" in answer.json()["error"]
+            assert route(client, token_ids=[1, 2, 3], candidates=["bare"]).status_code == 200
+    finally:
+        server.stop()
+
+
+def test_chat_messages_are_checked_before_tokenizing(cluster: SimCluster):
+    """A content part's text must be text, and the messages' text together is within
+    max_prompt_chars (the one size rule a schema cannot state: a sum)."""
+    server = start_service(tokenizer="instance", max_prompt_chars=100)
+    try:
+        with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as client:
+            register(client, cluster.urls[0])
+            parts = [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                   {"type": "text", "text": 5}]}]
+            bad = route(client, messages=parts)
+            assert bad.status_code == 422 and bad.json()["field"] == "messages[0].content[1].text"
+            parts[0]["content"][1]["text"] = "x" * 60
+            assert route(client, messages=parts).status_code == 200
+            long_chat = route(client, messages=[{"role": "user", "content": "x" * 60},
+                                                *parts])
+            assert long_chat.status_code == 413 and long_chat.json()["field"] == "messages"
+            assert "122 characters" in long_chat.json()["error"]
+            too_long = route(client, prompt="x" * 101)
+            assert too_long.status_code == 422 and too_long.json()["field"] == "prompt"
     finally:
         server.stop()
 

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 
 import httpx
 import pytest
@@ -15,6 +13,7 @@ import pytest
 from kvroute.sim.cluster import SimCluster
 from kvroute.sim.demo import run_demo
 from tests.conftest import scaled, wait_for
+from tests.support.lines import Lines
 
 KVROUTE = [sys.executable, "-m", "kvroute.app.cli"]
 
@@ -43,26 +42,6 @@ def test_an_exposed_address_without_a_token_does_not_start():
                  env={"KVROUTE_API_TOKEN": "", "KVROUTE_ADMIN_TOKEN": ""})
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--allow-unauthenticated" in result.stderr and "0.0.0.0" in result.stderr
-
-
-class Lines:
-    """Collects a child's stream line by line on a thread, so a test can wait for one."""
-
-    def __init__(self, stream) -> None:
-        self.lines: list[str] = []
-        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
-        self._thread.start()
-
-    def _read(self, stream) -> None:
-        for line in stream:
-            self.lines.append(line)
-
-    def find(self, pattern: str) -> re.Match[str] | None:
-        return next((m for line in list(self.lines) if (m := re.search(pattern, line))), None)
-
-    def text(self) -> str:
-        self._thread.join(scaled(10))
-        return "".join(self.lines)
 
 
 def test_serve_follows_instances_and_stops_cleanly_on_sigterm():

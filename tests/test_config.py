@@ -167,7 +167,7 @@ def test_tokens_are_read_but_never_shown():
 
 
 def test_blank_names_are_refused():
-    with pytest.raises(ConfigError, match="instances\\[0\\].id: expected a non-blank string"):
+    with pytest.raises(ConfigError, match="instances\\[0\\].id: must be .* not begin or end"):
         load_settings(environ={}, flags={"instances": [{"url": "http://a:1", "id": "  "}]})
 
 
@@ -221,10 +221,23 @@ def test_every_setting_is_in_the_readme_table():
     assert names == {f.name for f in msgspec.structs.fields(Settings)}
 
 
-@pytest.mark.parametrize("bad", ["a/b", "gpu\x16a", "tab\there", "line\nbreak", "x\x9c"])
-def test_an_instance_id_must_be_printable_and_have_no_slash(bad):
-    """It names the instance in URLs (DELETE /v1/instances/{id}), logs and metric labels."""
+@pytest.mark.parametrize("bad", ["a/b", "gpu\x16a", "tab\there", "line\nbreak", "x\x9c",
+                                 "gpü", " a", "a "])
+def test_an_instance_id_must_be_printable_ascii_and_have_no_slash(bad):
+    """It names the instance in URLs (DELETE /v1/instances/{id}), logs, metric labels and the
+    proxy's x-kvroute-instance header (whose value must be ASCII: an id outside it made the
+    proxy's answer fail with a 500)."""
     with pytest.raises(ConfigError) as refused:
         parse_instance({"url": "http://10.0.0.5:8000", "id": bad}, "request")
     assert refused.value.field == "id"
-    assert parse_instance({"url": "http://10.0.0.5:8000", "id": "gpü-ä 1"}, "request").id
+    assert parse_instance({"url": "http://10.0.0.5:8000", "id": "gpu-a 1"}, "request").id
+
+
+@pytest.mark.parametrize("bad", ["ké", " k", "k\n", ""])
+def test_an_api_key_must_fit_in_a_header(bad):
+    """It is sent as `Authorization: Bearer <key>`: a non-ASCII key made registration answer
+    500 (httpx could not encode the header; found by schemathesis)."""
+    with pytest.raises(ConfigError) as refused:
+        parse_instance({"url": "http://10.0.0.5:8000", "api_key": bad}, "request")
+    assert refused.value.field == "api_key"
+    assert parse_instance({"url": "http://10.0.0.5:8000", "api_key": "sk-1 x"}, "request")

@@ -37,3 +37,24 @@ def test_close_stops_every_task_and_socket_it_started(dead_url: str):
             assert service.index.stats().workers == 0  # nothing of them stays indexed
 
         run_async(scenario)
+
+
+def test_an_endpoint_zeromq_refuses_leaves_the_worker_down_and_removable():
+    """Registration refuses what ZeroMQ cannot connect to (app.patterns); should one get
+    through anyway, its worker is down saying why, and removing it answers normally (the
+    fuzz test found DELETE answering 500 because the subscriber task had died raising)."""
+
+    async def scenario() -> None:
+        service = Service(Settings(load_interval=0))
+        await service.start()
+        config = InstanceConfig(id="odd", events=("tcp://127.0.0.1:1",))
+        config.events = ("tcp://.odd:1",)  # past the check, as a bug upstream could be
+        instance = await service.registry.add(config)
+        (worker,) = instance.workers
+        await wait_until(lambda: worker.state == "down", "the worker to be down")
+        assert "ZeroMQ refuses tcp://.odd:1" in (worker.subscriber.status.last_error or "")
+        removed = await service.registry.remove("odd")
+        assert removed is instance and "odd" not in service.registry
+        await service.close()
+
+    run_async(scenario)

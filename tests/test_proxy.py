@@ -151,10 +151,19 @@ def test_a_batch_of_prompts_is_routed_by_its_first_prompt(fleet: Fleet):
     fleet.cluster.complete(0, first, max_tokens=1)
     fleet.route_until_best(fleet.ids[0], token_ids=first)
     answer = post(fleet, "/v1/completions", {"prompt": [first, second], "max_tokens": 1})
-    # The simulator serves one prompt per request, so the batch reaches it and is refused
-    # there: what matters is where it went and that the upstream's answer came back as is.
+    assert answer.status_code == 200, answer.text
     assert answer.headers["x-kvroute-instance"] == fleet.ids[0]
-    assert answer.status_code == 400 and "token ids" in answer.json()["error"]["message"]
+    assert [choice["index"] for choice in answer.json()["choices"]] == [0, 1]
+    assert answer.json()["usage"]["prompt_tokens"] == len(first) + len(second)
+
+
+def test_token_ids_written_as_integral_numbers_are_token_ids(fleet: Fleet):
+    """JSON Schema (and vLLM) read 5.0 as the integer 5; kvroute refused it."""
+    answer = post(fleet, "/v1/completions", {"prompt": [5.0, 6.0, 7], "max_tokens": 1})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["prompt_tokens"] == 3
+    fraction = post(fleet, "/v1/completions", {"prompt": [5.5], "max_tokens": 1})
+    assert fraction.status_code == 400 and fraction.json()["field"] == "prompt[0]"
 
 
 def test_models_lists_the_union_of_the_registered_instances_models(fleet: Fleet):
@@ -275,6 +284,12 @@ def test_upstream_errors_come_back_as_they_came(fleet: Fleet):
         ("/v1/completions", b'{"prompt": [1, true]}', 400, "prompt[1]"),
         ("/v1/completions", b'{"prompt": [[1, -2]]}', 400, "prompt[0][1]"),
         ("/v1/completions", b'{"prompt": 5}', 400, "prompt"),
+        # The whole batch is checked, not only the prompt it is routed by; and an empty
+        # prompt asks nothing to route.
+        ("/v1/completions", b'{"prompt": ["a", 5]}', 400, "prompt[1]"),
+        ("/v1/completions", b'{"prompt": ["a", ""]}', 400, "prompt[1]"),
+        ("/v1/completions", b'{"prompt": [[1], [2, "x"]]}', 400, "prompt[1][1]"),
+        ("/v1/completions", b'{"prompt": ""}', 400, "prompt"),
         ("/v1/completions", b'{"prompt": "x", "model": 5}', 400, "model"),
         ("/v1/completions", b'{"prompt": "x", "model": "nope"}', 404, "model"),
         ("/v1/chat/completions", b'{"messages": []}', 400, "messages"),
@@ -294,11 +309,18 @@ def test_bad_bodies_get_a_clear_error_naming_the_field(fleet: Fleet, path: str, 
 
 def test_oversized_bodies_are_refused_before_routing():
     settings = Settings(host="127.0.0.1", port=0, log_level="warning", proxy=True,
-                        max_body_bytes=1024)
+                        max_body_bytes=1024, max_prompt_tokens=8)
     with BackgroundServer(settings) as server:
         answer = httpx.post(f"{server.url}/v1/completions", timeout=HTTP_TIMEOUT,
                             json={"prompt": [1] * 1000})
         assert answer.status_code == 413 and "limit" in answer.json()["error"]
+        # Within the body limit, over max_prompt_tokens: refused like any bad prompt, and
+        # named as the OpenAI body names it.
+        for prompt, field in (([1] * 9, "prompt"), ([[1] * 9, [1]], "prompt[0]")):
+            long = httpx.post(f"{server.url}/v1/completions", timeout=HTTP_TIMEOUT,
+                              json={"prompt": prompt})
+            assert long.status_code == 400 and long.json()["field"] == field, long.text
+            assert "<= 8" in long.json()["error"]
         models = httpx.get(f"{server.url}/v1/models", timeout=HTTP_TIMEOUT)
         assert models.json() == {"object": "list", "data": []}
         nobody = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1]},

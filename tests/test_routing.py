@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import msgspec
+
 from kvroute.app.load import parse_load
 from kvroute.app.routing import CostWeights, TieBreaker, WorkerView, best_of, score_workers
 from kvroute.index import Match
@@ -30,7 +32,7 @@ def pick(views, matches, prompt_tokens=1024, weights=W):
 def test_idle_fleet_prefers_the_longest_match():
     best, scores = pick([view("a"), view("b")], {("a", 0): match(10), ("b", 0): match(20)})
     assert best.instance == "b"
-    costs = {s.instance: s.as_json()["cost_terms"] for s in scores}
+    costs = {s.instance: msgspec.to_builtins(s.answer())["cost_terms"] for s in scores}
     assert costs == {"a": {"prefill": 1024 - 160, "queue": 0.0},
                      "b": {"prefill": 1024 - 320, "queue": 0.0}}
 
@@ -65,7 +67,7 @@ def test_a_cached_prefix_on_a_busy_worker_and_an_idle_worker_compare_in_prefill_
                                 by_medium={"GPU": 30, "CPU": 0, "STORAGE": 0})}
     holder = view("holder", inflight=2, queued_prefill=60)
     best, scores = pick([holder, view("idle")], hit, prompt_tokens=540)
-    cost = {s.instance: s.as_json()["cost_terms"] for s in scores}
+    cost = {s.instance: msgspec.to_builtins(s.answer())["cost_terms"] for s in scores}
     assert cost == {"holder": {"prefill": 60.0,
                                "queue": W.queued_prefill_token * 60 + 2 * W.running_request},
                     "idle": {"prefill": 540.0, "queue": 0.0}}

@@ -1,0 +1,190 @@
+"""What the HTTP API answers: every JSON body kvroute writes is one of these structs.
+
+They are encoded with msgspec exactly as they are, and the OpenAPI document
+(`app.openapi`) describes these same structs, so the description cannot drift from what
+is sent. Invariants: every field is always present unless its default is UNSET (then it
+is left out, never sent as null); fields that can be null say so in their type.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from kvroute.app.subscription import WorkerState, WorkerStatus
+
+__all__ = [
+    "CostTerms", "Deleted", "Error", "Health", "InstanceDetail", "InstanceList",
+    "InstanceSummary", "LoadReadings", "MediumCounts", "ModelCard", "ModelList", "Readiness",
+    "ReplicasStatus", "RouteAnswer", "SavedStateLoaded", "SavedStateStatus", "WorkerDetail",
+    "WorkerScore", "encode",
+]
+
+encode = msgspec.json.Encoder().encode
+
+# An instance is "discovering" until its workers are known, then in its workers' state.
+INSTANCE_STATES = ("discovering", *(state.value for state in WorkerState))
+InstanceState = Annotated[str, msgspec.Meta(extra_json_schema={"enum": list(INSTANCE_STATES)})]
+
+
+class Error(msgspec.Struct, forbid_unknown_fields=True):
+    """Every refusal: a sentence for people and the request field at fault (null when the
+    request as a whole is)."""
+
+    error: str
+    field: str | None
+    # The candidate instance ids kvroute does not know (POST /v1/route only).
+    unknown: list[str] | UnsetType = UNSET
+
+
+class MediumCounts(msgspec.Struct, forbid_unknown_fields=True):
+    """Blocks per storage tier."""
+
+    GPU: int
+    CPU: int
+    STORAGE: int
+
+
+class CostTerms(msgspec.Struct, forbid_unknown_fields=True):
+    prefill: float
+    queue: float
+
+
+class LoadReadings(msgspec.Struct, forbid_unknown_fields=True):
+    """What the cost used: the instance's /metrics (null without a fresh scrape, and in
+    proxy mode for running and waiting) and kvroute's own counts."""
+
+    running: float | None
+    waiting: float | None
+    kv_usage: float | None
+    inflight: int
+    answered: int
+    queued_prefill: int
+
+
+class WorkerScore(msgspec.Struct, forbid_unknown_fields=True):
+    """One eligible worker's score; `cost` = `cost_terms.prefill` + `cost_terms.queue`, in
+    prefill tokens."""
+
+    instance: str
+    dp_rank: int
+    matched_blocks: int
+    matched_tokens: int
+    block_size: int | None
+    by_medium: MediumCounts
+    pending_blocks: int
+    state: WorkerState
+    cost: float
+    cost_terms: CostTerms
+    queued_prefill_tokens: float
+    running_requests: float
+    overloaded: bool
+    load: LoadReadings
+
+
+class RouteAnswer(msgspec.Struct, forbid_unknown_fields=True):
+    """The chosen worker: send the request to `url` with `X-data-parallel-rank: dp_rank`.
+    `scores` has every eligible worker, cheapest first, overloaded ones last."""
+
+    instance: str
+    url: str | None
+    dp_rank: int
+    matched_blocks: int
+    matched_tokens: int
+    prompt_tokens: int | None  # null for block_hashes
+    prompt_blocks: int | None  # null unless block_hashes (and not empty)
+    scores: list[WorkerScore]
+
+
+class InstanceSummary(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A registered instance; its state is its workers' (`discovering` until they are known)."""
+
+    id: str
+    url: str | None
+    models: list[str]
+    block_size: int | None
+    state: InstanceState
+    dp_size: int
+    endpoint: str | UnsetType = UNSET  # IP:PORT given to gateways (the Endpoint Picker)
+    discovery_error: str | UnsetType = UNSET
+    load_error: str | UnsetType = UNSET  # the last failed /metrics scrape
+
+
+class WorkerDetail(msgspec.Struct, forbid_unknown_fields=True):
+    """One data-parallel rank of an instance: where its events come from, what it holds."""
+
+    dp_rank: int
+    events_endpoint: str
+    replay_endpoint: str | None
+    state: WorkerState
+    holdings: MediumCounts
+    unconfirmed_blocks: int
+    stats: WorkerStatus
+
+
+class InstanceDetail(InstanceSummary, forbid_unknown_fields=True, kw_only=True):
+    """A registered instance, worker by worker."""
+
+    workers: list[WorkerDetail]
+
+
+class InstanceList(msgspec.Struct, forbid_unknown_fields=True):
+    instances: list[InstanceSummary]
+
+
+class Deleted(msgspec.Struct, forbid_unknown_fields=True):
+    deleted: str
+
+
+class Health(msgspec.Struct, forbid_unknown_fields=True):
+    status: Literal["ok"]
+
+
+class ReplicasStatus(msgspec.Struct, forbid_unknown_fields=True):
+    """Sharing with other replicas through Valkey/Redis (`state_url`)."""
+
+    connected: bool
+    peers: int
+    detail: str
+
+
+class SavedStateLoaded(msgspec.Struct, forbid_unknown_fields=True):
+    workers: int
+    blocks: int
+    unclaimed: int
+
+
+class SavedStateStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Where the index is saved, and how the last save and the load went."""
+
+    store: str
+    saves: int
+    last_save_age_seconds: float | UnsetType = UNSET
+    save_error: str | UnsetType = UNSET
+    loaded: SavedStateLoaded | UnsetType = UNSET
+    load_error: str | UnsetType = UNSET
+
+
+class Readiness(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Whether this replica is ready, and why (what it still waits for)."""
+
+    ready: bool
+    reason: str
+    replicas: ReplicasStatus | UnsetType = UNSET  # with state_url
+    saved_state: SavedStateStatus | UnsetType = UNSET  # with state_dir or state_url
+
+
+class ModelCard(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's model list shape."""
+
+    object: Literal["list"]
+    data: list[ModelCard]
