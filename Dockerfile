@@ -32,7 +32,8 @@ VOLUME ["/var/lib/kvroute"]
 # Never run as root; a numeric uid lets Kubernetes verify runAsNonRoot.
 USER 10001
 
-EXPOSE 8080
+# 8080: the HTTP API; 9002: the Endpoint Picker's gRPC, when --epp-port 9002 is given.
+EXPOSE 8080 9002
 
 # The slim image has no curl: probe /healthz with the interpreter that is already there.
 HEALTHCHECK --interval=15s --timeout=3s --start-period=10s --retries=3 \

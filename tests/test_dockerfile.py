@@ -61,8 +61,13 @@ def test_serves_on_every_interface_at_the_exposed_port() -> None:
     assert cmd[:2] == ["kvroute", "serve"]
     port = cmd[cmd.index("--port") + 1]
     assert cmd[cmd.index("--host") + 1] == "0.0.0.0"
-    assert only("EXPOSE") == port
+    assert only("EXPOSE").split()[0] == port
     assert f"127.0.0.1:{port}/healthz" in only("HEALTHCHECK")
+
+
+def test_exposes_the_endpoint_pickers_usual_port_too() -> None:
+    # The Helm chart's epp.port default and the README's `--epp-port 9002`.
+    assert "9002" in only("EXPOSE").split()
 
 
 def test_copy_sources_exist_and_are_not_dockerignored() -> None:
