@@ -258,6 +258,12 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
         for name in _FLOAT_SETTINGS:
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name}: must be a finite number")
+        for name in ("api_token", "admin_token"):
+            token = getattr(self, name)
+            # A client's header could never carry anything else, so the token would never match.
+            if token is not None and not matches(API_KEY, token):
+                raise ValueError(f"{name}: must be printable ASCII (clients send it in a "
+                                 "header), and not begin or end with a space")
 
     def __repr__(self) -> str:
         return _repr_without_secrets(self)

@@ -166,6 +166,15 @@ def test_tokens_are_read_but_never_shown():
     assert "secret" not in repr(settings)
 
 
+@pytest.mark.parametrize("name", ["API_TOKEN", "ADMIN_TOKEN"])
+@pytest.mark.parametrize("token", ["jeton-d\u00e9j\u00e0", " padded", "tab\tinside"])
+def test_a_token_no_header_can_carry_is_refused_at_start(name, token):
+    with pytest.raises(ConfigError, match="printable ASCII") as info:
+        load_settings(environ={f"KVROUTE_{name}": token})
+    assert info.value.field == name.lower()
+    assert token.strip() not in str(info.value)  # never shown, even when refused
+
+
 def test_blank_names_are_refused():
     with pytest.raises(ConfigError, match="instances\\[0\\].id: must be .* not begin or end"):
         load_settings(environ={}, flags={"instances": [{"url": "http://a:1", "id": "  "}]})
