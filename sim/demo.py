@@ -5,8 +5,8 @@ registers the instances by URL exactly as an operator would, then plays a small
 workload of chat-like prompts that share system prompts: each prompt is sent to
 kvroute's proxy (`POST /v1/completions`), which routes it and forwards it to the
 chosen instance, whose `cached_tokens` shows the hit (and feeds kvroute's
-predicted-vs-actual figures on the dashboard at `/dashboard`). A summary line per instance is printed every
-few seconds until Ctrl-C or `--duration`.
+predicted-vs-actual figures on the dashboard at `/dashboard`). A summary line per
+instance is printed every few seconds until Ctrl-C or `--duration`.
 """
 
 from __future__ import annotations
