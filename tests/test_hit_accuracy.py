@@ -218,3 +218,20 @@ def test_a_cache_changed_behind_kvroutes_back_shows_a_difference(proxy):
     assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     wait_for(lambda: metric(http, "kvroute_cached_tokens_difference_bucket", **labels,
                             le="-64.5") == below + 1, "the difference of -128 counted")
+
+
+def test_a_stream_the_client_leaves_is_counted_incomplete(proxy):
+    http, cluster, ids = proxy
+
+    def incomplete() -> float:
+        return sum(metric(http, "kvroute_cached_tokens_unavailable_total", instance=i,
+                          dp_rank="0", reason="incomplete") for i in ids)
+
+    before = incomplete()
+    body = {"model": "sim-model", "prompt": unique_tokens(35, 40), "max_tokens": 400,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.Client(base_url=str(http.base_url), timeout=HTTP_TIMEOUT) as leaving:
+        with leaving.stream("POST", "/v1/completions", json=body) as streamed:
+            assert streamed.status_code == 200
+            next(streamed.iter_lines())  # the first event, then the client goes away
+    wait_for(lambda: incomplete() == before + 1, "the abandoned stream counted incomplete")
