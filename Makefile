@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench bench-full bench-real lint e2e e2e-lb clean
+.PHONY: run test bench bench-full bench-real lint e2e e2e-dashboard e2e-lb clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,9 +43,22 @@ bench-full: $(STAMP)
 	$(BIN)/python -m benchmarks.index_bench
 	$(BIN)/python -m benchmarks.hitrate --full
 
-# kvroute against two real vLLM engines (CPU build, installed into .e2e/ on first use).
-e2e: $(STAMP)
+# The dashboard in a real headless browser: Debian's chromium, installed with apt-get when
+# it is missing (as root; otherwise say how), driven by Playwright (no browser download).
+CHROMIUM := /usr/bin/chromium
+$(CHROMIUM):
+	@test "$$(id -u)" = 0 || { echo "chromium is missing: run 'apt-get install -y chromium' as root" >&2; exit 1; }
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium \
+		|| { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; }
+
+# kvroute's dashboard in headless Chromium over the simulated cluster (screenshot in
+# e2e-out/), then kvroute against two real vLLM engines (CPU build, installed into .e2e/
+# on first use).
+e2e: e2e-dashboard
 	$(BIN)/python -m e2e.run
+
+e2e-dashboard: $(STAMP) $(CHROMIUM)
+	$(BIN)/python -m e2e.dashboard
 
 # nginx and HAProxy with deploy/'s files in front of kvroute and simulated vLLM; installs
 # nginx, libnginx-mod-http-js and haproxy with apt-get when they are missing.
@@ -59,4 +72,4 @@ bench-real: $(STAMP)
 	$(BIN)/python -m benchmarks.real_hitrate $(BENCH_REAL_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info bench-out
+	rm -rf $(VENV) .pytest_cache build *.egg-info bench-out e2e-out

@@ -16,7 +16,8 @@ from msgspec import UNSET, UnsetType
 from kvroute.app.subscription import WorkerState, WorkerStatus
 
 __all__ = [
-    "CostTerms", "Deleted", "Error", "Health", "InstanceDetail", "InstanceList",
+    "CostTerms", "Dashboard", "DashboardHits", "DashboardInstance", "DashboardRoutes",
+    "DashboardWorker", "Deleted", "Error", "Health", "InstanceDetail", "InstanceList",
     "InstanceSummary", "LoadReadings", "MediumCounts", "ModelCard", "ModelList", "Readiness",
     "ReplicasStatus", "RouteAnswer", "SavedStateLoaded", "SavedStateStatus", "WorkerDetail",
     "WorkerScore", "encode",
@@ -188,3 +189,70 @@ class ModelList(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     object: Literal["list"]
     data: list[ModelCard]
+
+
+class DashboardHits(msgspec.Struct, forbid_unknown_fields=True):
+    """Predicted against actual cached tokens of the requests the proxy forwarded to a
+    worker (app.hit_accuracy): `requests` compared, `exact` of them with no difference, the
+    two token totals, and `unavailable` requests that could not be compared."""
+
+    requests: int
+    exact: int
+    predicted: int
+    actual: int
+    unavailable: int
+
+
+class DashboardWorker(msgspec.Struct, forbid_unknown_fields=True):
+    """One worker now: state, holdings, its subscriber's counters, its load and what was
+    routed to it. Counters only grow while the worker is followed; rates are differences
+    between two answers."""
+
+    dp_rank: int
+    state: WorkerState
+    holdings: MediumCounts
+    unconfirmed_blocks: int
+    stats: WorkerStatus
+    inflight: int  # proxied requests open on it
+    queued_prefill: int  # their prompt tokens not yet computed
+    running: float | None  # the instance's /metrics (null without a fresh scrape)
+    waiting: float | None
+    kv_usage: float | None
+    routed: int  # decisions that chose it (probes excluded)
+    hits: DashboardHits
+
+
+class DashboardInstance(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    url: str | None
+    state: InstanceState
+    models: list[str]
+    block_size: int | None
+    workers: list[DashboardWorker]
+
+
+class DashboardRoutes(msgspec.Struct, forbid_unknown_fields=True):
+    """Routing decisions since start (`/v1/route`, the proxy, the Endpoint Picker):
+    `decisions` all of them, `routed` those that were not probes, `seconds` their time
+    together; the median and 99th percentile of the last few hundred, in milliseconds
+    (null before the first)."""
+
+    decisions: int
+    routed: int
+    seconds: float
+    recent_p50_ms: float | None
+    recent_p99_ms: float | None
+
+
+class Dashboard(msgspec.Struct, forbid_unknown_fields=True):
+    """What `/dashboard` shows, as of `time` (Unix seconds on kvroute's clock)."""
+
+    time: float
+    uptime_seconds: float
+    ready: bool
+    ready_reason: str
+    proxy: bool
+    index_nodes: int
+    index_bytes: int
+    routes: DashboardRoutes
+    instances: list[DashboardInstance]

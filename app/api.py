@@ -23,6 +23,7 @@ from starlette.types import Scope
 from kvroute.app.answers import Deleted, Error, Health, InstanceList, Readiness, encode
 from kvroute.app.auth import admin_guard, api_guard
 from kvroute.app.config import ConfigError, Settings, parse_instance
+from kvroute.app.dashboard import PAGES, SECURITY_HEADERS, Page, snapshot
 from kvroute.app.discovery import DiscoveryError
 from kvroute.app.errors import (
     AlreadyExists,
@@ -90,6 +91,16 @@ def allowed_methods(app: FastAPI, scope: Scope) -> str:
                 scope["path"]):
             methods |= route.methods
     return ", ".join(sorted(methods))
+
+
+def _static(page: Page) -> Any:
+    """An endpoint answering one of the dashboard's files, read once here."""
+    content = page.read()
+
+    async def serve() -> Response:
+        return Response(content, media_type=page.media_type, headers=SECURITY_HEADERS)
+
+    return serve
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -219,6 +230,17 @@ def create_app(settings: Settings) -> FastAPI:
 
     if settings.proxy:
         add_proxy_routes(app, dependencies=api)
+
+    @app.get("/v1/dashboard", dependencies=api)
+    async def dashboard_data(request: Request) -> Response:
+        return _json(snapshot(service_of(request)))
+
+    # The dashboard's files hold no data (the page asks /v1/dashboard, with the token), so
+    # they are served without one: a browser cannot send a bearer token for a page load.
+    for path, page in PAGES.items():
+        app.add_api_route(path, _static(page), methods=["GET"],
+                          name="dashboard" + path.removeprefix("/dashboard").replace(".", "_")
+                          .replace("/", "_"))
 
     @app.get("/healthz")
     async def healthz() -> Response:

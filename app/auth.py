@@ -1,10 +1,11 @@
 """Bearer tokens: who may route, and who may change which instances kvroute follows.
 
-Two tokens, both optional. `api_token` guards routing, the proxy and the instance list
-(it shows the fleet's topology); `admin_token` guards registering and removing
-instances, and falls back to `api_token` when only that one is set, so that a deployment
-with one token never leaves routing changeable by anyone. Health, readiness and metrics
-stay open for probes and scrapers. Tokens are compared in constant time.
+Two tokens, both optional. `api_token` guards routing, the proxy, the instance list (it
+shows the fleet's topology) and the dashboard's data; `admin_token` guards registering and
+removing instances, and falls back to `api_token` when only that one is set, so that a
+deployment with one token never leaves routing changeable by anyone. Health, readiness and
+metrics stay open for probes and scrapers, and so do the dashboard's static files (they
+hold no data). Tokens are compared in constant time.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from kvroute.app.answers import (
+    Dashboard,
     Deleted,
     Error,
     Health,
@@ -295,6 +296,31 @@ MODELS = Operation(
     answers=_merge({200: Answer(("the models",), ModelList)}, ADMISSION),
 )
 
+DASHBOARD_DATA = Operation(
+    summary="What the dashboard shows",
+    description=(
+        "Every instance and worker now: state, holdings by medium, event counters (gaps, "
+        "replays), load (proxied requests in flight, the instance's own gauges), routing "
+        "decisions per worker and in all with their recent latency, and the proxy's "
+        "predicted against actual cached tokens. Values are current or counters since "
+        "start: rates are the differences between two answers."),
+    tag="dashboard",
+    guard="api",
+    answers=_merge({200: Answer(("the snapshot",), Dashboard)}, ADMISSION),
+)
+
+
+def _page(what: str, media_type: str) -> Operation:
+    return Operation(
+        summary=f"The dashboard's {what}",
+        description="A static file shipped with kvroute; it holds no data and needs no "
+                    "token (the page asks `GET /v1/dashboard` for the data, with the token "
+                    "the user gives it).",
+        tag="dashboard",
+        answers=_merge({200: Answer((f"the {what}",), str, media_type)}, ADMISSION),
+    )
+
+
 CONTRACT: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/route"): ROUTE,
     ("GET", "/v1/instances"): LIST_INSTANCES,
@@ -307,6 +333,11 @@ CONTRACT: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/chat/completions"): _forwarded(
         "chat completions", ChatQuestion, "`model` and `messages`"),
     ("GET", "/v1/models"): MODELS,
+    ("GET", "/v1/dashboard"): DASHBOARD_DATA,
+    ("GET", "/dashboard"): _page("page: a live view of the fleet, updated every second",
+                                 "text/html"),
+    ("GET", "/dashboard/app.js"): _page("script", "text/javascript"),
+    ("GET", "/dashboard/style.css"): _page("style sheet", "text/css"),
     ("GET", "/healthz"): HEALTHZ,
     ("GET", "/readyz"): READYZ,
     ("GET", "/metrics"): METRICS,

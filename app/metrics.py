@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvroute.app.hit_accuracy import HitAccuracy
 from kvroute.app.registry import Registry
 from kvroute.app.subscription import COUNTERS, WorkerState
 
@@ -92,6 +93,8 @@ class ServiceMetrics:
             "kvroute_route_errors", "route requests answered with an error",
             labelnames=["status"], registry=self.registry,
         )
+        # The proxy's predicted-vs-actual cached tokens (app.hit_accuracy).
+        self.hits = HitAccuracy(self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -32,7 +32,8 @@ __all__ = ["markdown_table", "openapi_document", "reference_settings", "render"]
 
 REF = "#/components/schemas/{name}"
 TOKENS = {
-    "api_token": "`api_token`: routing, the proxy and the instance list.",
+    "api_token": "`api_token`: routing, the proxy, the instance list and the dashboard's "
+                 "data.",
     "admin_token": "`admin_token`: registering and removing instances (`api_token` when "
                    "only that one is set).",
 }

@@ -26,6 +26,10 @@ instances' models. Invariants:
   vLLM learns to abort the request. This holds while the response is relayed; a client that
   leaves while a non-streamed request is still waiting for its answer is noticed too: the
   pending upstream request is cancelled.
+- Every relayed answer is watched for vLLM's `usage.prompt_tokens_details.cached_tokens`
+  (app.hit_accuracy) as its chunks pass, without holding any back; each forwarded request
+  is recorded there once: compared with the decision's predicted `matched_tokens`, or
+  counted as unavailable with its reason.
 - Batched completions (`prompt` a list of strings or of token lists) are forwarded as they
   are and routed by their first prompt: vLLM runs a batch on the one instance it reaches.
   What kvroute reads of a body, and how it checks it, is `app.openai_request`.
@@ -48,11 +52,12 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvroute.app.answers import ModelCard, ModelList, encode
 from kvroute.app.errors import NoEligibleWorker, NotFound, UpstreamFailed
+from kvroute.app.hit_accuracy import HitWatch
 from kvroute.app.inflight import Ticket
 from kvroute.app.openai_request import route_request_of
 from kvroute.app.registry import Worker
 from kvroute.app.request_body import read_body
-from kvroute.app.service import Service
+from kvroute.app.service import Decision, Service
 from kvroute.app.subscription import WorkerKey
 from kvroute.app.upstream import url_at
 
@@ -106,32 +111,37 @@ def _relayed_headers(upstream: httpx.Response, worker: Worker,
     return headers
 
 
-async def _marking_start(chunks: AsyncIterator[bytes], ticket: Ticket) -> AsyncIterator[bytes]:
-    async for chunk in chunks:
-        ticket.started()
-        yield chunk
-
-
 class _Relay(StreamingResponse):
     """The upstream response, relayed raw. However the relay ends, the ticket is closed
     first and then the upstream response: a Starlette stream cancelled while its generator
     waits at `yield` would otherwise leave the upstream connection open until garbage
-    collection."""
+    collection. The hit watch sees every chunk as it passes and is finished once, complete
+    only when the upstream body was read to its end."""
 
     def __init__(self, upstream: httpx.Response, headers: list[tuple[str, str]],
-                 ticket: Ticket) -> None:
-        super().__init__(_marking_start(upstream.aiter_raw(), ticket),
-                         status_code=upstream.status_code)
+                 ticket: Ticket, watch: HitWatch) -> None:
+        super().__init__(self._chunks(upstream.aiter_raw()), status_code=upstream.status_code)
         self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
                             for k, v in headers]
         self._upstream = upstream
         self._ticket = ticket
+        self._watch = watch
+        self._ended = False
+        watch.start(upstream.status_code, upstream.headers.get("content-encoding"))
+
+    async def _chunks(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        async for chunk in chunks:
+            self._ticket.started()
+            self._watch.feed(chunk)
+            yield chunk
+        self._ended = True
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self._ticket.close()  # never awaits: nothing can cancel it half-way
+            self._watch.finish(self._ended)  # never awaits either
             await self._upstream.aclose()
 
 
@@ -188,7 +198,7 @@ class Proxy:
             if not worker.instance.url:
                 continue  # configured with event endpoints only: nowhere to send requests
             response = await self._attempt(request, path, body, worker, len(refused) + 1,
-                                           decision.uncached_tokens)
+                                           decision)
             if response is not None:
                 return response
             self.service.retract(decision)
@@ -198,19 +208,25 @@ class Proxy:
                                        f"{len(refused)} attempts: {', '.join(refused)}")
 
     async def _attempt(self, request: Request, path: str, body: bytes, worker: Worker,
-                       attempt: int, uncached_tokens: int) -> Response | None:
+                       attempt: int, decision: Decision) -> Response | None:
         """The relayed response, or None when the worker refused the connection."""
         url = url_at(worker.instance.url, path)
         upstream_request = self.client.build_request(
             "POST", url, content=body, params=request.url.query or None,
             headers=_forwarded_headers(request, worker, self.instance_key))
-        ticket = self.service.inflight.open(worker.key, uncached_tokens)
+        ticket = self.service.inflight.open(worker.key, decision.uncached_tokens)
+        watch = self.service.metrics.hits.watch(
+            worker.key, decision.best.matched_tokens, len(decision.tokens or ()))
         relayed = False
+        # Unless the relay takes the watch over: "incomplete" when the client left or the
+        # task was cancelled, "error" when the instance broke, None when it was never sent.
+        unavailable: str | None = "incomplete"
         try:
             upstream = await _unless_client_leaves(
                 request, self.client.send(upstream_request, stream=True))
             try:
-                relay = _Relay(upstream, _relayed_headers(upstream, worker, attempt), ticket)
+                relay = _Relay(upstream, _relayed_headers(upstream, worker, attempt), ticket,
+                               watch)
             except BaseException:
                 await upstream.aclose()
                 raise
@@ -218,16 +234,20 @@ class Proxy:
             return relay
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             log.warning("%s refused the connection (%r); choosing another worker", url, exc)
+            unavailable = None  # nothing reached the worker: there is nothing to compare
             return None
         except _ClientGone:
             return Response(status_code=499)  # nobody reads it; nginx's "client closed"
         except httpx.HTTPError as exc:
+            unavailable = "error"
             # Only the class: a protocol error's text may quote what the instance sent.
             raise UpstreamFailed(f"{url} failed before answering: "
                                  f"{exc.__class__.__name__}") from None
         finally:
-            if not relayed:  # from here on the relay owns the ticket
+            if not relayed:  # from here on the relay owns the ticket and the watch
                 ticket.close()
+                if unavailable is not None:
+                    watch.finish(False, unavailable)
 
     def models(self) -> ModelList:
         """vLLM's model list shape; a model served by several instances is listed once."""

@@ -30,6 +30,7 @@ from kvroute.app.answers import (
     WorkerDetail,
 )
 from kvroute.app.config import Settings
+from kvroute.app.dashboard import RouteActivity
 from kvroute.app.errors import (
     Busy,
     InvalidRequest,
@@ -119,6 +120,8 @@ class Service:
         self.inflight = InFlight()
         # Route answers, until the instance's own metrics show them (no metrics: not kept).
         self.answers = RecentAnswers(max_age=3 * settings.load_interval)
+        # Decisions per worker and their latency, for the dashboard (app.dashboard).
+        self.activity = RouteActivity()
         self.started_at = time.monotonic()
         self._configured: list[Instance] = []
         self._ready = False
@@ -259,6 +262,7 @@ class Service:
         """Score every eligible worker (minus `exclude`) and choose one; raises a RequestError.
         With `shed_when_overloaded`, a request that finds every eligible worker overloaded is
         refused (Busy) instead of sent to the least bad one, and leaves nothing behind."""
+        started = time.perf_counter()
         given = [name for name in INPUTS if getattr(request, name) is not None]
         if len(given) != 1:
             raise InvalidRequest("give exactly one of token_ids, block_hashes, prompt, messages"
@@ -313,6 +317,7 @@ class Service:
             self._guess(worker, tokens, lora_name, guess_expires, self.settings.placement_ttl)
         if tokens:
             self.metrics.match_ratio.observe(best.matched_tokens / len(tokens))
+        self.activity.decided(worker.key, time.perf_counter() - started, request.probe)
         return Decision(kind=given[0], worker=worker, best=best, scores=scores, tokens=tokens,
                         lora_name=lora_name, guess_expires=guess_expires)
 

@@ -14,7 +14,9 @@ buffer and kvroute on a state dir; ``--drop-saved-state`` turns it into its
 negative control (the state dir is deleted between kvroute's stop and start,
 and the check must fail). ``--checks 10`` runs that check alone. Check 11 routes
 completions through kvroute's Endpoint Picker (ext_proc gRPC), the harness playing
-the gateway (``--checks 11`` alone: about two minutes after the engines are up).
+the gateway (``--checks 11`` alone: about two minutes after the engines are up). Check
+12 reads kvroute's own predicted-vs-actual metrics for requests it proxies, and empties an
+engine's cache behind kvroute's back to see the difference counted.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from e2e import checks
 from e2e.checks import CheckFailed, CheckResult, Cluster
 from e2e.engines import Engine, EngineSpec, wait_ready
 from e2e.epp_check import check_epp
+from e2e.hit_check import check_hit_accuracy
 from e2e.model import write_model_dir
 from e2e.processes import ProcessSet, install_signal_handlers
 from e2e.service import Kvroute, KvrouteError
@@ -50,7 +53,7 @@ EVENTS_ONLY = {"KVROUTE_PLACEMENT_TTL": "0", "KVROUTE_PROXY": "true"}
 # Check 10 restarts the engines with a replay buffer this small (checks 5, 8 and 9 need
 # the default one: a kvroute they start from nothing rebuilds from a replay from seq 0).
 SAVED_STATE_BUFFER = 32
-CHECKS = {str(n) for n in range(1, 12)}
+CHECKS = {str(n) for n in range(1, 13)}
 
 
 class Clock:
@@ -173,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                                         "KVROUTE_STATE_SAVE_INTERVAL": "3600"},
                 boot_timeout=args.boot_timeout, drop_saved_state=args.drop_saved_state)),
             ("11 epp", lambda: check_epp(cluster, rng)),
+            ("12 hit accuracy", lambda: check_hit_accuracy(cluster, rng)),
         ]
         assert {name.split()[0] for name, _ in plan} == CHECKS
         if selected is not None:

@@ -2,10 +2,11 @@
 
 Starts a simulated vLLM cluster on loopback, a kvroute service beside it,
 registers the instances by URL exactly as an operator would, then plays a small
-workload of chat-like prompts that share system prompts: each prompt is routed
-through `POST /v1/route` and sent to the chosen instance's `/v1/completions`,
-whose `cached_tokens` shows the hit. A summary line per instance is printed every
-few seconds until Ctrl-C or `--duration`.
+workload of chat-like prompts that share system prompts: each prompt is sent to
+kvroute's proxy (`POST /v1/completions`), which routes it and forwards it to the
+chosen instance, whose `cached_tokens` shows the hit (and feeds kvroute's
+predicted-vs-actual figures on the dashboard at `/dashboard`). A summary line per
+instance is printed every few seconds until Ctrl-C or `--duration`.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def run_demo(*, port: int = 8000, instances: int = 4, duration: float | None = N
     rng = random.Random(seed)
     print(f"starting {instances} simulated vLLM instances on loopback ...", flush=True)
     with SimCluster(n=instances, block_size=16, num_blocks=256, seed=seed) as cluster:
-        settings = Settings(host="127.0.0.1", port=port, tokenizer="instance",
+        settings = Settings(host="127.0.0.1", port=port, tokenizer="instance", proxy=True,
                             log_level="warning", ready_grace_seconds=10)
         try:
             server = BackgroundServer(settings).start()
@@ -111,6 +112,7 @@ def _play(base: str, urls: list[str], rng: random.Random, duration: float | None
         prompts = _system_prompts(rng, groups=2 * len(urls), words=60)
         example = prompts[0]
         print("\nkvroute is answering on", base)
+        print(f"live dashboard: {base}/dashboard")
         print("try, while it runs:\n")
         print(f"  curl -s {base}/v1/route -H 'content-type: application/json' "
               f"-d '{{\"prompt\": \"{example}\"}}'\n")
@@ -121,18 +123,16 @@ def _play(base: str, urls: list[str], rng: random.Random, duration: float | None
             system = rng.choice(prompts)
             question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 30)))
             prompt = f"{system}\nuser: {question}"
-            route = client.post(f"{base}/v1/route", json={"prompt": prompt})
-            route.raise_for_status()
-            choice = route.json()
-            done = client.post(f"{choice['url']}/v1/completions",
+            done = client.post(f"{base}/v1/completions",
                                json={"model": "sim-model", "prompt": prompt, "max_tokens": 8})
             done.raise_for_status()
             usage = done.json()["usage"]
+            instance = done.headers["x-kvroute-instance"]
             tally.requests += 1
             tally.prompt_tokens += usage["prompt_tokens"]
             tally.cached_tokens += (usage.get("prompt_tokens_details") or {}).get(
                 "cached_tokens", 0)
-            tally.routed[choice["instance"]] = tally.routed.get(choice["instance"], 0) + 1
+            tally.routed[instance] = tally.routed.get(instance, 0) + 1
             if time.monotonic() - last >= SUMMARY_EVERY:
                 _print_summary(client, base, tally, started)
                 last = time.monotonic()

@@ -95,6 +95,7 @@ def test_demo_routes_a_workload_and_prints_a_summary(capsys):
     assert out.count("registered http://127.0.0.1:") == 2
     assert "all 2 instances live" in out
     assert "curl -s http://127.0.0.1:" in out and "/v1/route" in out
+    assert "live dashboard: http://127.0.0.1:" in out
     summary = [line for line in out.splitlines() if "prefix-cache hit rate" in line][-1]
     requests = int(summary.split("]")[1].split()[0])
     hit_rate = float(summary.split("hit rate ")[1].split("%")[0])

@@ -30,7 +30,11 @@ def test_the_wheel_holds_only_the_kvroute_package(tmp_path: Path) -> None:
     tops = {name.split("/", 1)[0] for name in names}
     assert tops == {"kvroute", next(t for t in tops if t.endswith(".dist-info"))}
     for module in ("kvroute/app/service.py", "kvroute/index/prefix_index.py",
-                   "kvroute/sim/engine.py", "kvroute/sim/demo.py"):
+                   "kvroute/sim/engine.py", "kvroute/sim/demo.py",
+                   # GET /dashboard serves these from the installed package
+                   "kvroute/app/dashboard_static/index.html",
+                   "kvroute/app/dashboard_static/app.js",
+                   "kvroute/app/dashboard_static/style.css"):
         assert module in names
     assert not any("/tests/" in n or "/benchmarks/" in n for n in names)
     info = next(t for t in tops if t.endswith(".dist-info"))
