@@ -145,7 +145,7 @@ class FleetStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class InstanceList(msgspec.Struct, forbid_unknown_fields=True):
     instances: list[InstanceSummary]
-    fleets: list[FleetStatus]
+    fleets: list[FleetStatus] | UnsetType = UNSET  # with `fleets` configured
 
 
 class Deleted(msgspec.Struct, forbid_unknown_fields=True):

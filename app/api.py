@@ -16,6 +16,7 @@ import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from msgspec import UNSET
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 from starlette.types import Scope
@@ -184,7 +185,8 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> FastA
     async def list_instances(request: Request) -> Response:
         service = service_of(request)
         return _json(InstanceList([service.instance_summary(i) for i in service.registry],
-                                  [service.fleet_status(fleet) for fleet in service.fleets]))
+                                  [service.fleet_status(fleet) for fleet in service.fleets]
+                                  or UNSET))
 
     @app.get("/v1/instances/{instance_id}", dependencies=api)
     async def get_instance(instance_id: str, request: Request) -> Response:
