@@ -17,7 +17,8 @@ from kvroute.app.subscription import WorkerState, WorkerStatus
 
 __all__ = [
     "CostTerms", "Dashboard", "DashboardHits", "DashboardInstance", "DashboardRoutes",
-    "DashboardWorker", "Deleted", "Error", "Health", "InstanceDetail", "InstanceList",
+    "DashboardWorker", "Deleted", "Error", "FleetStatus", "Health", "InstanceDetail",
+    "InstanceList",
     "InstanceSummary", "LoadReadings", "MediumCounts", "ModelCard", "ModelList", "Readiness",
     "ReplicasStatus", "RouteAnswer", "SavedStateLoaded", "SavedStateStatus", "WorkerDetail",
     "WorkerScore", "encode",
@@ -111,6 +112,7 @@ class InstanceSummary(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     endpoint: str | UnsetType = UNSET  # IP:PORT given to gateways (the Endpoint Picker)
     discovery_error: str | UnsetType = UNSET
     load_error: str | UnsetType = UNSET  # the last failed /metrics scrape
+    fleet: str | UnsetType = UNSET  # the fleet whose DNS name gave its address
 
 
 class WorkerDetail(msgspec.Struct, forbid_unknown_fields=True):
@@ -131,8 +133,21 @@ class InstanceDetail(InstanceSummary, forbid_unknown_fields=True, kw_only=True):
     workers: list[WorkerDetail]
 
 
+class FleetStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A DNS name followed as a fleet: the addresses it last resolved to, the instances
+    made of them (`<id>@<address>`), and the last refresh's error, if it failed."""
+
+    id: str
+    url: str
+    addresses: list[str]
+    instances: list[str]
+    resolve_failures: int
+    error: str | UnsetType = UNSET
+
+
 class InstanceList(msgspec.Struct, forbid_unknown_fields=True):
     instances: list[InstanceSummary]
+    fleets: list[FleetStatus] | UnsetType = UNSET  # with `fleets` configured
 
 
 class Deleted(msgspec.Struct, forbid_unknown_fields=True):

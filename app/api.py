@@ -16,6 +16,7 @@ import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from msgspec import UNSET
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 from starlette.types import Scope
@@ -42,6 +43,7 @@ from kvroute.app.errors import (
     UnsupportedMediaType,
     UpstreamFailed,
 )
+from kvroute.app.fleet import Resolver
 from kvroute.app.http_guard import HttpGuard
 from kvroute.app.json_body import decode_json, integral_numbers
 from kvroute.app.metrics import CONTENT_TYPE
@@ -103,12 +105,18 @@ def _static(page: Page) -> Any:
     return serve
 
 
-def create_app(settings: Settings) -> FastAPI:
-    """The ASGI app; the Service is built and torn down in its lifespan."""
+def create_app(settings: Settings, *, resolver: Resolver | None = None) -> FastAPI:
+    """The ASGI app; the Service is built and torn down in its lifespan (`resolver`: how
+    fleets' DNS names resolve, default the system's)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        service = Service(settings)
+        service = Service(settings, resolver=resolver)
+        if settings.proxy:
+            log.info("proxy on: text and chat prompts are tokenized %s",
+                     "by the instances' /tokenize (tokenizer = \"instance\")"
+                     if settings.tokenizer == "instance"
+                     else f"locally with {settings.tokenizer}")
         app.state.service = service
         app.state.epp = None
         proxy = epp = None
@@ -187,7 +195,9 @@ def create_app(settings: Settings) -> FastAPI:
     @app.get("/v1/instances", dependencies=api)
     async def list_instances(request: Request) -> Response:
         service = service_of(request)
-        return _json(InstanceList([service.instance_summary(i) for i in service.registry]))
+        return _json(InstanceList([service.instance_summary(i) for i in service.registry],
+                                  [service.fleet_status(fleet) for fleet in service.fleets]
+                                  or UNSET))
 
     @app.get("/v1/instances/{instance_id}", dependencies=api)
     async def get_instance(instance_id: str, request: Request) -> Response:
@@ -223,6 +233,11 @@ def create_app(settings: Settings) -> FastAPI:
         async def delete_instance(instance_id: str, request: Request) -> Response:
             service = service_of(request)
             try:
+                fleet = service.registry.get(instance_id).fleet
+                if fleet is not None:  # it would come back at the fleet's next refresh
+                    raise Conflict(f"instance {instance_id!r} is an address of fleet "
+                                   f"{fleet!r}, which follows DNS; it leaves when its address "
+                                   "does", "instance_id")
                 instance = await service.registry.remove(instance_id)
             except UnknownInstance:
                 raise NotFound(f"unknown instance {instance_id!r}", "instance_id") from None

@@ -23,7 +23,14 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--config", metavar="FILE", help="TOML configuration file")
     serve.add_argument("--instance", metavar="URL", action="append", default=[],
                        help="a vLLM instance's HTTP URL; repeat for several")
-    serve.add_argument("--tokenizer", help='"instance" or a tokenizer.json path, for text prompts')
+    serve.add_argument("--fleet", metavar="URL", action="append", default=[],
+                       help="an HTTP URL whose host is a DNS name with one address per vLLM "
+                            "instance (a Kubernetes headless Service): each address is "
+                            "followed as an instance; repeat for several")
+    serve.add_argument("--dns-refresh-seconds", type=float, metavar="SECONDS",
+                       help="how often fleets' DNS names are resolved again (default 10)")
+    serve.add_argument("--tokenizer", help='"instance" or a tokenizer.json path, for text '
+                                           'prompts (with --proxy, default "instance")')
     serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--proxy", action="store_true", default=None,
                        help="also serve OpenAI-compatible /v1/completions, "
@@ -51,7 +58,9 @@ def _serve(args: argparse.Namespace) -> int:
              "allow_unauthenticated": args.allow_unauthenticated,
              "state_dir": args.state_dir, "state_url": args.state_url,
              "epp_port": args.epp_port,
-             "instances": [{"url": url} for url in args.instance] or None}
+             "instances": [{"url": url} for url in args.instance] or None,
+             "fleets": [{"url": url} for url in args.fleet] or None,
+             "dns_refresh_seconds": args.dns_refresh_seconds}
     settings = load_settings(args.config, flags=flags)
     # log_level governs kvroute's own loggers too (debug: every proxy decision's scores).
     logging.getLogger("kvroute").setLevel(settings.log_level.upper())

@@ -22,6 +22,10 @@ File format (TOML)::
     model = "llama-3-8b"
     events = ["tcp://10.0.0.6:5557"]
     replay = ["tcp://10.0.0.6:5558"]
+
+    [[fleets]]                      # one instance per address of a DNS name
+    url = "http://vllm-headless.default.svc:8000"
+    id = "vllm"                     # members are vllm@10.0.0.7, vllm@10.0.0.8, ...
 """
 
 from __future__ import annotations
@@ -58,8 +62,8 @@ _COSTS = CostWeights()  # the one place the cost defaults are written
 _PUBLISHER_BOUNDS = SubscriberOptions()  # and the publisher bounds
 
 __all__ = [
-    "ConfigError", "InstanceConfig", "Settings", "default_instance_id", "foreign_endpoints",
-    "is_loopback", "load_settings", "parse_instance",
+    "ConfigError", "FleetConfig", "InstanceConfig", "Settings", "default_instance_id",
+    "foreign_endpoints", "is_loopback", "load_settings", "parse_instance",
 ]
 
 ENV_PREFIX = "KVROUTE_"
@@ -160,10 +164,43 @@ class InstanceConfig(msgspec.Struct, forbid_unknown_fields=True):
         return _repr_without_secrets(self)
 
 
+class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """A DNS name with one address per vLLM instance (a Kubernetes headless Service).
+
+    Each address the name resolves to is an instance, `http(s)://ADDRESS:PORT` with the
+    url's scheme and port, discovered by that URL and named `<id>@<address>`; the name is
+    resolved again every `dns_refresh_seconds` (app.fleet). After construction `url` has
+    no trailing slash and `id` is set (default: the url's host)."""
+
+    url: described(str, HTTP_ORIGIN)
+    id: described(str, INSTANCE_ID) | None = None
+    model: Text | None = None
+    topic: str = ""
+    block_size: Positive | None = None
+    api_key: described(str, API_KEY) | None = None
+
+    def __post_init__(self) -> None:
+        self.url = _origin(self.url)
+        if self.id is None:
+            self.id = urlsplit(self.url).hostname
+        elif not matches(INSTANCE_ID, self.id):
+            raise ValueError("id: must be printable ASCII without '/', and not begin or end "
+                             "with a space")
+        if self.api_key is not None and not matches(API_KEY, self.api_key):
+            raise ValueError("api_key: must be printable ASCII (it is sent in a header), and "
+                             "not begin or end with a space")
+
+    def __repr__(self) -> str:
+        return _repr_without_secrets(self)
+
+
 class Settings(msgspec.Struct, forbid_unknown_fields=True):
     host: Text = "127.0.0.1"
     port: Port = 8000
     instances: tuple[InstanceConfig, ...] = ()
+    # DNS names followed as fleets (app.fleet), and how often each is resolved again.
+    fleets: tuple[FleetConfig, ...] = ()
+    dns_refresh_seconds: Seconds = 10.0
     # Size limits protect the event loop: a query is O(prompt length).
     max_prompt_tokens: Positive = 131_072
     max_block_hashes: Positive = 8_192
@@ -173,6 +210,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
     ready_grace_seconds: NonNegative = 60.0
     # None: text and chat prompts are refused; "instance": an instance's /tokenize;
     # anything else: a local Hugging Face tokenizer (tokenizer.json file or folder).
+    # With the proxy on and none given: "instance" (an OpenAI client sends text).
     tokenizer: Text | None = None
     log_level: LogLevel = "info"
     # Also serve OpenAI-compatible endpoints that forward each request to the chosen worker.
@@ -264,6 +302,8 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
             if token is not None and not matches(API_KEY, token):
                 raise ValueError(f"{name}: must be printable ASCII (clients send it in a "
                                  "header), and not begin or end with a space")
+        if self.proxy and self.tokenizer is None:
+            self.tokenizer = "instance"
 
     def __repr__(self) -> str:
         return _repr_without_secrets(self)
@@ -371,7 +411,8 @@ def _lookup(given: Any, path: str) -> Any:
 
 
 def _known(path: str) -> list[str]:
-    struct = InstanceConfig if path.startswith("instances[") else Settings
+    struct = (InstanceConfig if path.startswith("instances[") else
+              FleetConfig if path.startswith("fleets[") else Settings)
     return [f.name for f in msgspec.structs.fields(struct)]
 
 
@@ -406,7 +447,7 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for field in msgspec.structs.fields(Settings):
         raw = environ.get(ENV_PREFIX + field.name.upper())
-        if raw is None or raw == "" or field.name == "instances":
+        if raw is None or raw == "" or field.name in ("instances", "fleets"):
             continue
         if field.type is bool:
             raw = _BOOL_WORDS.get(raw.strip().lower(), raw)
@@ -418,6 +459,9 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     urls = environ.get(ENV_PREFIX + "INSTANCES", "")
     if urls.strip():
         values["instances"] = [{"url": url.strip()} for url in urls.split(",") if url.strip()]
+    fleets = environ.get(ENV_PREFIX + "FLEETS", "")
+    if fleets.strip():
+        values["fleets"] = [{"url": url.strip()} for url in fleets.split(",") if url.strip()]
     return values
 
 
@@ -428,7 +472,8 @@ def load_settings(
 ) -> Settings:
     """Layer defaults < file < environment (KVROUTE_*) < flags; instances accumulate.
 
-    `KVROUTE_INSTANCES` is a comma-separated list of instance URLs; every other
+    `KVROUTE_INSTANCES` is a comma-separated list of instance URLs, `KVROUTE_FLEETS` one
+    of fleet URLs (DNS names, app.fleet); fleets accumulate like instances. Every other
     setting `x` is read from `KVROUTE_X`. Flags with value None are "not given".
     Each layer is checked on its own first, so an error names the layer it is in.
     """
@@ -440,12 +485,15 @@ def load_settings(
                    False))
     merged: dict[str, Any] = {}
     instances: list[InstanceConfig] = []
+    fleets: list[FleetConfig] = []
     for where, values, strict in layers:
         # Environment strings become numbers and booleans; a TOML file is already typed.
         checked = _checked(values, where, strict=strict)
-        merged.update((name, getattr(checked, name)) for name in values if name != "instances")
+        merged.update((name, getattr(checked, name)) for name in values
+                      if name not in ("instances", "fleets"))
         instances.extend(checked.instances)
-    settings = Settings(**merged, instances=tuple(instances))
+        fleets.extend(checked.fleets)
+    settings = Settings(**merged, instances=tuple(instances), fleets=tuple(fleets))
     if not (is_loopback(settings.host) or settings.api_token or settings.admin_token
             or settings.allow_unauthenticated):
         raise ConfigError(f"host {settings.host} is reachable from other machines and no "
@@ -480,6 +528,11 @@ def load_settings(
     if repeated:
         raise ConfigError(f"instance id(s) {', '.join(repeated)} configured more than once; "
                           "give each instance a distinct `id`", "instances")
+    fleet_ids = [str(fleet.id) for fleet in settings.fleets]
+    repeated = sorted({i for i in fleet_ids if fleet_ids.count(i) > 1})
+    if repeated:
+        raise ConfigError(f"fleet id(s) {', '.join(repeated)} configured more than once; give "
+                          "each fleet a distinct `id`", "fleets")
     return settings
 
 

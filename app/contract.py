@@ -152,7 +152,9 @@ ROUTE = Operation(
 LIST_INSTANCES = Operation(
     summary="The registered instances",
     description="Each instance's state, models and block size; `discovery_error` and "
-                "`load_error` (the last failed `/metrics` scrape) when there is one.",
+                "`load_error` (the last failed `/metrics` scrape) when there is one; "
+                "`fleet` for an address of a fleet. `fleets`: each configured DNS name, "
+                "what it resolved to and its last error.",
     tag="instances",
     guard="api",
     answers=_merge({200: Answer(("every registered instance",), InstanceList)}, ADMISSION),
@@ -208,11 +210,13 @@ ADD_INSTANCE = Operation(
 DELETE_INSTANCE = Operation(
     summary="Stop following an instance",
     description="Its subscribers stop and its entries leave the index. Only while "
-                "`manage_instances` is on.",
+                "`manage_instances` is on; an address of a fleet leaves when DNS drops it.",
     tag="instances",
     guard="admin",
     parameters=INSTANCE_ID,
-    answers=_merge({200: Answer(("removed",), Deleted)}, UNKNOWN_INSTANCE, ADMISSION),
+    answers=_merge({200: Answer(("removed",), Deleted)}, UNKNOWN_INSTANCE, ADMISSION,
+                   {409: _why("the instance is an address of a fleet, which follows its "
+                              "DNS name")}),
 )
 
 HEALTHZ = Operation(

@@ -88,6 +88,8 @@ class Instance:
     workers: list[Worker] = field(default_factory=list)
     discovery_error: str | None = None
     added_at: float = field(default_factory=time.time)
+    fleet: str | None = None  # the fleet (app.fleet) that added it, and removes it
+
 
     def serves(self, model: str | None) -> bool:
         return model is None or model in self.models
@@ -132,8 +134,10 @@ class Registry:
             yield from instance.workers
 
     # -- changes ---------------------------------------------------------
-    async def add(self, config: InstanceConfig, *, wait_for_discovery: bool = True) -> Instance:
-        """Register an instance and start following its events.
+    async def add(self, config: InstanceConfig, *, wait_for_discovery: bool = True,
+                  fleet: str | None = None) -> Instance:
+        """Register an instance and start following its events (`fleet`: the fleet whose
+        DNS name gave its address).
 
         With `wait_for_discovery` false (configured instances at start-up), an
         unreachable instance is registered anyway and discovered in the background.
@@ -153,7 +157,7 @@ class Registry:
                              "operator can allow its host in zmq_endpoint_hosts", "events")
         instance = Instance(id=instance_id, config=config, url=config.url,
                             models=(config.model,) if config.model else (),
-                            block_size=config.block_size)
+                            block_size=config.block_size, fleet=fleet)
         if config.events:
             if wait_for_discovery and config.url:
                 await self._learn_models(instance)

@@ -27,6 +27,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from kvroute.app.answers import Error, encode
 from kvroute.app.api import create_app
 from kvroute.app.config import Settings
+from kvroute.app.fleet import Resolver
 from kvroute.app.service import Service
 
 if TYPE_CHECKING:
@@ -146,10 +147,11 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 _REASONS = {400: b"Bad Request", 431: b"Request Header Fields Too Large"}
 
 
-def _config(settings: Settings) -> uvicorn.Config:
+def _config(settings: Settings, resolver: Resolver | None = None) -> uvicorn.Config:
     # uvicorn calls the protocol class with keywords only (config=, server_state=, ...).
     protocol = functools.partial(BoundedHttpProtocol, header_timeout=settings.header_timeout)
-    return uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
+    return uvicorn.Config(create_app(settings, resolver=resolver),
+                          host=settings.host, port=settings.port,
                           log_level=settings.log_level, lifespan="on", access_log=False,
                           http=protocol,  # type: ignore[arg-type]
                           timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]
@@ -210,11 +212,11 @@ class BackgroundServer:
     ``port`` and ``url`` are final before ``start()`` and no other process can take the port
     in between."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, resolver: Resolver | None = None) -> None:
         self.settings = settings
         self._socket = _bind(settings.host, settings.port)
         self.port: int = self._socket.getsockname()[1]
-        self._config = _config(settings)
+        self._config = _config(settings, resolver)
         self._server = uvicorn.Server(self._config)
         # A thread may not install signal handlers; the owner stops us instead.
         self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]

@@ -23,6 +23,7 @@ import msgspec
 from msgspec import UNSET
 
 from kvroute.app.answers import (
+    FleetStatus,
     InstanceDetail,
     InstanceSummary,
     MediumCounts,
@@ -40,6 +41,7 @@ from kvroute.app.errors import (
     TooLarge,
     UpstreamFailed,
 )
+from kvroute.app.fleet import Fleet, FleetCollector, Resolver, resolve_with_getaddrinfo
 from kvroute.app.inflight import InFlight, RecentAnswers
 from kvroute.app.json_body import decode_json
 from kvroute.app.load import LoadMonitor
@@ -93,7 +95,8 @@ class Decision:
 class Service:
     """Everything one kvroute process owns; created in the app's lifespan."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, resolver: Resolver | None = None) -> None:
+        """`resolver`: how fleets' DNS names are resolved (default: the system's)."""
         self.settings = settings
         self.route_request = route_request_type(settings)
         self.decode_route_request = route_request_decoder(settings)
@@ -106,6 +109,12 @@ class Service:
             unconfirmed_ttl=settings.unconfirmed_ttl),
             max_instances=settings.max_instances, endpoint_hosts=settings.zmq_endpoint_hosts)
         self.metrics = ServiceMetrics(self.registry)
+        # DNS names followed as fleets (app.fleet): each address is an instance.
+        self.fleets = [Fleet(config, self.registry, resolver or resolve_with_getaddrinfo,
+                             interval=settings.dns_refresh_seconds)
+                       for config in settings.fleets]
+        if self.fleets:
+            self.metrics.registry.register(FleetCollector(lambda: iter(self.fleets)))
         self.tokenizer: Tokenizer | None = make_tokenizer(
             settings.tokenizer, self.client, max_prompt_tokens=settings.max_prompt_tokens)
         self.weights = CostWeights(
@@ -154,8 +163,12 @@ class Service:
         for config in self.settings.instances:  # ids are unique: load_settings checked
             instance = await self.registry.add(config, wait_for_discovery=False)
             self._configured.append(instance)
+        for fleet in self.fleets:
+            fleet.start()
 
     async def close(self) -> None:
+        for fleet in self.fleets:  # no member comes or goes while the rest stops
+            await fleet.stop()
         if self.state is not None:  # first: the subscribers still hold the index
             await self.state.close()
             await self.state.store.close()
@@ -168,11 +181,16 @@ class Service:
     def readiness(self) -> tuple[bool, str]:
         if self._ready:
             return True, "ready"
+        configured = self._configured + [
+            self.registry.get(instance_id) for fleet in self.fleets
+            for instance_id in fleet.members.values() if instance_id in self.registry]
         waiting = [f"{worker.instance.id} rank {worker.endpoint.dp_rank}: {worker.state}"
-                   for instance in self._configured for worker in instance.workers
+                   for instance in configured for worker in instance.workers
                    if not worker.state.serving]
         waiting += [f"{instance.id}: discovering ({instance.discovery_error or 'pending'})"
-                    for instance in self._configured if not instance.workers]
+                    for instance in configured if not instance.workers]
+        waiting += [f"fleet {fleet.id}: resolving {fleet.host} ({fleet.error or 'pending'})"
+                    for fleet in self.fleets if fleet.resolved_at is None]
         if not waiting:
             self._ready = True
             return True, "all configured workers are live"
@@ -451,7 +469,13 @@ class Service:
             "endpoint": instance.config.endpoint or UNSET,
             "discovery_error": instance.discovery_error or UNSET,
             "load_error": self.load.failure(instance.id) or UNSET,
+            "fleet": instance.fleet or UNSET,
         }
+
+    def fleet_status(self, fleet: Fleet) -> FleetStatus:
+        return FleetStatus(id=fleet.id, url=fleet.config.url, addresses=list(fleet.addresses),
+                           instances=sorted(fleet.members.values()),
+                           resolve_failures=fleet.failures, error=fleet.error or UNSET)
 
 
 def _state_store(settings: Settings) -> StateStore | None:

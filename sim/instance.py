@@ -80,6 +80,7 @@ class SimInstance:
 
     def _start_ranks(self) -> None:
         n = self.config.dp_size
+        host = self.config.host
         rng = random.Random()
         for _attempt in range(50):
             # One rank binds port 0; several need consecutive ports, as vLLM uses: bind at a
@@ -87,7 +88,7 @@ class SimInstance:
             base, replay = ((0, 0) if n == 1 else
                             (rng.randrange(20000, 40000 - n), rng.randrange(40000, 60000 - n)))
             ranks = [
-                SimRank(self.config, r, f"tcp://{HOST}:{base + r}", f"tcp://{HOST}:{replay + r}")
+                SimRank(self.config, r, f"tcp://{host}:{base + r}", f"tcp://{host}:{replay + r}")
                 for r in range(n)
             ]
             started: list[SimRank] = []
@@ -110,10 +111,10 @@ class SimInstance:
     def _start_http(self) -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((HOST, 0))
+        sock.bind((self.config.host, self.config.http_port))
         self._sock = sock
         port = sock.getsockname()[1]
-        self.url = f"http://{HOST}:{port}"
+        self.url = f"http://{self.config.host}:{port}"
         config = uvicorn.Config(
             build_app(self), log_level="warning", access_log=False, lifespan="off"
         )

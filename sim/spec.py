@@ -38,3 +38,8 @@ class SimInstanceSpec:
     # vLLM's --api-key: every /v1 path (models, completions, chat) needs
     # "Authorization: Bearer <key>".
     api_key: str | None = None
+    # Where its HTTP server and event publishers listen: any loopback address (Linux routes
+    # all of 127.0.0.0/8 to lo), so several instances can share one port as pods of a
+    # headless Service do; http_port 0 lets the OS choose.
+    host: str = "127.0.0.1"
+    http_port: int = 0

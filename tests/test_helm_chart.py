@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import yaml
 
-from kvroute.app.config import InstanceConfig, Settings
+from kvroute.app.config import FleetConfig, InstanceConfig, Settings
 from tests.support.helm import ACTION, CHART, OPENERS, TEMPLATES, load_values, template_text
 
 VALUES_PATH = re.compile(r"\.Values((?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
@@ -102,12 +102,15 @@ def test_config_is_mounted_and_passed_with_config_flag() -> None:
 def test_config_file_writes_only_keys_kvroute_accepts() -> None:
     body = template_text("config.yaml").split("config.toml: |")[1]
     top, _, instance = body.partition("[[instances]]")
+    instance, _, fleet = instance.partition("[[fleets]]")
     top_keys = set(re.findall(r"^\s*([a-z_]+) = ", top, re.M))
     instance_keys = set(re.findall(r"^\s*([a-z_]+) = ", instance, re.M))
-    assert {"host", "port"} <= top_keys
-    assert "url" in instance_keys
+    fleet_keys = set(re.findall(r"^\s*([a-z_]+) = ", fleet, re.M))
+    assert {"host", "port", "dns_refresh_seconds"} <= top_keys
+    assert "url" in instance_keys and "url" in fleet_keys
     assert top_keys <= {f.name for f in msgspec.structs.fields(Settings)}
     assert instance_keys <= {f.name for f in msgspec.structs.fields(InstanceConfig)}
+    assert fleet_keys <= {f.name for f in msgspec.structs.fields(FleetConfig)}
 
 
 def test_config_file_binds_every_interface_on_the_container_port() -> None:
