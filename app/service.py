@@ -45,7 +45,15 @@ from kvroute.app.load import LoadMonitor
 from kvroute.app.metrics import ServiceMetrics
 from kvroute.app.registry import Instance, Registry, Worker
 from kvroute.app.route_request import INPUTS, RouteRequest, parse_hash, route_request_type
-from kvroute.app.routing import CostWeights, Score, TieBreaker, WorkerView, best_of, score_workers
+from kvroute.app.routing import (
+    CostWeights,
+    IdleWorkers,
+    Score,
+    TieBreaker,
+    WorkerView,
+    choose,
+    score_workers,
+)
 from kvroute.app.state_keeper import StateCollector, StateKeeper
 from kvroute.app.state_store import DirectoryStore, StateStore
 from kvroute.app.subscription import SubscriberOptions, WorkerKey, WorkerState
@@ -58,6 +66,8 @@ __all__ = ["Decision", "Service", "route_request_decoder"]
 log = logging.getLogger("kvroute.service")
 
 NO_HOLDINGS = {"GPU": 0, "CPU": 0, "STORAGE": 0}
+# Scores an answer shows unless asked for all: the chosen worker and the cheapest others.
+TOP_SCORES = 4
 # Instances asked in turn to tokenize a text prompt before the request fails.
 TOKENIZE_ATTEMPTS = 3
 
@@ -70,7 +80,7 @@ def route_request_decoder(settings: Settings) -> Callable[[bytes], RouteRequest]
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """The chosen worker, every eligible worker's score, and the prompt's tokens (None
+    """The chosen worker, the scores an answer shows, and the prompt's tokens (None
     for a block-hash query). `guess_expires` is when the placement guess the decision left
     on the chosen worker runs out (None: it left none), `lora_name` the adapter it was
     matched and guessed under."""
@@ -78,10 +88,11 @@ class Decision:
     kind: str
     worker: Worker
     best: Score
-    scores: list[Score]
+    scores: list[Score]  # the chosen worker and the cheapest others (all with all_scores)
     tokens: list[int] | None
     lora_name: str | None = None
     guess_expires: float | None = None
+    eligible: int = 0  # workers weighed, shown in `scores` or not
 
     @property
     def uncached_tokens(self) -> int:
@@ -114,7 +125,8 @@ class Service:
             running_request=settings.cost_running_request,
             overload_waiting=settings.overload_waiting,
             overload_kv_usage=settings.overload_kv_usage)
-        self.load = LoadMonitor(self.registry, self.client, interval=settings.load_interval)
+        self.load = LoadMonitor(self.registry, self.client, interval=settings.load_interval,
+                                overload_kv_usage=settings.overload_kv_usage)
         # Requests the proxy has sent to each worker and not yet seen finish.
         self.inflight = InFlight()
         # Route answers, until the instance's own metrics show them (no metrics: not kept).
@@ -256,9 +268,14 @@ class Service:
     async def decide(self, request: RouteRequest,
                      exclude: frozenset[WorkerKey] = frozenset(), *,
                      shed_when_overloaded: bool = False) -> Decision:
-        """Score every eligible worker (minus `exclude`) and choose one; raises a RequestError.
+        """Weigh every eligible worker (minus `exclude`) and choose one; raises a RequestError.
         With `shed_when_overloaded`, a request that finds every eligible worker overloaded is
-        refused (Busy) instead of sent to the least bad one, and leaves nothing behind."""
+        refused (Busy) instead of sent to the least bad one, and leaves nothing behind.
+
+        Only workers that match some of the prompt or carry load get a full score; the
+        others cost the same (the whole prompt to compute) and are kept as keys
+        (`routing.IdleWorkers`), so a route's cost follows the work, not the fleet. The
+        decision keeps `TOP_SCORES` scores, or all of them with `request.all_scores`."""
         given = [name for name in INPUTS if getattr(request, name) is not None]
         if len(given) != 1:
             raise InvalidRequest("give exactly one of token_ids, block_hashes, prompt, messages"
@@ -277,8 +294,11 @@ class Service:
         lora_name = request.lora_name
         if request.block_hashes is not None:
             hashes = [parse_hash(h, i) for i, h in enumerate(request.block_hashes)]
+            # Each worker's prompt length is its own block size times the hashes: no
+            # shared cost for idle workers, so every worker is scored.
             matches = self.index.match_hashes(hashes, workers=[w.key for w in eligible])
             ties = TieBreaker(first_hash=hashes[0] if hashes else None)
+            scored, idle = eligible, []
         else:
             tokens = await self._tokens(request, eligible)
             # Tokenizing awaited: an instance may have been removed meanwhile.
@@ -293,18 +313,30 @@ class Service:
                 lora_name = request.model  # vLLM caches an adapter's blocks under its name
             matches = self.index.match(tokens[:-1], lora_name=lora_name,
                                        workers=[w.key for w in eligible],
-                                       now=time.monotonic())
+                                       now=time.monotonic(), matched_only=True)
             ties = TieBreaker(tokens=tokens)
-        scores = score_workers(
-            [self._view(w) for w in eligible], matches, self.weights,
-            prompt_tokens=len(tokens) if tokens is not None else None,
-            prompt_blocks=len(request.block_hashes or ()))
-        best = best_of(scores, ties)
+            busy = self._busy()
+            scored, idle = [], []
+            for w in eligible:
+                (scored if w.key in matches or w.key in busy else idle).append(w)
+        prompt_tokens = len(tokens) if tokens is not None else None
+        prompt_blocks = len(request.block_hashes or ())
+        scores = score_workers([self._view(w) for w in scored], matches, self.weights,
+                               prompt_tokens=prompt_tokens, prompt_blocks=prompt_blocks)
+        by_key = {w.key: w for w in idle}
+        best, shown = choose(scores, IdleWorkers(
+            keys=list(by_key), cost=self.weights.miss_token * (prompt_tokens or 0),
+            score=lambda key: score_workers([self._view(by_key[key])], {}, self.weights,
+                                            prompt_tokens=prompt_tokens,
+                                            prompt_blocks=prompt_blocks)[0],
+            block_size=lambda key: self._block_size(by_key[key])),
+            ties, keep=None if request.all_scores else TOP_SCORES)
         if shed_when_overloaded and best.overloaded:  # best_of skips overloaded ones if it can
-            raise Busy(f"every eligible worker is overloaded ({len(scores)} scored: waiting "
+            raise Busy(f"every eligible worker is overloaded ({len(eligible)} scored: waiting "
                        f"queue at {self.weights.overload_waiting} or KV-cache usage at "
                        f"{self.weights.overload_kv_usage}); retry later")
-        worker = next(w for w in eligible if w.key == (best.instance, best.dp_rank))
+        best_key = (best.instance, best.dp_rank)
+        worker = by_key.get(best_key) or next(w for w in scored if w.key == best_key)
         guess_expires = None
         if tokens and self.settings.placement_ttl > 0 and not request.probe:
             # Until its events arrive, the chosen worker counts as holding this prompt, so
@@ -313,8 +345,9 @@ class Service:
             self._guess(worker, tokens, lora_name, guess_expires, self.settings.placement_ttl)
         if tokens:
             self.metrics.match_ratio.observe(best.matched_tokens / len(tokens))
-        return Decision(kind=given[0], worker=worker, best=best, scores=scores, tokens=tokens,
-                        lora_name=lora_name, guess_expires=guess_expires)
+        return Decision(kind=given[0], worker=worker, best=best, scores=shown, tokens=tokens,
+                        lora_name=lora_name, guess_expires=guess_expires,
+                        eligible=len(eligible))
 
     def retract(self, decision: Decision) -> None:
         """The chosen worker did not take the request (it refused the connection): its
@@ -350,6 +383,17 @@ class Service:
         load = self.load.get(key)
         return load.read_at if load else None
 
+    def _busy(self) -> set[WorkerKey]:
+        """A superset of the workers whose load adds to their cost or overloads them."""
+        busy = {*self.inflight.workers(), *self.answers.workers(), *self.load.busy()}
+        if self.peers is not None:
+            busy.update(self.peers.loaded())
+        return busy
+
+    def _block_size(self, worker: Worker) -> int | None:
+        """The block size a worker is matched at: its index entry's, else its instance's."""
+        return self.index.block_size(worker.key) or worker.instance.block_size
+
     def _view(self, worker: Worker) -> WorkerView:
         load = self.load.get(worker.key)
         forwarded = self.inflight.get(worker.key)
@@ -360,7 +404,7 @@ class Service:
         # The other replicas' own requests and answers, as they last said (app.valkey).
         peers = self.peers.load(worker.key) if self.peers is not None else NO_LOAD
         return WorkerView(
-            key=worker.key, block_size=worker.instance.block_size, state=worker.state,
+            key=worker.key, block_size=self._block_size(worker), state=worker.state,
             running=queue.running if queue else None, waiting=queue.waiting if queue else None,
             kv_usage=load.kv_usage if load else None,
             inflight=forwarded.requests + peers.inflight,
@@ -386,7 +430,8 @@ class Service:
             matched_tokens=best.matched_tokens,
             prompt_tokens=len(decision.tokens) if decision.tokens is not None else None,
             prompt_blocks=len(request.block_hashes) if request.block_hashes else None,
-            scores=[score.answer() for score in _ranked(decision.scores)],
+            scores=[score.answer() for score in decision.scores],
+            eligible_workers=decision.eligible,
         )
 
     # -- replicas (app.valkey) ----------------------------------------------
@@ -456,9 +501,6 @@ def _state_store(settings: Settings) -> StateStore | None:
         return DirectoryStore(settings.state_dir)
     return None
 
-
-def _ranked(scores: list[Score]) -> list[Score]:
-    return sorted(scores, key=lambda s: (s.overloaded, s.cost, s.instance, s.dp_rank))
 
 
 
