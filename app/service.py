@@ -39,6 +39,8 @@ from kvroute.app.errors import (
     TooLarge,
     UpstreamFailed,
 )
+from kvroute.app.fleet_pacing import FleetPacing
+from kvroute.app.fleet_resources import fleet_context
 from kvroute.app.inflight import InFlight, RecentAnswers
 from kvroute.app.json_body import decode_json
 from kvroute.app.load import LoadMonitor
@@ -109,12 +111,16 @@ class Service:
         self.decode_route_request = route_request_decoder(settings)
         self.index = PrefixIndex()
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
-        self.registry = Registry(self.index, self.client, options=SubscriberOptions(
+        # A context of its own, sized for the fleet (app.fleet_resources), ended in close().
+        self.zmq_context = fleet_context(settings)
+        self.registry = Registry(self.index, self.client, self.zmq_context,
+                                 options=SubscriberOptions(
             max_message_bytes=settings.max_event_message_bytes,
             max_blocks_per_event=settings.max_blocks_per_event,
             max_blocks_per_worker=settings.max_blocks_per_worker,
             unconfirmed_ttl=settings.unconfirmed_ttl),
-            max_instances=settings.max_instances, endpoint_hosts=settings.zmq_endpoint_hosts)
+            max_instances=settings.max_instances, endpoint_hosts=settings.zmq_endpoint_hosts,
+            pacing=FleetPacing(settings.replay_concurrency, settings.idle_checks_per_second))
         self.metrics = ServiceMetrics(self.registry)
         self.tokenizer: Tokenizer | None = make_tokenizer(
             settings.tokenizer, self.client, max_prompt_tokens=settings.max_prompt_tokens)
@@ -173,6 +179,7 @@ class Service:
         await self.load.stop()
         await self.registry.close()
         await self.client.aclose()
+        self.zmq_context.destroy(linger=0)  # every subscriber's sockets are closed by now
 
     def readiness(self) -> tuple[bool, str]:
         if self._ready:

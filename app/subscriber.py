@@ -103,6 +103,7 @@ class _Disconnected(Abandoned):
 
 
 _POLL_MS = 100
+_QUIET_POLL_MS = 1000
 _MAX_REPLAYED_FINGERPRINTS = 20_000
 
 
@@ -240,7 +241,7 @@ class Subscriber:
                     else:
                         await self._rebuild()
                     idle_since = time.monotonic()
-                elif await sub.poll(_POLL_MS, zmq.POLLIN):
+                elif await sub.poll(self._quiet_poll_ms(idle_since, quiet_for), zmq.POLLIN):
                     frames = await sub.recv_multipart()
                     idle_since = time.monotonic()
                     self._check_connection()
@@ -258,6 +259,15 @@ class Subscriber:
                 log.exception("%s: unexpected error", self.worker)
                 self.status.last_error = f"internal error: {exc!r}"
                 await asyncio.sleep(_POLL_MS / 1000)
+
+    @staticmethod
+    def _quiet_poll_ms(idle_since: float, quiet_for: float) -> int:
+        """How long to wait for a live batch: until the next idle check is due, at most
+        _QUIET_POLL_MS. A quiet worker wakes about once a second, not ten times (a fleet of
+        a thousand costs its event loop a thousand wake-ups a second, not ten thousand);
+        `stop()` waits at most that long."""
+        due = idle_since + quiet_for - time.monotonic()
+        return max(_POLL_MS // 10, min(_QUIET_POLL_MS, int(due * 1000) + 1))
 
     async def _idle_check(self) -> None:
         """Pick up dropped tail batches; after a rebuild whose replay did not finish, this
