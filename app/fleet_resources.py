@@ -34,7 +34,7 @@ ZMQ_DEFAULT_MAX_SOCKETS = 1023
 
 
 def configured_workers(settings: Settings) -> int:
-    return sum(max(1, len(instance.events)) for instance in settings.instances)
+    return sum(max(1, len(instance.events or ())) for instance in settings.instances)
 
 
 def fleet_context(settings: Settings) -> zmq.asyncio.Context:
