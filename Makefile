@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench bench-full bench-real lint e2e e2e-dashboard e2e-lb clean
+.PHONY: run test bench bench-full bench-real bench-fleet lint e2e e2e-dashboard e2e-lb clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,12 @@ bench: $(STAMP)
 bench-full: $(STAMP)
 	$(BIN)/python -m benchmarks.index_bench
 	$(BIN)/python -m benchmarks.hitrate --full
+
+# A fleet of 32, 256 and 1,024 simulated workers behind one kvroute process (start-up,
+# route and /healthz latency, idle CPU, RSS, shutdown); FLEET_ARGS=--huge adds 4,096.
+FLEET_ARGS ?=
+bench-fleet: $(STAMP)
+	$(BIN)/python -m benchmarks.fleet_bench $(FLEET_ARGS)
 
 # The dashboard in a real headless browser: Debian's chromium, installed with apt-get when
 # it is missing (as root; otherwise say how), driven by Playwright (no browser download).

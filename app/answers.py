@@ -88,7 +88,8 @@ class WorkerScore(msgspec.Struct, forbid_unknown_fields=True):
 
 class RouteAnswer(msgspec.Struct, forbid_unknown_fields=True):
     """The chosen worker: send the request to `url` with `X-data-parallel-rank: dp_rank`.
-    `scores` has every eligible worker, cheapest first, overloaded ones last."""
+    `scores` has the chosen worker and the cheapest others, at most 4, cheapest first,
+    overloaded ones last; every one of the `eligible_workers` with `all_scores`."""
 
     instance: str
     url: str | None
@@ -98,6 +99,7 @@ class RouteAnswer(msgspec.Struct, forbid_unknown_fields=True):
     prompt_tokens: int | None  # null for block_hashes
     prompt_blocks: int | None  # null unless block_hashes (and not empty)
     scores: list[WorkerScore]
+    eligible_workers: int  # workers weighed, shown in `scores` or not
 
 
 class InstanceSummary(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -62,6 +62,9 @@ def _serve(args: argparse.Namespace) -> int:
              "fleets": [{"url": url} for url in args.fleet] or None,
              "dns_refresh_seconds": args.dns_refresh_seconds}
     settings = load_settings(args.config, flags=flags)
+    from kvroute.app.fleet_resources import raise_open_files
+
+    raise_open_files(settings)  # a fleet too large for the process: one line, exit 2
     # log_level governs kvroute's own loggers too (debug: every proxy decision's scores).
     logging.getLogger("kvroute").setLevel(settings.log_level.upper())
     return serve_forever(settings)

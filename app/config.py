@@ -256,6 +256,11 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
     max_concurrent_requests: Positive = 512
     # Registered instances (configured ones included); one more is refused with 409.
     max_instances: Positive = 4096
+    # Replays (a worker's rebuild on connect, a gap's fill) in progress at once, fleet-wide.
+    replay_concurrency: Positive = 32
+    # Idle checks (a quiet worker asking for dropped tail batches) started per second,
+    # fleet-wide; each worker's 5 s interval is jittered by half.
+    idle_checks_per_second: Seconds = 50.0  # a positive finite number, like Seconds
     # Hosts explicit `events`/`replay` endpoints may name besides the instance's own.
     zmq_endpoint_hosts: tuple[Text, ...] = ()
     # A hostile or broken publisher: bigger ZMQ messages close the connection; bigger

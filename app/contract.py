@@ -133,7 +133,8 @@ ROUTE = Operation(
     body=_route_body,
     body_limit="`max_body_bytes`",
     answers=_merge(
-        {200: Answer(("the chosen worker, and every eligible worker's score",), RouteAnswer)},
+        {200: Answer(("the chosen worker, and the scores of the cheapest few (every eligible "
+                      "worker's with `all_scores`)",), RouteAnswer)},
         ADMISSION, _json_body("`max_body_bytes`"),
         {400: _why("the instance's tokenizer (or the local chat template) refused `prompt` "
                    "or `messages`; its reason is quoted"),

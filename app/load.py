@@ -131,12 +131,17 @@ def _lines_starting(text: str, prefix: str, max_length: int) -> Iterator[str]:
 
 class LoadMonitor:
     def __init__(self, registry: Registry, client: httpx.AsyncClient, *,
-                 interval: float = 1.0, stale_after: float = 3.0) -> None:
+                 interval: float = 1.0, stale_after: float = 3.0,
+                 overload_kv_usage: float = 1.0) -> None:
         self._registry = registry
         self._client = client
         self.interval = interval
         self._max_age = interval * stale_after
         self._loads: dict[WorkerKey, Load] = {}
+        # Workers whose reading shows work (running or waiting) or a KV cache at the
+        # overload limit: every other worker's reading costs it nothing (`busy`).
+        self._overload_kv_usage = overload_kv_usage
+        self._busy: set[WorkerKey] = set()
         self._failures: dict[str, str] = {}  # instance id -> why its last scrape failed
         self._task: asyncio.Task[None] | None = None
 
@@ -145,6 +150,11 @@ class LoadMonitor:
         if load is None or time.monotonic() - load.read_at > self._max_age:
             return None
         return load
+
+    def busy(self) -> set[WorkerKey]:
+        """A superset of the workers whose reading adds to their cost or overloads them
+        (the set itself, not a copy: do not change it)."""
+        return self._busy
 
     def failure(self, instance_id: str) -> str | None:
         """Why the instance's last scrape failed (no body text in it); None once one
@@ -167,6 +177,7 @@ class LoadMonitor:
         known = {worker.key for worker in self._registry.workers()}
         for key in [key for key in self._loads if key not in known]:
             del self._loads[key]
+        self._busy.intersection_update(self._loads)
         for instance_id in [i for i in self._failures if i not in self._registry]:
             del self._failures[instance_id]
 
@@ -209,6 +220,11 @@ class LoadMonitor:
                 # No step for that long: the gauges are the last step's leftovers.
                 reading = replace(reading, running=0.0, waiting=0.0)
             self._loads[worker.key] = reading
+            if (reading.running or reading.waiting
+                    or reading.kv_usage >= self._overload_kv_usage):
+                self._busy.add(worker.key)
+            else:
+                self._busy.discard(worker.key)
 
     def _failed(self, instance: Instance, reason: str) -> None:
         """No reading: the policy falls back to what kvroute knows itself (its in-flight

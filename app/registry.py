@@ -32,6 +32,7 @@ import zmq.asyncio
 from kvroute.app.config import InstanceConfig, default_instance_id, foreign_endpoints
 from kvroute.app.discovery import DiscoveryError, WorkerEndpoint, discover, discover_models
 from kvroute.app.errors import LimitReached, NotAllowed
+from kvroute.app.fleet_pacing import FleetPacing
 from kvroute.app.saved_state import SavedWorker
 from kvroute.app.subscriber import Subscriber
 from kvroute.app.subscription import SubscriberOptions, WorkerKey, WorkerState
@@ -99,7 +100,8 @@ class Registry:
     def __init__(self, index: PrefixIndex, client: httpx.AsyncClient,
                  context: zmq.asyncio.Context | None = None,
                  options: SubscriberOptions | None = None, *, max_instances: int,
-                 endpoint_hosts: tuple[str, ...] = ()) -> None:
+                 endpoint_hosts: tuple[str, ...] = (),
+                 pacing: FleetPacing | None = None) -> None:
         self.index = index
         self._client = client
         self._options = options or SubscriberOptions()
@@ -107,6 +109,8 @@ class Registry:
         self._endpoint_hosts = endpoint_hosts
         self._adding = 0  # API adds waiting for discovery: they count toward the maximum
         self._context = context or zmq.asyncio.Context.instance()
+        # Shared by every subscriber: replays at once and idle checks a second, fleet-wide.
+        self.pacing = pacing or FleetPacing()
         # Saved holdings for a worker whose subscriber is starting (app.state_keeper).
         self.claim_saved: Callable[[WorkerEndpoint], SavedWorker | None] = _nothing_saved
         self._instances: dict[str, Instance] = {}
@@ -203,10 +207,21 @@ class Registry:
         return instance
 
     async def close(self) -> None:
-        """Stop everything; the registry is unusable afterwards."""
+        """Stop everything; the registry is unusable afterwards. Every subscriber is asked
+        to stop at once and waited for together, so a fleet stops in about the time one
+        subscriber takes, not the sum of them."""
         self._closed = True
-        for instance_id in list(self._instances):
-            await self.remove(instance_id)
+        instances = list(self._instances.values())
+        self._instances.clear()
+        tasks = list(self._discovery_tasks.values())
+        self._discovery_tasks.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._stop_workers([w for instance in instances for w in instance.workers])
+        for instance in instances:
+            for worker in instance.workers:
+                self.index.drop_worker(worker.key)
 
     # -- internals -------------------------------------------------------
     async def _discover(self, instance: Instance) -> list[WorkerEndpoint]:
@@ -277,15 +292,15 @@ class Registry:
     def _start_workers(self, instance: Instance, endpoints: list[WorkerEndpoint]) -> None:
         for endpoint in endpoints:
             subscriber = Subscriber(endpoint, self.index, ctx=self._context,
-                                    options=self._options, saved=self.claim_saved(endpoint))
+                                    options=self._options, saved=self.claim_saved(endpoint),
+                                    pacing=self.pacing)
             worker = Worker(instance=instance, endpoint=endpoint, subscriber=subscriber)
             worker.task = asyncio.create_task(
                 subscriber.run(), name=f"subscriber {instance.id} rank {endpoint.dp_rank}")
             instance.workers.append(worker)
 
     async def _stop_workers(self, workers: list[Worker]) -> None:
-        for worker in workers:
-            await worker.subscriber.stop()
+        await asyncio.gather(*(worker.subscriber.stop() for worker in workers))
         for worker in workers:
             if worker.task is not None and not worker.task.done():
                 worker.task.cancel()

@@ -1,13 +1,16 @@
-"""One replay request to a publisher's ROUTER, on a DEALER socket of its own.
+"""One replay request to a publisher's ROUTER, on a worker's DEALER socket.
 
 A request is ``[b"", start_seq]``; the ROUTER answers with the batches it still buffers from
 ``start_seq`` on, then an end marker (``wire.decode_replay_frame`` reads both formats). This
 module only moves frames: what they mean (a hole, history lost, a restart) is the
 subscriber's to judge.
 
-Why a fresh socket per request: a DEALER keeps whatever a ROUTER sent it, so a socket
-reused after a timeout could deliver the late tail of the previous answer as if it were the
-next one's. A socket is cheap next to a replay.
+A worker's ``ReplayChannel`` keeps its DEALER between requests, but only after an answer
+that ended with its end marker (``ReplayRequest.finished``): then the ROUTER has sent
+everything for it and the socket holds nothing more. After a timeout, a dropped connection
+or any other end, the socket is closed, since a DEALER keeps whatever a ROUTER sent it and
+a reused one could deliver the late tail of the previous answer as if it were the next
+one's. So a quiet fleet's idle checks cost no new socket and no new connection each.
 """
 
 from __future__ import annotations
@@ -24,35 +27,76 @@ from kvroute.app.wire import encode_seq
 _DROP_GRACE_MS = 200
 
 
+class ReplayChannel:
+    """A worker's DEALER (and the monitor that reports its drops) to one replay endpoint,
+    opened on first use and kept while answers end cleanly. ``close`` releases both."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *,
+                 max_message_bytes: int) -> None:
+        self.endpoint = endpoint
+        self._ctx = ctx
+        self._max_message_bytes = max_message_bytes
+        self._sockets: tuple[zmq.asyncio.Socket, zmq.asyncio.Socket] | None = None
+        self._poller: zmq.asyncio.Poller | None = None
+        self.opened = 0  # sockets opened so far (each reuse saves one)
+
+    def sockets(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket, zmq.asyncio.Poller]:
+        if self._sockets is None:
+            dealer = self._ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            # ZMQ drops a connection that sends a bigger frame: see next_frames' None.
+            dealer.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
+            dropped = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            dealer.connect(self.endpoint)
+            self._sockets = (dealer, dropped)
+            self._poller = zmq.asyncio.Poller()
+            self._poller.register(dealer, zmq.POLLIN)
+            self._poller.register(dropped, zmq.POLLIN)
+            self.opened += 1
+        assert self._poller is not None
+        return (*self._sockets, self._poller)
+
+    def close(self) -> None:
+        sockets, self._sockets, self._poller = self._sockets, None, None
+        if sockets is None:
+            return
+        dealer, dropped = sockets
+        with contextlib.suppress(zmq.ZMQError):
+            dealer.disable_monitor()
+        dropped.close(0)
+        dealer.close(0)
+
+
 class ReplayRequest:
     """An open request: ``next_frames()`` until it returns None or the end marker came.
 
-    Use as ``async with ReplayRequest(...) as request``: the socket connects and the request
-    is sent on entry, and both sockets are closed on exit however the request ended.
+    Use as ``async with ReplayRequest(...) as request``: the request is sent on entry; on
+    exit the channel's socket is kept if ``finished()`` was called, closed otherwise.
     """
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, start: int, *,
-                 max_message_bytes: int, timeout: float) -> None:
-        self.endpoint = endpoint
+    def __init__(self, channel: ReplayChannel, start: int, *, timeout: float) -> None:
+        self.endpoint = channel.endpoint
         self.start = start
         self._timeout_ms = int(timeout * 1000)
-        self._dealer = ctx.socket(zmq.DEALER)
-        self._dealer.setsockopt(zmq.LINGER, 0)
-        # ZMQ drops a connection that sends a bigger frame: see next_frames' None.
-        self._dealer.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        self._dropped = self._dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._poller: zmq.asyncio.Poller | None = None
+        self._channel = channel
+        self._dealer, self._dropped, self._poller = channel.sockets()
+        self._finished = False
+
+    def finished(self) -> None:
+        """The end marker came: the socket holds nothing more of this answer."""
+        self._finished = True
 
     async def __aenter__(self) -> ReplayRequest:
-        self._dealer.connect(self.endpoint)
+        # A drop reported between two requests is over (ZMQ reconnected, or will, and
+        # sends this request then): only a drop during this answer cuts it.
+        while await self._dropped.poll(0, zmq.POLLIN):
+            await self._dropped.recv_multipart()
         await self._dealer.send_multipart([b"", encode_seq(self.start)])
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        with contextlib.suppress(zmq.ZMQError):
-            self._dealer.disable_monitor()
-        self._dropped.close(0)
-        self._dealer.close(0)
+        if not self._finished:
+            self._channel.close()
 
     async def next_frames(self) -> list[bytes] | None:
         """The next reply's frames; None once the connection has dropped and every reply it
@@ -68,9 +112,5 @@ class ReplayRequest:
                 if await dealer.poll(_DROP_GRACE_MS, zmq.POLLIN):
                     continue  # read above
                 return None
-            if self._poller is None:
-                self._poller = zmq.asyncio.Poller()
-                self._poller.register(dealer, zmq.POLLIN)
-                self._poller.register(dropped, zmq.POLLIN)
             if not await self._poller.poll(self._timeout_ms):
                 raise TimeoutError

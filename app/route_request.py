@@ -76,6 +76,10 @@ class RouteRequest(msgspec.Struct, forbid_unknown_fields=True):
     # leaves no placement guess and does not count as load on the chosen worker.
     probe: documented(bool, "only asking: the answer leaves no placement guess and counts "
                             "as no load") = False
+    # An answer shows the chosen worker and the few cheapest others; every eligible
+    # worker's score costs the fleet's size in time and bytes, so only when asked.
+    all_scores: documented(bool, "answer every eligible worker's score, not only the chosen "
+                                 "worker's and the cheapest others' (for debugging)") = False
 
 
 def route_request_type(settings: Settings) -> type[RouteRequest]:

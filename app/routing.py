@@ -51,9 +51,10 @@ the key; a worker joining or leaving the tie moves only the prefixes it wins or 
 
 from __future__ import annotations
 
+import heapq
 import sys
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from xxhash import xxh3_64_intdigest, xxh3_128_digest
@@ -62,7 +63,8 @@ from kvroute.app.answers import CostTerms, LoadReadings, MediumCounts, WorkerSco
 from kvroute.app.subscription import WorkerKey
 from kvroute.index import Match
 
-__all__ = ["CostWeights", "Score", "TieBreaker", "WorkerView", "best_of", "score_workers"]
+__all__ = ["CostWeights", "IdleWorkers", "Score", "TieBreaker", "WorkerView", "best_of", "choose",
+           "ranked", "score_workers"]
 
 MEDIA = ("GPU", "CPU", "STORAGE")
 # The first block's length when no scored worker's block size is known: vLLM's default.
@@ -223,6 +225,12 @@ class TieBreaker:
             xxh3_64_intdigest(f"{s.instance}\0{s.dp_rank}\0".encode() + key),
             s.instance, s.dp_rank))
 
+    def pick_key(self, tied: Iterable[WorkerKey], block_size: int) -> WorkerKey:
+        """`pick` for workers known by their keys alone (the same weights, so the same pick)."""
+        key = self.key(block_size)
+        return max(tied, key=lambda w: (
+            xxh3_64_intdigest(f"{w[0]}\0{w[1]}\0".encode() + key), w[0], w[1]))
+
 
 def best_of(scores: list[Score], ties: TieBreaker) -> Score:
     """The cheapest score among those not overloaded (among all if every one is); ties
@@ -235,3 +243,61 @@ def best_of(scores: list[Score], ties: TieBreaker) -> Score:
     # From every score, not only the tied ones: replicas whose loads differ still agree.
     block_size = min((s.block_size for s in scores if s.block_size), default=DEFAULT_BLOCK_SIZE)
     return ties.pick(tied, block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class IdleWorkers:
+    """Eligible workers that match none of the prompt and carry no load: each one's cost is
+    the whole prompt's prefill (`cost`) and nothing else, and none is overloaded. They are
+    kept as keys, so a route costs the workers that hold something or do something, not
+    the fleet; a `Score` is made only for the ones an answer shows (`score`)."""
+
+    keys: list[WorkerKey]
+    cost: float
+    score: Callable[[WorkerKey], Score]
+    block_size: Callable[[WorkerKey], int | None]
+
+
+def ranked(scores: Iterable[Score]) -> list[Score]:
+    """Cheapest first, overloaded ones last; equal costs by instance id and rank."""
+    return sorted(scores, key=lambda s: (s.overloaded, s.cost, s.instance, s.dp_rank))
+
+
+def choose(scores: list[Score], idle: IdleWorkers, ties: TieBreaker,
+           keep: int | None) -> tuple[Score, list[Score]]:
+    """`best_of` over `scores` and the idle workers together, and the `keep` first scores
+    in `ranked` order, the chosen one always among them (every score when `keep` is
+    None). At least one of the two is not empty. Same choice as `best_of` over every
+    worker's full score: the idle ones are exactly as cheap as `idle.cost` says and never
+    overloaded."""
+    pool = [score for score in scores if not score.overloaded]
+    if not idle.keys:
+        best = best_of(scores, ties)
+    else:
+        lowest = min(min((s.cost for s in pool), default=idle.cost), idle.cost)
+        tied_scores = [s for s in pool if s.cost == lowest]
+        tied_keys = [(s.instance, s.dp_rank) for s in tied_scores]
+        if idle.cost == lowest:
+            tied_keys += idle.keys
+        if len(tied_keys) == 1:
+            best = tied_scores[0] if tied_scores else idle.score(tied_keys[0])
+        else:
+            # The smallest block size among every eligible worker, as best_of takes it.
+            block_size = min(
+                (size for size in (*(s.block_size for s in scores),
+                                   *map(idle.block_size, idle.keys)) if size),
+                default=DEFAULT_BLOCK_SIZE)
+            chosen = ties.pick_key(tied_keys, block_size)
+            best = next((s for s in tied_scores if (s.instance, s.dp_rank) == chosen), None) \
+                or idle.score(chosen)
+    if keep is None:
+        shown = ranked([*scores, *map(idle.score, idle.keys)])
+    else:
+        # The idle workers rank by key among themselves: only the first `keep` can show.
+        first_idle = heapq.nsmallest(keep, idle.keys)
+        shown = ranked([*scores, *map(idle.score, first_idle)])[:keep]
+        chosen = (best.instance, best.dp_rank)
+        if keep and all((s.instance, s.dp_rank) != chosen for s in shown):
+            # A tie's pick need not rank first: the answer always shows the chosen worker.
+            shown = ranked([*shown[:keep - 1], best])
+    return best, shown

@@ -42,13 +42,23 @@ from kvroute.app.errors import (
     UpstreamFailed,
 )
 from kvroute.app.fleet import Fleet, FleetCollector, Resolver, resolve_with_getaddrinfo
+from kvroute.app.fleet_pacing import FleetPacing
+from kvroute.app.fleet_resources import fleet_context
 from kvroute.app.inflight import InFlight, RecentAnswers
 from kvroute.app.json_body import decode_json
 from kvroute.app.load import LoadMonitor
 from kvroute.app.metrics import ServiceMetrics
 from kvroute.app.registry import Instance, Registry, Worker
 from kvroute.app.route_request import INPUTS, RouteRequest, parse_hash, route_request_type
-from kvroute.app.routing import CostWeights, Score, TieBreaker, WorkerView, best_of, score_workers
+from kvroute.app.routing import (
+    CostWeights,
+    IdleWorkers,
+    Score,
+    TieBreaker,
+    WorkerView,
+    choose,
+    score_workers,
+)
 from kvroute.app.state_keeper import StateCollector, StateKeeper
 from kvroute.app.state_store import DirectoryStore, StateStore
 from kvroute.app.subscription import SubscriberOptions, WorkerKey, WorkerState
@@ -61,6 +71,8 @@ __all__ = ["Decision", "Service", "route_request_decoder"]
 log = logging.getLogger("kvroute.service")
 
 NO_HOLDINGS = {"GPU": 0, "CPU": 0, "STORAGE": 0}
+# Scores an answer shows unless asked for all: the chosen worker and the cheapest others.
+TOP_SCORES = 4
 # Instances asked in turn to tokenize a text prompt before the request fails.
 TOKENIZE_ATTEMPTS = 3
 
@@ -73,7 +85,7 @@ def route_request_decoder(settings: Settings) -> Callable[[bytes], RouteRequest]
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """The chosen worker, every eligible worker's score, and the prompt's tokens (None
+    """The chosen worker, the scores an answer shows, and the prompt's tokens (None
     for a block-hash query). `guess_expires` is when the placement guess the decision left
     on the chosen worker runs out (None: it left none), `lora_name` the adapter it was
     matched and guessed under."""
@@ -81,10 +93,11 @@ class Decision:
     kind: str
     worker: Worker
     best: Score
-    scores: list[Score]
+    scores: list[Score]  # the chosen worker and the cheapest others (all with all_scores)
     tokens: list[int] | None
     lora_name: str | None = None
     guess_expires: float | None = None
+    eligible: int = 0  # workers weighed, shown in `scores` or not
 
     @property
     def uncached_tokens(self) -> int:
@@ -102,12 +115,16 @@ class Service:
         self.decode_route_request = route_request_decoder(settings)
         self.index = PrefixIndex()
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
-        self.registry = Registry(self.index, self.client, options=SubscriberOptions(
+        # A context of its own, sized for the fleet (app.fleet_resources), ended in close().
+        self.zmq_context = fleet_context(settings)
+        self.registry = Registry(self.index, self.client, self.zmq_context,
+                                 options=SubscriberOptions(
             max_message_bytes=settings.max_event_message_bytes,
             max_blocks_per_event=settings.max_blocks_per_event,
             max_blocks_per_worker=settings.max_blocks_per_worker,
             unconfirmed_ttl=settings.unconfirmed_ttl),
-            max_instances=settings.max_instances, endpoint_hosts=settings.zmq_endpoint_hosts)
+            max_instances=settings.max_instances, endpoint_hosts=settings.zmq_endpoint_hosts,
+            pacing=FleetPacing(settings.replay_concurrency, settings.idle_checks_per_second))
         self.metrics = ServiceMetrics(self.registry)
         # DNS names followed as fleets (app.fleet): each address is an instance.
         self.fleets = [Fleet(config, self.registry, resolver or resolve_with_getaddrinfo,
@@ -124,7 +141,8 @@ class Service:
             running_request=settings.cost_running_request,
             overload_waiting=settings.overload_waiting,
             overload_kv_usage=settings.overload_kv_usage)
-        self.load = LoadMonitor(self.registry, self.client, interval=settings.load_interval)
+        self.load = LoadMonitor(self.registry, self.client, interval=settings.load_interval,
+                                overload_kv_usage=settings.overload_kv_usage)
         # Requests the proxy has sent to each worker and not yet seen finish.
         self.inflight = InFlight()
         # Route answers, until the instance's own metrics show them (no metrics: not kept).
@@ -177,6 +195,7 @@ class Service:
         await self.load.stop()
         await self.registry.close()
         await self.client.aclose()
+        self.zmq_context.destroy(linger=0)  # every subscriber's sockets are closed by now
 
     def readiness(self) -> tuple[bool, str]:
         if self._ready:
@@ -277,9 +296,14 @@ class Service:
     async def decide(self, request: RouteRequest,
                      exclude: frozenset[WorkerKey] = frozenset(), *,
                      shed_when_overloaded: bool = False) -> Decision:
-        """Score every eligible worker (minus `exclude`) and choose one; raises a RequestError.
+        """Weigh every eligible worker (minus `exclude`) and choose one; raises a RequestError.
         With `shed_when_overloaded`, a request that finds every eligible worker overloaded is
-        refused (Busy) instead of sent to the least bad one, and leaves nothing behind."""
+        refused (Busy) instead of sent to the least bad one, and leaves nothing behind.
+
+        Only workers that match some of the prompt or carry load get a full score; the
+        others cost the same (the whole prompt to compute) and are kept as keys
+        (`routing.IdleWorkers`), so a route's cost follows the work, not the fleet. The
+        decision keeps `TOP_SCORES` scores, or all of them with `request.all_scores`."""
         started = time.perf_counter()
         given = [name for name in INPUTS if getattr(request, name) is not None]
         if len(given) != 1:
@@ -299,8 +323,11 @@ class Service:
         lora_name = request.lora_name
         if request.block_hashes is not None:
             hashes = [parse_hash(h, i) for i, h in enumerate(request.block_hashes)]
+            # Each worker's prompt length is its own block size times the hashes: no
+            # shared cost for idle workers, so every worker is scored.
             matches = self.index.match_hashes(hashes, workers=[w.key for w in eligible])
             ties = TieBreaker(first_hash=hashes[0] if hashes else None)
+            scored, idle = eligible, []
         else:
             tokens = await self._tokens(request, eligible)
             # Tokenizing awaited: an instance may have been removed meanwhile.
@@ -315,18 +342,30 @@ class Service:
                 lora_name = request.model  # vLLM caches an adapter's blocks under its name
             matches = self.index.match(tokens[:-1], lora_name=lora_name,
                                        workers=[w.key for w in eligible],
-                                       now=time.monotonic())
+                                       now=time.monotonic(), matched_only=True)
             ties = TieBreaker(tokens=tokens)
-        scores = score_workers(
-            [self._view(w) for w in eligible], matches, self.weights,
-            prompt_tokens=len(tokens) if tokens is not None else None,
-            prompt_blocks=len(request.block_hashes or ()))
-        best = best_of(scores, ties)
+            busy = self._busy()
+            scored, idle = [], []
+            for w in eligible:
+                (scored if w.key in matches or w.key in busy else idle).append(w)
+        prompt_tokens = len(tokens) if tokens is not None else None
+        prompt_blocks = len(request.block_hashes or ())
+        scores = score_workers([self._view(w) for w in scored], matches, self.weights,
+                               prompt_tokens=prompt_tokens, prompt_blocks=prompt_blocks)
+        by_key = {w.key: w for w in idle}
+        best, shown = choose(scores, IdleWorkers(
+            keys=list(by_key), cost=self.weights.miss_token * (prompt_tokens or 0),
+            score=lambda key: score_workers([self._view(by_key[key])], {}, self.weights,
+                                            prompt_tokens=prompt_tokens,
+                                            prompt_blocks=prompt_blocks)[0],
+            block_size=lambda key: self._block_size(by_key[key])),
+            ties, keep=None if request.all_scores else TOP_SCORES)
         if shed_when_overloaded and best.overloaded:  # best_of skips overloaded ones if it can
-            raise Busy(f"every eligible worker is overloaded ({len(scores)} scored: waiting "
+            raise Busy(f"every eligible worker is overloaded ({len(eligible)} scored: waiting "
                        f"queue at {self.weights.overload_waiting} or KV-cache usage at "
                        f"{self.weights.overload_kv_usage}); retry later")
-        worker = next(w for w in eligible if w.key == (best.instance, best.dp_rank))
+        best_key = (best.instance, best.dp_rank)
+        worker = by_key.get(best_key) or next(w for w in scored if w.key == best_key)
         guess_expires = None
         if tokens and self.settings.placement_ttl > 0 and not request.probe:
             # Until its events arrive, the chosen worker counts as holding this prompt, so
@@ -336,8 +375,9 @@ class Service:
         if tokens:
             self.metrics.match_ratio.observe(best.matched_tokens / len(tokens))
         self.activity.decided(worker.key, time.perf_counter() - started, request.probe)
-        return Decision(kind=given[0], worker=worker, best=best, scores=scores, tokens=tokens,
-                        lora_name=lora_name, guess_expires=guess_expires)
+        return Decision(kind=given[0], worker=worker, best=best, scores=shown, tokens=tokens,
+                        lora_name=lora_name, guess_expires=guess_expires,
+                        eligible=len(eligible))
 
     def retract(self, decision: Decision) -> None:
         """The chosen worker did not take the request (it refused the connection): its
@@ -373,6 +413,17 @@ class Service:
         load = self.load.get(key)
         return load.read_at if load else None
 
+    def _busy(self) -> set[WorkerKey]:
+        """A superset of the workers whose load adds to their cost or overloads them."""
+        busy = {*self.inflight.workers(), *self.answers.workers(), *self.load.busy()}
+        if self.peers is not None:
+            busy.update(self.peers.loaded())
+        return busy
+
+    def _block_size(self, worker: Worker) -> int | None:
+        """The block size a worker is matched at: its index entry's, else its instance's."""
+        return self.index.block_size(worker.key) or worker.instance.block_size
+
     def _view(self, worker: Worker) -> WorkerView:
         load = self.load.get(worker.key)
         forwarded = self.inflight.get(worker.key)
@@ -383,7 +434,7 @@ class Service:
         # The other replicas' own requests and answers, as they last said (app.valkey).
         peers = self.peers.load(worker.key) if self.peers is not None else NO_LOAD
         return WorkerView(
-            key=worker.key, block_size=worker.instance.block_size, state=worker.state,
+            key=worker.key, block_size=self._block_size(worker), state=worker.state,
             running=queue.running if queue else None, waiting=queue.waiting if queue else None,
             kv_usage=load.kv_usage if load else None,
             inflight=forwarded.requests + peers.inflight,
@@ -409,7 +460,8 @@ class Service:
             matched_tokens=best.matched_tokens,
             prompt_tokens=len(decision.tokens) if decision.tokens is not None else None,
             prompt_blocks=len(request.block_hashes) if request.block_hashes else None,
-            scores=[score.answer() for score in _ranked(decision.scores)],
+            scores=[score.answer() for score in decision.scores],
+            eligible_workers=decision.eligible,
         )
 
     # -- replicas (app.valkey) ----------------------------------------------
@@ -485,9 +537,6 @@ def _state_store(settings: Settings) -> StateStore | None:
         return DirectoryStore(settings.state_dir)
     return None
 
-
-def _ranked(scores: list[Score]) -> list[Score]:
-    return sorted(scores, key=lambda s: (s.overloaded, s.cost, s.instance, s.dp_rank))
 
 
 

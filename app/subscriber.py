@@ -66,8 +66,9 @@ import zmq
 import zmq.asyncio
 
 from kvroute.app.batch_apply import Abandoned, BatchApplier
+from kvroute.app.fleet_pacing import FleetPacing
 from kvroute.app.live_connection import LiveConnection
-from kvroute.app.replay_request import ReplayRequest
+from kvroute.app.replay_request import ReplayChannel, ReplayRequest
 from kvroute.app.saved_state import SavedWorker, payload_fingerprint
 from kvroute.app.sequence import Kind, Verdict, classify
 from kvroute.app.subscription import (
@@ -102,6 +103,7 @@ class _Disconnected(Abandoned):
 
 
 _POLL_MS = 100
+_QUIET_POLL_MS = 1000
 _MAX_REPLAYED_FINGERPRINTS = 20_000
 
 
@@ -122,6 +124,7 @@ class Subscriber:
         hooks: SubscriberHooks | None = None,
         options: SubscriberOptions | None = None,
         saved: SavedWorker | None = None,
+        pacing: FleetPacing | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.worker = endpoint.worker
@@ -130,6 +133,12 @@ class Subscriber:
         self.options = options or SubscriberOptions()
         self.status = WorkerStatus()
         self._ctx = ctx or zmq.asyncio.Context.instance()
+        # Shared with the fleet's other subscribers (replay slots, idle-check rate).
+        self._pacing = pacing or FleetPacing()
+        self._replay_channel = (
+            None if endpoint.replay_endpoint is None else
+            ReplayChannel(self._ctx, endpoint.replay_endpoint,
+                          max_message_bytes=self.options.max_message_bytes))
         self._applier = BatchApplier(index, self.worker, self.options,
                                      check=self._check_connection, refused=self._store_refused)
         self._stopping = asyncio.Event()
@@ -140,6 +149,8 @@ class Subscriber:
             reconnect_ivl_ms=self.options.reconnect_ivl_ms,
             reconnect_ivl_max_ms=self.options.reconnect_ivl_max_ms, went_down=self._went_down)
         self._needs_rebuild = True      # first connection: learn what is already cached
+        # Degraded only because the rebuild's replay did not finish: idle checks retry it.
+        self._unfinished_rebuild = False
         self._generation = 0            # bumped on every disconnect
         self._working_generation = 0    # the generation the current step started in
         self._last_live: int | None = None
@@ -178,6 +189,8 @@ class Subscriber:
             await self._main_loop()
         finally:
             await self._live.close()
+            if self._replay_channel is not None:
+                self._replay_channel.close()
             self._stopped.set()
 
     async def stop(self, timeout: float = 5.0) -> None:
@@ -211,6 +224,7 @@ class Subscriber:
 
     async def _main_loop(self) -> None:
         idle_since = time.monotonic()
+        quiet_for = self._pacing.idle_after(self.options.idle_check)
         while not self._stopping.is_set():
             self._working_generation = self._generation
             sub = self._live.socket
@@ -227,21 +241,46 @@ class Subscriber:
                     else:
                         await self._rebuild()
                     idle_since = time.monotonic()
-                elif await sub.poll(_POLL_MS, zmq.POLLIN):
+                elif await sub.poll(self._quiet_poll_ms(idle_since, quiet_for), zmq.POLLIN):
                     frames = await sub.recv_multipart()
                     idle_since = time.monotonic()
                     self._check_connection()
                     await self._on_live(frames)
-                elif time.monotonic() - idle_since >= self.options.idle_check:
+                elif time.monotonic() - idle_since >= quiet_for:
+                    quiet_for = self._pacing.idle_after(self.options.idle_check)
+                    if self.status.last_seq is not None or self._unfinished_rebuild:
+                        await self._pacing.idle_check_slot()
+                        self._check_connection()
+                        await self._idle_check()
                     idle_since = time.monotonic()
-                    if self.status.last_seq is not None:
-                        await self._fill_from(self.status.last_seq + 1)
             except _Disconnected:
                 continue
             except Exception as exc:  # never let a bug end the subscription silently
                 log.exception("%s: unexpected error", self.worker)
                 self.status.last_error = f"internal error: {exc!r}"
                 await asyncio.sleep(_POLL_MS / 1000)
+
+    @staticmethod
+    def _quiet_poll_ms(idle_since: float, quiet_for: float) -> int:
+        """How long to wait for a live batch: until the next idle check is due, at most
+        _QUIET_POLL_MS. A quiet worker wakes about once a second, not ten times (a fleet of
+        a thousand costs its event loop a thousand wake-ups a second, not ten thousand);
+        `stop()` waits at most that long."""
+        due = idle_since + quiet_for - time.monotonic()
+        return max(_POLL_MS // 10, min(_QUIET_POLL_MS, int(due * 1000) + 1))
+
+    async def _idle_check(self) -> None:
+        """Pick up dropped tail batches; after a rebuild whose replay did not finish, this
+        is the rebuild's retry: when the rest of the history arrives whole (and nothing
+        else turned the worker degraded meanwhile), the worker is exact again."""
+        last = self.status.last_seq
+        unfinished, marks = self._unfinished_rebuild, self.status.degraded_count
+        complete = await self._fill_from(0 if last is None else last + 1)
+        if unfinished and complete and self.status.degraded_count == marks:
+            self._unfinished_rebuild = False
+            self._degraded = False
+            self._settle()
+            log.info("%s: the replay finished on a retry; exact again", self.worker)
 
     async def _reopen_if_given_up(self) -> None:
         if await self._live.reopen_if_given_up():
@@ -321,10 +360,12 @@ class Subscriber:
         """Clear the worker and learn everything the publisher still buffers."""
         self._clear_worker()
         self._degraded = False
+        self._unfinished_rebuild = False
         self._set_state(WorkerState.REPLAYING)
         if self.endpoint.replay_endpoint is not None:
             if not await self._fill_from(0):
                 self._mark_degraded()  # the engine may hold blocks we could not learn
+                self._unfinished_rebuild = True
         self._settle()
 
     async def _resume(self, saved: SavedWorker) -> None:
@@ -436,14 +477,23 @@ class Subscriber:
         assert endpoint is not None
         self._count("replays")
         delay = self.options.retry_backoff
+        channel = self._replay_channel
+        assert channel is not None
         for attempt in range(self.options.replay_retries):
+            deadline = self.options.replay_deadline
+            asked_at = time.monotonic()
             try:
-                async with ReplayRequest(self._ctx, endpoint, start,
-                                         max_message_bytes=self.options.max_message_bytes,
-                                         timeout=self.options.replay_timeout) as request:
+                # A slot first (the fleet's bound on replays at once); the deadline covers
+                # the whole answer, so one that trickles in forever cannot keep the worker
+                # replaying: it is asked again, and after the last attempt given up.
+                async with self._pacing.replay_slot(), asyncio.timeout(deadline), \
+                        ReplayRequest(channel, start,
+                                      timeout=self.options.replay_timeout) as request:
                     return await self._consume_replay(request)
             except TimeoutError:
-                self.status.last_error = (f"replay from {endpoint} timed out "
+                how = (f"did not finish within {deadline:g} s"
+                       if time.monotonic() - asked_at >= deadline else "timed out")
+                self.status.last_error = (f"replay from {endpoint} {how} "
                                           f"(attempt {attempt + 1}/{self.options.replay_retries})")
             if self._stopping.is_set():
                 break
@@ -477,6 +527,8 @@ class Subscriber:
             except WireError as exc:
                 self._malformed(f"replay: {exc}")
                 return "hole"
+            if reply.seq is None:
+                request.finished()  # the answer is whole: its socket can serve the next
             if first and self._resuming is not None:
                 first = False
                 if not await self._judge_saved(start, reply.seq, reply.payload):

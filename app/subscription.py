@@ -131,6 +131,9 @@ class SubscriberHooks:
 class SubscriberOptions:
     replay_timeout: float = 2.0     # seconds to wait for each replay reply frame
     replay_retries: int = 3         # attempts per replay request
+    # Seconds one attempt may take in all (an answer trickling in slower than that is
+    # asked again, and after the last attempt given up: the worker goes on degraded).
+    replay_deadline: float = 30.0
     retry_backoff: float = 0.1      # first retry delay, doubled per attempt
     reconnect_ivl_ms: int = 100     # ZMQ reconnect interval, doubled by ZMQ up to the max
     reconnect_ivl_max_ms: int = 5_000

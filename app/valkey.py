@@ -297,6 +297,12 @@ class Peers:
         self._queued_tokens += size
         self._wake.set()
 
+    def loaded(self) -> list[WorkerKey]:
+        """The workers the other live replicas say carry some of their load."""
+        if self._peers and time.monotonic() >= self._next_expiry:
+            self._expire(time.monotonic())
+        return list(self._totals)
+
     def load(self, worker: WorkerKey) -> PeerLoad:
         """The other live replicas' load on `worker`, summed."""
         if self._peers and time.monotonic() >= self._next_expiry:

@@ -128,6 +128,10 @@ class Placements:
             if not held:
                 del self._guessed[worker]
 
+    def workers(self) -> list[Hashable]:
+        """The workers holding at least one guess (O(those workers))."""
+        return list(self._guessed)
+
     def has(self, worker: Hashable) -> bool:
         return worker in self._guessed
 

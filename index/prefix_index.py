@@ -798,8 +798,13 @@ class PrefixIndex:
         lora_name: str | None = None,
         workers: Iterable[WorkerKey] | None = None,
         now: float | None = None,
+        matched_only: bool = False,
     ) -> dict[WorkerKey, Match]:
         """Every (selected, known) worker's consecutive cached blocks from the first block.
+
+        With ``matched_only``, only the workers that match at least one block (held,
+        guessed or unconfirmed) are answered: building the answer then costs the matched
+        workers, not the selection (the walk itself follows bit masks, whatever the fleet).
 
         Each worker is matched at its own block size; the trailing partial block never
         matches. Blocks stored with extra keys (multimodal, cache salt) cannot be matched
@@ -819,7 +824,8 @@ class PrefixIndex:
         result: dict[WorkerKey, Match] = {}
         for block_size, members in by_size.items():
             if not block_size:
-                self._assemble(result, members, [], [], 0)
+                if not matched_only:
+                    self._assemble(result, members, [], [], 0)
                 continue
             alive = 0
             for w in members:
@@ -827,10 +833,34 @@ class PrefixIndex:
             ended, tiered_hits = self._walk_tokens(
                 root_key(block_size, lora_name), tokens, block_size, alive
             )
+            if matched_only:
+                members = self._holders(ended)
             self._assemble(result, members, ended, tiered_hits, block_size)
         if self.placements or self._unconfirmed_until:
-            self._add_guesses(result, targets, tokens, lora_name)
+            guessed = targets
+            if matched_only and len(targets) > 1:
+                # Only workers with guesses can gain a match from them: visit those.
+                selected = {w.worker for w in targets}
+                wanted = {*self.placements.workers(), *self._unconfirmed_until}
+                guessed = [self._workers[key] for key in wanted
+                           if key in selected and key in self._workers]
+            self._add_guesses(result, guessed, tokens, lora_name)
         return result
+
+    def _holders(self, ended: list[tuple[int, int]]) -> list[_Worker]:
+        """The workers a walk's ``ended`` says matched at least one block."""
+        holders: list[_Worker] = []
+        by_slot = self._by_slot
+        for mask, count in ended:
+            if count <= 0:
+                continue
+            while mask:
+                low = mask & -mask
+                mask ^= low
+                w = by_slot[low.bit_length() - 1 - SLOT_SHIFT]
+                if w is not None:
+                    holders.append(w)
+        return holders
 
     def place(self, worker: WorkerKey, token_ids: Sequence[int], *, block_size: int | None = None,
               lora_name: str | None = None, expires: float) -> int:
@@ -883,7 +913,10 @@ class PrefixIndex:
             blocks, pending = self.placements.extent(
                 w.worker, keys, lambda key, bit=w.bit: bool(nodes.get(key, 0) & bit),
                 w.unconfirmed_keys)
-            real = result[w.worker]
+            real = result.get(w.worker)
+            if real is None:  # matched nothing held (the caller asked for matches only)
+                real = _new_match(0, 0, w.block_size,
+                                  {"GPU": 0, "CPU": 0, "STORAGE": 0})
             if blocks <= real.blocks:
                 continue
             by_medium = dict(real.by_medium)

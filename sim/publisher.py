@@ -16,7 +16,8 @@ only enqueue. ``publish`` assigns the seq in the caller's thread, so its return 
 seq the batch goes out with.
 
 Test hooks: ``drop_live`` (a batch is buffered but never sent live, like a high-water-mark
-drop), ``drop_from_next_replay`` (the replay ROUTER's HWM drop), ``publish_raw`` (any
+drop), ``drop_from_next_replay`` (the replay ROUTER's HWM drop), ``stall_replays``
+(answers that never end, or trickle), ``publish_raw`` (any
 payload bytes, e.g. garbage), ``restart`` (seq back to 0 and an empty buffer on the same
 sockets, like an engine restart the subscriber did not see as a disconnect), and ``close``.
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable
 from typing import Literal
@@ -86,6 +88,8 @@ class EventPublisher:
         self._drop: set[int] = set()
         self._drop_replay: set[int] = set()
         self._cut_replay: int | None = None
+        self._stalled = False
+        self._frame_delay = 0.0
         self._replay_starts: list[int] = []
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -152,6 +156,14 @@ class EventPublisher:
         answer that stalls: the subscriber's wait for the next frame times out)."""
         with self._seq_lock:
             self._cut_replay = after
+
+    def stall_replays(self, stalled: bool = True, frame_delay: float = 0.0) -> None:
+        """While ``stalled``, every replay answer sends its batches and never its end
+        marker; ``frame_delay`` seconds pass before each replayed frame (an answer that
+        trickles: the publisher's thread sleeps, so live batches wait too)."""
+        with self._seq_lock:
+            self._stalled = stalled
+            self._frame_delay = frame_delay
 
     def restart(self) -> None:
         """Like an engine restart: seq back to 0 and the buffer emptied; same sockets."""
@@ -256,6 +268,7 @@ class EventPublisher:
             self._replay_starts.append(start)
             skip, self._drop_replay = self._drop_replay, set()
             cut, self._cut_replay = self._cut_replay, None
+            stalled, frame_delay = self._stalled, self._frame_delay
         for seq, payload in list(self._buffer):
             if seq < start or seq in skip:
                 continue
@@ -263,10 +276,14 @@ class EventPublisher:
                 if cut == 0:
                     return
                 cut -= 1
+            if frame_delay:
+                time.sleep(frame_delay)
             if self.replay_format == "new":
                 replay.send_multipart((identity, b"", self.topic, encode_seq(seq), payload))
             else:
                 replay.send_multipart((identity, b"", encode_seq(seq), payload))
+        if stalled:
+            return
         if self.replay_format == "new":
             replay.send_multipart((identity, b"", b"", END_SEQ, b""))
         else:

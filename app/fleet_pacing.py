@@ -1,0 +1,63 @@
+"""What the subscribers of one kvroute share so that a fleet's cost stays bounded: how many
+replays run at once, and how often quiet workers look for dropped tail batches.
+
+Invariants:
+- At most `replay_concurrency` replay requests are open at once across the fleet (each
+  attempt holds a slot while it waits for and applies its answer; the backoff between
+  attempts holds none), so a thousand workers connecting at once rebuild in waves, not one
+  by one and not all at once against the publishers and the event loop.
+- Idle checks (a replay from `last_seq + 1` after `idle_check` quiet seconds) start at most
+  `idle_checks_per_second` times a second across the fleet, and each worker's interval is
+  jittered, so checks of workers that went quiet together spread over time.
+Made on the event loop that runs the subscribers; not thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import AsyncIterator
+
+__all__ = ["FleetPacing"]
+
+
+class FleetPacing:
+    def __init__(self, replay_concurrency: int = 32, idle_checks_per_second: float = 50.0,
+                 *, jitter: float = 0.5, rng: random.Random | None = None) -> None:
+        if replay_concurrency < 1 or idle_checks_per_second <= 0:
+            raise ValueError("replay_concurrency and idle_checks_per_second must be positive")
+        self._replays = asyncio.Semaphore(replay_concurrency)
+        self.replay_concurrency = replay_concurrency
+        self.replays_running = 0
+        self.most_replays_running = 0  # the high-water mark, for tests and benchmarks
+        self._interval = 1.0 / idle_checks_per_second
+        self._next_check = 0.0  # time.monotonic() of the next free idle-check slot
+        self._jitter = jitter
+        self._rng = rng or random.Random()
+
+    @contextlib.asynccontextmanager
+    async def replay_slot(self) -> AsyncIterator[None]:
+        """Hold one of the fleet's replay slots (waiting for one first)."""
+        async with self._replays:
+            self.replays_running += 1
+            self.most_replays_running = max(self.most_replays_running, self.replays_running)
+            try:
+                yield
+            finally:
+                self.replays_running -= 1
+
+    def idle_after(self, idle_check: float) -> float:
+        """A quiet spell to wait before the next idle check: `idle_check` give or take
+        `jitter` of it."""
+        return idle_check * (1 + self._jitter * (2 * self._rng.random() - 1))
+
+    async def idle_check_slot(self) -> None:
+        """Wait for this check's turn under the fleet's rate bound (slots are handed out in
+        order of asking, one every 1/idle_checks_per_second seconds)."""
+        now = time.monotonic()
+        slot = max(now, self._next_check)
+        self._next_check = slot + self._interval
+        if slot > now:
+            await asyncio.sleep(slot - now)

@@ -1,0 +1,185 @@
+"""A fleet of simulated workers behind one `kvroute serve --config`: start-up, routing and
+idle cost as the fleet grows (issue: fleets of a thousand workers).
+
+Per fleet size: publishers in separate processes (64 at most, shared by the workers: each
+worker is one data-parallel rank of an instance, its events on a publisher), one
+publisher in eight holding a 64-block prefix; kvroute as its own process. Measured: time
+until every worker is live, `POST /v1/route` of a 1,040-token prompt starting with the
+prefix (p50/p99, answer bytes) beside `/healthz` of the same server in the same run (the
+floor), kvroute's CPU over 10 s idle (share of one core, from /proc), its RSS, and the
+time from SIGTERM to its exit. Prints JSON and a table (benchmarks.report); writes
+bench-out/fleet/fleet.json and, when matplotlib is installed, fleet.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks.report import emit
+
+PUBLISHER_PROCESSES = 4
+MAX_PUBLISHERS = 64
+RANKS = 8
+ROUTES = 200
+IDLE_SECONDS = 10.0
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_one(workers: int, workdir: Path) -> dict:
+    publishers_n = min(MAX_PUBLISHERS, workers)
+    per_process = -(-publishers_n // PUBLISHER_PROCESSES)
+    procs, endpoints = [], []
+    for first in range(0, publishers_n, per_process):
+        count = min(per_process, publishers_n - first)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.fleet_publishers", "--count", str(count),
+             "--first", str(first)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        procs.append(proc)
+        endpoints += json.loads(proc.stdout.readline())
+    kvroute = None
+    try:
+        port = _free_port()
+        lines = [f"port = {port}", 'log_level = "warning"', "load_interval = 0",
+                 f"max_instances = {max(4096, workers)}"]
+        for n in range(workers // RANKS):
+            ranks = [endpoints[(n * RANKS + r) % publishers_n] for r in range(RANKS)]
+            lines += ["[[instances]]", f'id = "i{n:04d}"', "block_size = 16",
+                      "events = [" + ", ".join(f'"{e}"' for e, _ in ranks) + "]",
+                      "replay = [" + ", ".join(f'"{r}"' for _, r in ranks) + "]"]
+        config = workdir / f"fleet-{workers}.toml"
+        config.write_text("\n".join(lines) + "\n")
+        started = time.monotonic()
+        kvroute = subprocess.Popen([sys.executable, "-m", "kvroute.app.cli", "serve",
+                                    "--config", str(config)])
+        base = f"http://127.0.0.1:{port}"
+        with httpx.Client(base_url=base, timeout=30) as http:
+            live_after = None
+            while time.monotonic() - started < 180:
+                try:
+                    listed = http.get("/v1/instances").json()["instances"]
+                    if all(i["state"] == "live" for i in listed) and \
+                            len(listed) == workers // RANKS:
+                        live_after = time.monotonic() - started
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.1)
+            prompt = list(range(1, 1041))
+            route_ms, health_ms, size = [], [], 0
+            for _ in range(ROUTES):
+                t = time.perf_counter()
+                answer = http.post("/v1/route", json={"token_ids": prompt, "probe": True})
+                route_ms.append((time.perf_counter() - t) * 1000)
+                size = len(answer.content)
+                t = time.perf_counter()
+                http.get("/healthz")
+                health_ms.append((time.perf_counter() - t) * 1000)
+            matched = answer.json().get("matched_blocks")
+            cpu0 = _cpu_seconds(kvroute.pid)
+            time.sleep(IDLE_SECONDS)
+            idle_cpu = (_cpu_seconds(kvroute.pid) - cpu0) / IDLE_SECONDS
+            rss = _rss_mb(kvroute.pid)
+        stop_at = time.monotonic()
+        kvroute.send_signal(signal.SIGTERM)
+        kvroute.wait(60)
+        shutdown = time.monotonic() - stop_at
+        return {"workers": workers, "publishers": publishers_n, "live_after_s": live_after,
+                "route_p50_ms": statistics.median(route_ms),
+                "route_p99_ms": _percentile(route_ms, 0.99),
+                "healthz_p50_ms": statistics.median(health_ms),
+                "healthz_p99_ms": _percentile(health_ms, 0.99),
+                "answer_bytes": size, "matched_blocks": matched,
+                "idle_cpu_core_share": idle_cpu, "rss_mb": rss, "shutdown_s": shutdown}
+    finally:
+        if kvroute is not None and kvroute.poll() is None:
+            kvroute.kill()
+            kvroute.wait()
+        for proc in procs:
+            proc.stdin.close()
+            proc.wait(30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="32,256,1024",
+                        help="fleet sizes, comma-separated (multiples of 8)")
+    parser.add_argument("--huge", action="store_true", help="also 4,096 workers")
+    parser.add_argument("--out", type=Path, default=Path("bench-out/fleet"))
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")] + ([4096] if args.huge else [])
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [run_one(size, Path(tmp)) for size in sizes]
+    base = rows[0]
+    per_worker = None
+    if len(rows) > 1:
+        last = rows[-1]
+        per_worker = (last["rss_mb"] - base["rss_mb"]) * 1024 / (last["workers"] - base["workers"])
+    table = ["| workers | all live after | route p50 / p99 | /healthz p50 / p99 | answer | "
+             "idle CPU | RSS | shutdown |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        live = "never" if r["live_after_s"] is None else f"{r['live_after_s']:.1f} s"
+        table.append(
+            f"| {r['workers']:,} | {live} | {r['route_p50_ms']:.1f} / {r['route_p99_ms']:.1f} ms"
+            f" | {r['healthz_p50_ms']:.1f} / {r['healthz_p99_ms']:.1f} ms"
+            f" | {r['answer_bytes'] / 1024:.1f} KB | {100 * r['idle_cpu_core_share']:.1f}%"
+            f" | {r['rss_mb']:.0f} MB | {r['shutdown_s']:.1f} s |")
+    if per_worker is not None:
+        table.append(f"\nmemory per idle worker: {per_worker:.0f} KB "
+                     f"(RSS from {base['workers']} to {rows[-1]['workers']} workers)")
+    result = {"benchmark": "fleet", "rows": rows, "rss_kb_per_worker": per_worker}
+    emit(result, "\n".join(table), out_file=args.out / "fleet.json")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots()
+    xs = [r["workers"] for r in rows]
+    ax.plot(xs, [r["route_p50_ms"] for r in rows], "o-", label="route p50")
+    ax.plot(xs, [r["route_p99_ms"] for r in rows], "o-", label="route p99")
+    ax.plot(xs, [r["healthz_p50_ms"] for r in rows], "o--", label="/healthz p50")
+    ax.set_xscale("log")
+    ax.set_xlabel("workers")
+    ax.set_ylabel("ms")
+    ax.legend()
+    fig.savefig(args.out / "fleet.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""A fleet's replays: stuck answers end in `degraded` with the reason (and are retried),
+replays at once are bounded fleet-wide, and idle checks reuse their socket. Real publishers
+over loopback TCP (tests.support.events)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from kvroute.app.fleet_pacing import FleetPacing
+from kvroute.app.subscriber import Subscriber
+from kvroute.sim.publisher import EventPublisher
+from tests.conftest import wait_until
+from tests.support.events import (
+    TEST_OPTIONS,
+    EventSource,
+    Ledger,
+    OpLog,
+    Running,
+    caught_up,
+    endpoint_of,
+    run,
+)
+
+SERVING = ("live", "degraded")
+
+
+def test_a_replay_that_never_ends_leaves_the_worker_degraded_with_the_reason_then_exact():
+    options = dataclasses.replace(TEST_OPTIONS, replay_timeout=0.5, replay_retries=2,
+                                  retry_backoff=0.05, idle_check=0.5)
+
+    async def scenario(ctx):
+        with EventPublisher() as pub:
+            ledger, source = Ledger(pub), EventSource(5)
+            for _ in range(4):
+                ledger.publish(source.batch())
+            pub.flush()
+            pub.stall_replays()  # every batch, never the end marker
+            index = OpLog()
+            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=options)
+            async with Running(sub):
+                await wait_until(lambda: sub.status.state == "degraded",
+                                 "the stuck rebuild to give up", detail=lambda: sub.status)
+                assert "timed out (attempt 2/2)" in (sub.status.last_error or "")
+                assert sub.status.replay_failures >= 1
+                # The publisher answers again: an idle check retries the rebuild, and the
+                # whole history makes the worker exact (live, not degraded) again.
+                pub.stall_replays(False)
+                await wait_until(lambda: sub.status.state == "live", "the retried rebuild",
+                                 detail=lambda: sub.status)
+                assert index.log(sub.worker) == ledger.truth(sub.worker)
+    run(scenario)
+
+
+def test_a_replay_that_trickles_past_its_deadline_is_given_up_not_left_replaying():
+    # Each frame comes within replay_timeout, so only the deadline over the whole answer
+    # can end it.
+    options = dataclasses.replace(TEST_OPTIONS, replay_timeout=2.0, replay_retries=2,
+                                  retry_backoff=0.05, replay_deadline=0.6, idle_check=60.0)
+
+    async def scenario(ctx):
+        with EventPublisher() as pub:
+            ledger, source = Ledger(pub), EventSource(6)
+            for _ in range(40):
+                ledger.publish(source.batch())
+            pub.flush()
+            pub.stall_replays(frame_delay=0.1)
+            sub = Subscriber(endpoint_of(pub), OpLog(), ctx=ctx, options=options)
+            async with Running(sub):
+                await wait_until(lambda: sub.status.state == "degraded",
+                                 "the trickling replay to be given up", detail=lambda: sub.status)
+                assert "did not finish within 0.6 s (attempt 2/2)" in sub.status.last_error
+                pub.stall_replays(False)  # stop the trickle so the publisher closes quickly
+    run(scenario)
+
+
+def test_replays_at_once_are_bounded_across_the_fleet():
+    pacing = FleetPacing(replay_concurrency=2)
+    options = dataclasses.replace(TEST_OPTIONS, replay_timeout=5.0)
+
+    async def scenario(ctx):
+        with EventPublisher() as pub:
+            ledger, source = Ledger(pub), EventSource(7)
+            for _ in range(30):
+                ledger.publish(source.batch())
+            pub.flush()
+            pub.stall_replays(frame_delay=0.01)  # slow enough for answers to overlap
+            index = OpLog()
+            subs = [Subscriber(dataclasses.replace(endpoint_of(pub), dp_rank=rank), index,
+                               ctx=ctx, options=options, pacing=pacing) for rank in range(6)]
+            runners = [Running(sub) for sub in subs]
+            try:
+                for runner in runners:
+                    await runner.__aenter__()
+                await wait_until(lambda: pub.replays_served >= 4, "several replays asked")
+                pub.stall_replays(False)
+                await wait_until(lambda: all(caught_up(s, ledger, SERVING) for s in subs),
+                                 "every worker rebuilt", detail=lambda: [s.status for s in subs])
+            finally:
+                await asyncio.gather(*(r.__aexit__(None, None, None) for r in runners))
+            assert pacing.most_replays_running == 2  # the bound was reached, never passed
+    run(scenario)
+
+
+def test_idle_checks_reuse_one_socket_and_find_dropped_tail_batches():
+    options = dataclasses.replace(TEST_OPTIONS, idle_check=0.2)
+
+    async def scenario(ctx):
+        with EventPublisher() as pub:
+            ledger, source = Ledger(pub), EventSource(8)
+            ledger.publish(source.batch())
+            index = OpLog()
+            sub = Subscriber(endpoint_of(pub), index, ctx=ctx, options=options)
+            async with Running(sub):
+                await wait_until(lambda: caught_up(sub, ledger, SERVING), "the first batch")
+                await wait_until(lambda: pub.replays_served >= 5, "several idle checks")
+                assert sub._replay_channel is not None
+                assert sub._replay_channel.opened == 1
+                pub.drop_live([pub.next_seq])  # a tail batch sent only to the buffer
+                ledger.publish(source.batch())
+                await wait_until(lambda: caught_up(sub, ledger, ("live",)),
+                                 "an idle check to find the dropped batch")
+                assert index.log(sub.worker) == ledger.truth(sub.worker)
+    run(scenario)

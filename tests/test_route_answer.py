@@ -1,0 +1,153 @@
+"""The route answer's shape on a fleet larger than its default list of scores, and the
+cheap path that weighs idle, unmatched workers as one group (`routing.choose`)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from kvroute.app.config import Settings
+from kvroute.app.routing import (
+    CostWeights,
+    IdleWorkers,
+    TieBreaker,
+    WorkerView,
+    best_of,
+    choose,
+    ranked,
+    score_workers,
+)
+from kvroute.app.server import BackgroundServer
+from kvroute.index import Match
+from kvroute.sim.cluster import SimCluster
+from tests.conftest import HTTP_TIMEOUT, wait_for
+from tests.support.tokens import unique_tokens
+
+W = CostWeights()
+BLOCK = 16
+
+
+def _fleet(rng: random.Random, size: int) -> tuple[list[WorkerView], dict, set]:
+    """Random views and matches; returns (views, matches, keys that are neither matched nor
+    loaded)."""
+    views, matches, idle = [], {}, set()
+    for n in range(size):
+        key = (f"w{n:03d}", n % 2)
+        blocks = rng.choice([0, 0, 0, 2, 5, 8])
+        loaded = rng.random() < 0.3
+        load = dict(running=rng.choice([0, 1, 3]), waiting=rng.choice([0, 2, 80]),
+                    kv_usage=rng.choice([0.1, 0.99]), inflight=rng.choice([0, 1])) \
+            if loaded else {}
+        views.append(WorkerView(key=key, block_size=BLOCK, state="live", **load))
+        if blocks:
+            matches[key] = Match(blocks, blocks * BLOCK, BLOCK,
+                                 {"GPU": blocks, "CPU": 0, "STORAGE": 0})
+        if not blocks and not loaded:
+            idle.add(key)
+    return views, matches, idle
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_choose_picks_what_scoring_every_worker_picks(seed: int):
+    rng = random.Random(seed)
+    views, matches, idle_keys = _fleet(rng, rng.randint(1, 40))
+    tokens = unique_tokens(seed, 160)
+    everyone = score_workers(views, matches, W, prompt_tokens=len(tokens))
+    expected = best_of(everyone, TieBreaker(tokens=tokens))
+    by_key = {v.key: v for v in views}
+    scored = score_workers([v for v in views if v.key not in idle_keys], matches, W,
+                           prompt_tokens=len(tokens))
+    idle = IdleWorkers(
+        keys=sorted(idle_keys, key=lambda k: rng.random()), cost=W.miss_token * len(tokens),
+        score=lambda key: score_workers([by_key[key]], {}, W, prompt_tokens=len(tokens))[0],
+        block_size=lambda key: by_key[key].block_size)
+    best, shown = choose(scored, idle, TieBreaker(tokens=tokens), keep=4)
+    assert best == expected
+    assert len(shown) == min(4, len(views))
+    assert best in shown
+    ranking = ranked(everyone)
+    top = ranking[:4]
+    assert shown == (top if best in top else ranked([*top[:3], best]))
+    _, every = choose(scored, idle, TieBreaker(tokens=tokens), keep=None)
+    assert every == ranking
+
+
+def test_a_cold_prompt_on_an_idle_fleet_ties_every_worker_as_before():
+    views = [WorkerView(key=(f"i{n}", 0), block_size=BLOCK, state="live") for n in range(50)]
+    by_key = {v.key: v for v in views}
+    for seed in range(20):
+        tokens = unique_tokens(1000 + seed, 64)
+        expected = best_of(score_workers(views, {}, W, prompt_tokens=64), TieBreaker(tokens=tokens))
+        idle = IdleWorkers(keys=list(by_key), cost=64.0,
+                           score=lambda k: score_workers([by_key[k]], {}, W, prompt_tokens=64)[0],
+                           block_size=lambda k: BLOCK)
+        best, shown = choose([], idle, TieBreaker(tokens=tokens), keep=4)
+        assert best == expected and best in shown and len(shown) == 4
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[SimCluster]:
+    with SimCluster(n=6, block_size=BLOCK, num_blocks=64, model="sim-model") as sim:
+        yield sim
+
+
+@pytest.fixture(scope="module")
+def client(fleet: SimCluster) -> Iterator[httpx.Client]:
+    settings = Settings(host="127.0.0.1", port=0, log_level="warning", placement_ttl=0.0)
+    server = BackgroundServer(settings).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as http:
+            for url in fleet.urls:
+                assert http.post("/v1/instances", json={"url": url}).status_code == 201
+            wait_for(lambda: all(i["state"] == "live" for i in
+                                 http.get("/v1/instances").json()["instances"]),
+                     "every instance to go live")
+            yield http
+    finally:
+        server.stop()
+
+
+def test_the_answer_shows_the_chosen_worker_and_the_cheapest_few(fleet: SimCluster,
+                                                                 client: httpx.Client):
+    prompt = unique_tokens(77, 4 * BLOCK + 3)
+    answer = httpx.post(f"{fleet.urls[4]}/v1/completions", timeout=HTTP_TIMEOUT,
+                        json={"model": "sim-model", "prompt": prompt, "max_tokens": 1})
+    assert answer.status_code == 200, answer.text
+
+    def routed() -> dict | None:
+        body = client.post("/v1/route", json={"token_ids": prompt, "probe": True}).json()
+        return body if body.get("matched_blocks") == 4 else None
+
+    body = wait_for(routed, "kvroute to learn the prompt from instance 4's events")
+    assert body["eligible_workers"] == 6
+    assert len(body["scores"]) == 4
+    assert body["scores"][0]["instance"] == body["instance"]
+    assert body["scores"][0]["matched_blocks"] == 4
+    assert all(s["matched_blocks"] == 0 for s in body["scores"][1:])
+    costs = [s["cost"] for s in body["scores"]]
+    assert costs == sorted(costs)
+
+    every = client.post("/v1/route", json={"token_ids": prompt, "probe": True,
+                                           "all_scores": True}).json()
+    assert every["instance"] == body["instance"] and every["eligible_workers"] == 6
+    assert len(every["scores"]) == 6
+    assert len({(s["instance"], s["dp_rank"]) for s in every["scores"]}) == 6
+    assert every["scores"][:1] == body["scores"][:1]
+
+    refused = client.post("/v1/route", json={"token_ids": prompt, "all_scores": "yes"})
+    assert refused.status_code == 422 and refused.json()["field"] == "all_scores"
+
+
+def test_a_cold_prompt_shows_its_pick_among_tied_idle_workers(client: httpx.Client):
+    picks = set()
+    for seed in range(12):
+        body = client.post("/v1/route", json={"token_ids": unique_tokens(500 + seed, 40),
+                                              "probe": True}).json()
+        assert len(body["scores"]) == 4 and body["eligible_workers"] == 6
+        shown = {s["instance"] for s in body["scores"]}
+        assert body["instance"] in shown
+        picks.add(body["instance"])
+    assert len(picks) > 1  # rendezvous spreads cold prompts over the tied workers
