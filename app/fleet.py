@@ -84,7 +84,11 @@ class Fleet:
 
     async def _run(self) -> None:
         while True:
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception as exc:  # a bug must not end the following for good
+                log.exception("fleet %s: refresh failed", self.id)
+                self._report(f"refresh failed: {exc.__class__.__name__}")
             await asyncio.sleep(self.interval)
 
     async def refresh(self) -> None:

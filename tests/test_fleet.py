@@ -33,11 +33,11 @@ class Answers:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._answer: list[str] | OSError = []
+        self._answer: list[str] | Exception = []
         self.asked = 0
         self.names: set[tuple[str, int]] = set()
 
-    def set(self, answer: list[str] | OSError) -> None:
+    def set(self, answer: list[str] | Exception) -> None:
         with self._lock:
             self._answer = answer
 
@@ -47,7 +47,7 @@ class Answers:
             self.asked += 1
             self.names.add((host, port))
             answer = self._answer
-        if isinstance(answer, OSError):
+        if isinstance(answer, Exception):
             raise answer
         return list(answer)
 
@@ -214,6 +214,20 @@ def test_a_fleet_that_never_resolved_keeps_readiness_waiting(
         answers.set(ADDRESSES[2:])
         wait_for(lambda: http.get("/readyz").status_code == 200, "ready once resolved")
         assert live_members(http) == {member("127.0.0.4")}
+
+
+def test_a_refresh_that_fails_unexpectedly_does_not_end_the_following(
+        pods: tuple[int, list[SimInstance]]) -> None:
+    port, _ = pods
+    answers = Answers()
+    answers.set(RuntimeError("a resolver bug"))
+    with following(port, answers) as (_, http):
+        wait_for(lambda: "error" in fleet_status(http), "the failure reported")
+        assert fleet_status(http)["error"] == "refresh failed: RuntimeError"
+        answers.set(ADDRESSES[2:])  # the next refreshes still run
+        wait_for(lambda: live_members(http) == {member("127.0.0.4")}
+                 and "error" not in fleet_status(http), "following again",
+                 detail=lambda: (instances(http), fleet_status(http)))
 
 
 def test_an_address_taken_by_a_configured_instance_is_reported(
