@@ -35,7 +35,7 @@ from kvroute.app.answers import (
 from kvroute.app.config import URL_OR_EVENTS, InstanceConfig, Settings
 from kvroute.app.openai_request import ChatQuestion, CompletionQuestion
 from kvroute.app.request_body import REGISTRATION_MAX_BYTES
-from kvroute.app.route_request import inputs_schema, route_request_type
+from kvroute.app.route_request import CONTINUE_RULE, inputs_schema, route_request_type
 
 __all__ = ["CONTRACT", "JSON", "Answer", "Operation", "Relayed"]
 
@@ -262,7 +262,7 @@ def _or_relayed(answers: Mapping[int | str, Answer], relayed: Relayed
             for status, answer in answers.items()}
 
 
-def _forwarded(kind: str, question: type, reads: str) -> Operation:
+def _forwarded(kind: str, question: Any, reads: str) -> Operation:
     relayed = Relayed("the instance's own answer (also for its errors), relayed as it came")
     return Operation(
         summary=f"OpenAI {kind}, forwarded to the chosen worker",
@@ -336,7 +336,11 @@ CONTRACT: dict[tuple[str, str], Operation] = {
         "completions", CompletionQuestion,
         "`model` and `prompt` (text, token ids, or a batch of either, routed by its first)"),
     ("POST", "/v1/chat/completions"): _forwarded(
-        "chat completions", ChatQuestion, "`model` and `messages`"),
+        "chat completions",
+        Annotated[ChatQuestion, msgspec.Meta(extra_json_schema=CONTINUE_RULE)],
+        "`model`, `messages` (every field of each) and the fields that change how the chat "
+        "template renders them (`tools`, `chat_template_kwargs`, `add_generation_prompt`, "
+        "`continue_final_message`, `add_special_tokens`, `chat_template`)"),
     ("GET", "/v1/models"): MODELS,
     ("GET", "/v1/dashboard"): DASHBOARD_DATA,
     ("GET", "/dashboard"): _page("page: a live view of the fleet, updated every second",

@@ -1,8 +1,9 @@
 """What the proxy reads of an OpenAI request body, and the routing question it asks.
 
 The body itself goes to the instance byte for byte; kvroute reads only `model` and the
-prompt (`prompt` for completions, `messages` for chat), decoded with the structs below,
-which the OpenAPI document describes. Every other field is the instance's to judge.
+prompt (`prompt` for completions; for chat, `messages` and the fields that change how the
+chat template renders them), decoded with the structs below, which the OpenAPI document
+describes. Every other field is the instance's to judge.
 
 A completions `prompt` is text, token ids, or a batch of either; a batch is routed by its
 first prompt (vLLM runs a batch on the one instance it reaches). msgspec cannot decode
@@ -18,7 +19,12 @@ import msgspec
 
 from kvroute.app.errors import InvalidRequest, MalformedRequest
 from kvroute.app.json_body import decode_json, integral_numbers, split_validation
-from kvroute.app.route_request import ChatMessage, RouteRequest
+from kvroute.app.route_request import (
+    ChatMessage,
+    ChatTemplateArgs,
+    RouteRequest,
+    check_messages,
+)
 
 __all__ = ["PROMPT_SCHEMA", "ChatQuestion", "CompletionQuestion", "route_request_of"]
 
@@ -40,8 +46,9 @@ class CompletionQuestion(msgspec.Struct, forbid_unknown_fields=False):
     model: str | None = None
 
 
-class ChatQuestion(msgspec.Struct, forbid_unknown_fields=False):
-    """The fields kvroute reads of an OpenAI chat completions body."""
+class ChatQuestion(ChatTemplateArgs, forbid_unknown_fields=False):
+    """The fields kvroute reads of an OpenAI chat completions body: the messages, and how
+    the chat template renders them."""
 
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     model: str | None = None
@@ -62,6 +69,11 @@ def route_request_of(path: str, body: bytes,
     question: dict[str, Any] = {"model": read.model}
     where = "messages"
     if isinstance(read, ChatQuestion):
+        try:  # the rules the schema states and msgspec cannot check
+            check_messages(read.messages)
+            question.update(read.template_args())
+        except InvalidRequest as exc:
+            raise MalformedRequest(exc.message, exc.field) from None
         question["messages"] = read.messages
     else:
         name, value, where = _prompt_question(integral_numbers(read.prompt))

@@ -8,7 +8,11 @@ Invariants:
   decoding (a 422 naming the field) and the schema states the same maxima.
 - A rule JSON Schema can state but msgspec cannot check is written once here as schema and
   checked by the service with the same constant: the block-hash pattern and integer range
-  (`parse_hash`), "exactly one input" (`Service.decide`), the text of content parts.
+  (`parse_hash`), "exactly one input" (`Service.decide`), a message's fields
+  (`check_messages`), `continue_final_message` against `add_generation_prompt`
+  (`CONTINUE_RULE`).
+- A chat message reaches the tokenizer whole, with the request's template arguments
+  (`ChatTemplateArgs`): what a chat template renders is not only roles and text.
 """
 
 from __future__ import annotations
@@ -17,13 +21,14 @@ from functools import cache
 from typing import Annotated, Any
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from kvroute.app.config import Settings
-from kvroute.app.errors import InvalidRequest
+from kvroute.app.errors import InvalidRequest, TooLarge
 from kvroute.app.patterns import BLOCK_HASH_HEX, INSTANCE_ID, described, documented, matches
 
-__all__ = ["INPUTS", "ChatMessage", "RouteRequest", "inputs_schema", "parse_hash",
-           "route_request_type"]
+__all__ = ["CONTINUE_RULE", "INPUTS", "TEMPLATE_ARGS", "ChatMessage", "ChatTemplateArgs",
+           "RouteRequest", "check_messages", "inputs_schema", "parse_hash", "route_request_type"]
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
 # vLLM block hashes: signed (older versions) or unsigned 64-bit ints, or hex strings. msgspec
@@ -33,8 +38,7 @@ IntHash = Annotated[int, msgspec.Meta(
     extra_json_schema={"minimum": HASH_MIN, "exclusiveMaximum": HASH_END})]
 EngineHash = IntHash | described(str, BLOCK_HASH_HEX)
 # A content part's `text`, when it has one, is text (checked with the prompt's size).
-ContentPart = Annotated[dict[str, Any], msgspec.Meta(
-    extra_json_schema={"properties": {"text": {"type": "string"}}})]
+CONTENT_PART = {"type": "object", "properties": {"text": {"type": "string"}}}
 # A candidate that is not a registered instance's id is a 404.
 InstanceId = described(str, INSTANCE_ID)
 
@@ -43,12 +47,91 @@ INPUTS = ("token_ids", "block_hashes", "prompt", "messages")
 TEXT_INPUTS = frozenset({"prompt", "messages"})
 
 
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
-    """An OpenAI chat message; kvroute tokenizes `role` and `content` (other fields are
-    ignored)."""
+# An OpenAI chat message, kept as it came: a chat template may render any of its fields
+# (`name`, `tool_calls`, `tool_call_id`, ...), so all of them reach the tokenizer, as they
+# reach vLLM. msgspec keeps it a dict; `check_messages` checks what this schema states.
+MESSAGE_SCHEMA: dict[str, Any] = {
+    "title": "ChatMessage",
+    "description": "an OpenAI chat message; every field goes to the chat template",
+    "required": ["role"],
+    "properties": {
+        "role": {"type": "string"},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": CONTENT_PART},
+                              {"type": "null"}]},
+    },
+}
+ChatMessage = Annotated[dict[str, Any], msgspec.Meta(extra_json_schema=MESSAGE_SCHEMA)]
 
-    role: str
-    content: str | list[ContentPart] | None = None
+# The chat request's fields that change what its messages render to (vLLM's chat
+# completions and /tokenize read the same ones); None leaves vLLM's default.
+TEMPLATE_ARGS = ("add_generation_prompt", "continue_final_message", "add_special_tokens",
+                 "chat_template", "chat_template_kwargs", "tools")
+
+
+# vLLM refuses to leave the last message open and also open the assistant's turn, and the
+# second is on unless turned off: continue_final_message true needs add_generation_prompt
+# false, given.
+CONTINUE_RULE: dict[str, Any] = {
+    "if": {"required": ["continue_final_message"],
+           "properties": {"continue_final_message": {"const": True}}},
+    "then": {"required": ["add_generation_prompt"],
+             "properties": {"add_generation_prompt": {"const": False}}},
+}
+
+
+class ChatTemplateArgs(msgspec.Struct, kw_only=True):
+    """How `messages` are rendered, as in an OpenAI chat request (read with `messages`
+    only; the other inputs are already the prompt). The flags are not nullable: vLLM
+    refuses a null one in a chat request, which the proxy forwards as it came."""
+
+    add_generation_prompt: documented(bool | UnsetType, "end with the assistant's turn "
+                                                        "opening (vLLM's default: true)") = UNSET
+    continue_final_message: documented(bool | UnsetType, "leave the last message open "
+                                                         "(vLLM's default: false)") = UNSET
+    add_special_tokens: documented(bool | UnsetType, "add special tokens besides the "
+                                                     "template's (vLLM's default: false)"
+                                   ) = UNSET
+    chat_template: documented(str | None, "a template of the request's own") = None
+    chat_template_kwargs: documented(dict[str, Any] | None,
+                                     "arguments the template reads") = None
+    tools: documented(list[dict[str, Any]] | None, "the tools offered to the model") = None
+
+    def template_args(self) -> dict[str, Any]:
+        """The arguments given, as the chat request names them; CONTINUE_RULE checked."""
+        given = {name: value for name in TEMPLATE_ARGS
+                 if (value := getattr(self, name)) is not None and value is not UNSET}
+        if given.get("continue_final_message") and given.get("add_generation_prompt", True):
+            raise InvalidRequest("`continue_final_message` leaves the last message open: it "
+                                 "needs `add_generation_prompt` false", "add_generation_prompt")
+        return given
+
+
+def check_messages(messages: list[dict[str, Any]], max_chars: int | None = None) -> None:
+    """What MESSAGE_SCHEMA states (a string `role`; `content` a string, a list of parts
+    whose `text` is a string, or null), and the messages' text within `max_chars`."""
+    chars = 0
+    for number, message in enumerate(messages):
+        if not isinstance(message.get("role"), str):
+            raise InvalidRequest("a message's `role` must be a string", f"messages[{number}].role")
+        content = message.get("content")
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            for part_number, part in enumerate(content):
+                at = f"messages[{number}].content[{part_number}]"
+                if not isinstance(part, dict):
+                    raise InvalidRequest("a content part must be an object", at)
+                text = part.get("text", "")
+                if not isinstance(text, str):
+                    raise InvalidRequest("a content part's `text` must be a string",
+                                         f"{at}.text")
+                chars += len(text)
+        elif content is not None:
+            raise InvalidRequest("a message's `content` is a string, a list of parts or null",
+                                 f"messages[{number}].content")
+    if max_chars is not None and chars > max_chars:
+        raise TooLarge(f"the messages hold {chars} characters, over the limit of {max_chars}",
+                       "messages")
 
 
 # What each input is, for people (the limited fields of route_request_type say it too).
@@ -58,7 +141,7 @@ BLOCK_HASHES = ("vLLM's block hashes of the prompt: 64-bit ints, signed or not, 
 PROMPT = "text, tokenized as the instance would (at most `max_prompt_chars` characters)"
 
 
-class RouteRequest(msgspec.Struct, forbid_unknown_fields=True):
+class RouteRequest(ChatTemplateArgs, forbid_unknown_fields=True):
     """Exactly one of `token_ids`, `block_hashes`, `prompt` (text) or `messages` (chat)."""
 
     token_ids: documented(list[TokenId] | None, TOKEN_IDS) = None
@@ -109,7 +192,7 @@ def inputs_schema(settings: Settings) -> dict[str, Any]:
     without a tokenizer the text inputs are refused, so only null is allowed for them."""
     schema: dict[str, Any] = {
         "oneOf": [{"required": [name], "properties": {name: {"not": {"type": "null"}}}}
-                  for name in INPUTS]}
+                  for name in INPUTS], **CONTINUE_RULE}
     if not settings.tokenizer:
         schema["properties"] = {name: {"type": "null"} for name in sorted(TEXT_INPUTS)}
     return schema

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-import msgspec
 from msgspec import UNSET
 
 from kvroute.app.answers import (
@@ -49,7 +48,13 @@ from kvroute.app.json_body import decode_json
 from kvroute.app.load import LoadMonitor
 from kvroute.app.metrics import ServiceMetrics
 from kvroute.app.registry import Instance, Registry, Worker
-from kvroute.app.route_request import INPUTS, RouteRequest, parse_hash, route_request_type
+from kvroute.app.route_request import (
+    INPUTS,
+    RouteRequest,
+    check_messages,
+    parse_hash,
+    route_request_type,
+)
 from kvroute.app.routing import (
     CostWeights,
     IdleWorkers,
@@ -242,25 +247,6 @@ class Service:
             if worker.state.serving
         ]
 
-    def _check_messages(self, request: RouteRequest) -> None:
-        """Content parts carry text, and the messages' text together is within
-        max_prompt_chars (the struct's types bound `prompt`, each list, each message)."""
-        chars = 0
-        for number, message in enumerate(request.messages or ()):
-            content = message.content
-            if isinstance(content, str):
-                chars += len(content)
-                continue
-            for part_number, part in enumerate(content or ()):
-                text = part.get("text", "")
-                if not isinstance(text, str):
-                    raise InvalidRequest("a content part's `text` must be a string",
-                                         f"messages[{number}].content[{part_number}].text")
-                chars += len(text)
-        if chars > self.settings.max_prompt_chars:
-            raise TooLarge(f"the messages hold {chars} characters, over the limit of "
-                           f"{self.settings.max_prompt_chars}", "messages")
-
     async def _tokens(self, request: RouteRequest, eligible: list[Worker]) -> list[int]:
         if request.token_ids is not None:
             return request.token_ids
@@ -271,15 +257,15 @@ class Service:
         # An instance whose HTTP server fails (502) hands over to the next, so one dead
         # server does not fail text routing while others could answer.
         urls = list(dict.fromkeys(w.instance.url for w in eligible if w.instance.url))
-        messages = [msgspec.to_builtins(m) for m in request.messages or ()]
+        template_args = request.template_args() if request.messages is not None else {}
         for attempt, url in enumerate(urls[:TOKENIZE_ATTEMPTS] or [None]):
             try:
                 if request.prompt is not None:
                     tokens = await self.tokenizer.encode_prompt(request.prompt, url=url,
                                                                 model=request.model)
                 else:
-                    tokens = await self.tokenizer.encode_chat(messages, url=url,
-                                                              model=request.model)
+                    tokens = await self.tokenizer.encode_chat(
+                        request.messages or [], template_args, url=url, model=request.model)
                 break
             except RequestError as exc:
                 # Only an instance's failure hands over to the next one; a prompt that
@@ -310,7 +296,8 @@ class Service:
             raise InvalidRequest("give exactly one of token_ids, block_hashes, prompt, messages"
                                  + (f" (got {', '.join(given)})" if given else ""),
                                  given[1] if len(given) > 1 else "token_ids")
-        self._check_messages(request)
+        if request.messages is not None:
+            check_messages(request.messages, self.settings.max_prompt_chars)
         self.answers.settle(time.monotonic(), self._reading_taken)
         eligible = [w for w in self._eligible(request) if w.key not in exclude]
         if not eligible:

@@ -33,8 +33,11 @@ class Tokenizer(Protocol):
         ...
 
     async def encode_chat(
-        self, messages: list[dict[str, Any]], *, url: str | None, model: str | None
+        self, messages: list[dict[str, Any]], template_args: dict[str, Any], *,
+        url: str | None, model: str | None
     ) -> list[int]:
+        """The tokens `messages` render to; `template_args` are the chat request's own
+        (route_request.TEMPLATE_ARGS), vLLM's defaults for the ones not given."""
         ...
 
 
@@ -61,7 +64,8 @@ class LocalTokenizer:
         return self._tokenizer.encode(text, add_special_tokens=True).ids
 
     async def encode_chat(
-        self, messages: list[dict[str, Any]], *, url: str | None, model: str | None
+        self, messages: list[dict[str, Any]], template_args: dict[str, Any], *,
+        url: str | None, model: str | None
     ) -> list[int]:
         if self._chat is None:
             try:
@@ -77,9 +81,17 @@ class LocalTokenizer:
             except Exception as exc:
                 raise MalformedRequest(
                     f"cannot load chat template from {self._folder}: {exc}") from None
+        args = dict(template_args)
+        add_special_tokens = args.pop("add_special_tokens", False)
         try:
-            ids = self._chat.apply_chat_template(messages, add_generation_prompt=True,
-                                                 tokenize=True)
+            # As vLLM does: render the text, then tokenize it (special tokens only if asked).
+            text = self._chat.apply_chat_template(
+                messages, tools=args.pop("tools", None),
+                chat_template=args.pop("chat_template", None),
+                add_generation_prompt=args.pop("add_generation_prompt", True),
+                continue_final_message=args.pop("continue_final_message", False),
+                tokenize=False, **args.pop("chat_template_kwargs", None) or {})
+            ids = self._chat.encode(text, add_special_tokens=add_special_tokens)
         except Exception as exc:  # jinja errors for malformed messages
             raise MalformedRequest(f"messages: cannot apply the chat template: {exc}") from None
         return list(ids)
@@ -161,9 +173,10 @@ class InstanceTokenizer:
         return await self._tokenize(url, body)
 
     async def encode_chat(
-        self, messages: list[dict[str, Any]], *, url: str | None, model: str | None
+        self, messages: list[dict[str, Any]], template_args: dict[str, Any], *,
+        url: str | None, model: str | None
     ) -> list[int]:
-        body: dict[str, Any] = {"messages": messages, "add_generation_prompt": True}
+        body: dict[str, Any] = {"messages": messages, **template_args}
         if model:
             body["model"] = model
         return await self._tokenize(url, body)

@@ -44,7 +44,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvroute.sim.engine import EngineError, RequestOutcome
-from kvroute.sim.openai import chat_prompt, completion_body, sse_events, validate_messages
+from kvroute.sim.openai import chat_request_prompt, completion_body, sse_events
 from kvroute.sim.rank import SimRank
 
 if TYPE_CHECKING:  # the instance builds this app, so only its type is needed here
@@ -169,14 +169,10 @@ def build_app(inst: SimInstance) -> FastAPI:
     async def tokenize(request: Request) -> Any:
         body = await _json_body(request)
         if isinstance(body, dict) and "messages" in body:
-            problem = validate_messages(body["messages"])
+            problem, rendered = chat_request_prompt(body)
             if problem:
-                return _error(400, problem, "messages")
-            generation_prompt = body.get("add_generation_prompt", True)
-            if not isinstance(generation_prompt, bool):
-                return _error(400, "'add_generation_prompt' must be a boolean",
-                              "add_generation_prompt")
-            tokens = tokenize_text(chat_prompt(body["messages"], generation_prompt))
+                return _error(400, problem, rendered)
+            tokens = tokenize_text(rendered)
         elif isinstance(body, dict) and isinstance(body.get("prompt"), str):
             tokens = tokenize_text(body["prompt"])
         else:
@@ -235,10 +231,10 @@ async def _generate(inst: SimInstance, request: Request, *, chat: bool) -> Respo
     if body.get("model") not in (None, cfg.model):
         return _error(404, f"The model `{body['model']}` does not exist.", "model")
     if chat:
-        problem = validate_messages(body.get("messages"))
+        problem, rendered = chat_request_prompt(body)
         if problem:
-            return _error(400, problem, "messages")
-        prompts: list[list[int]] | str = [tokenize_text(chat_prompt(body["messages"]))]
+            return _error(400, problem, rendered)
+        prompts: list[list[int]] | str = [tokenize_text(rendered)]
         limit = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     else:
         prompts = _prompt_tokens(body)

@@ -7,10 +7,20 @@ always includes ``prompt_tokens_details.cached_tokens`` (vLLM needs
 ``--enable-prompt-tokens-details`` for that; the simulator always reports it).
 
 The chat template is the simulator's own, and ``/tokenize`` applies the same one, so a router
-that tokenizes chat messages through ``/tokenize`` sees exactly the tokens the engine sees::
+that tokenizes chat messages through ``/tokenize`` sees exactly the tokens the engine sees.
+Like a real model's template it renders more of a request than the messages' text (tools,
+a message's name and tool calls, template arguments), so a router that drops those fields
+tokenizes another prompt than the one the engine caches::
 
-    <|{role}|>\\n{content}\\n        for each message (content parts: their "text"s joined)
-    <|assistant|>\\n                 when add_generation_prompt is true (the chat default)
+    <|tools|>\n{tools as JSON}\n             when the request has tools
+    <|kwargs|>\n{chat_template_kwargs}\n     when it has template arguments (as JSON)
+    <|{role}|>\n{name}: {content}{calls}\n   for each message (content parts: their "text"s
+                                             joined; "{name}: " when it has a name; each
+                                             tool call, and a tool_call_id, as JSON)
+    <|assistant|>\n                          when add_generation_prompt is true (the default)
+
+With ``continue_final_message`` the last message is left open (no final newline), and
+``add_generation_prompt`` must then be false, as vLLM requires.
 """
 
 from __future__ import annotations
@@ -21,7 +31,8 @@ from typing import Any
 
 from kvroute.sim.engine import RequestOutcome
 
-__all__ = ["chat_prompt", "completion_body", "sse_events", "validate_messages"]
+__all__ = ["chat_prompt", "chat_request_prompt", "completion_body", "sse_events",
+           "validate_messages"]
 
 
 def validate_messages(messages: Any) -> str | None:
@@ -41,17 +52,58 @@ def validate_messages(messages: Any) -> str | None:
     return None
 
 
-def chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+def chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+                continue_final_message: bool = False, tools: list[Any] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> str:
     """The template above applied to already validated messages."""
     rendered = []
+    if tools:
+        rendered.append(f"<|tools|>\n{_json(tools)}\n")
+    if template_kwargs:
+        rendered.append(f"<|kwargs|>\n{_json(template_kwargs)}\n")
     for message in messages:
         content = message.get("content")
         if isinstance(content, list):
             content = "".join(part.get("text", "") for part in content)
-        rendered.append(f"<|{message['role']}|>\n{content or ''}\n")
+        name = f"{message['name']}: " if isinstance(message.get("name"), str) else ""
+        calls = "".join(f"<|tool_call|>{_json(call)}" for call in message.get("tool_calls") or ())
+        if message.get("tool_call_id") is not None:
+            calls += f"<|tool_call_id|>{_json(message['tool_call_id'])}"
+        rendered.append(f"<|{message['role']}|>\n{name}{content or ''}{calls}\n")
+    if continue_final_message:
+        rendered[-1] = rendered[-1][:-1]
     if add_generation_prompt:
         rendered.append("<|assistant|>\n")
     return "".join(rendered)
+
+
+def chat_request_prompt(body: dict[str, Any]) -> tuple[str | None, str]:
+    """What a chat request body (``/v1/chat/completions`` or ``/tokenize``) renders to:
+    ``(None, prompt)``, or ``(problem, field)`` when it cannot be rendered."""
+    problem = validate_messages(body.get("messages"))
+    if problem:
+        return problem, "messages"
+    flags = {"add_generation_prompt": True, "continue_final_message": False}
+    for flag, default in flags.items():
+        value = body.get(flag, default)
+        if not isinstance(value, bool):
+            return f"'{flag}' must be a boolean", flag
+        flags[flag] = value
+    if flags["add_generation_prompt"] and flags["continue_final_message"]:
+        return ("Cannot set both `continue_final_message` and `add_generation_prompt` to "
+                "True."), "continue_final_message"
+    tools, kwargs = body.get("tools"), body.get("chat_template_kwargs")
+    if tools is not None and not isinstance(tools, list):
+        return "'tools' must be a list", "tools"
+    if kwargs is not None and not isinstance(kwargs, dict):
+        return "'chat_template_kwargs' must be an object", "chat_template_kwargs"
+    return None, chat_prompt(body["messages"], flags["add_generation_prompt"],
+                             continue_final_message=flags["continue_final_message"],
+                             tools=tools, template_kwargs=kwargs)
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
 
 
 def _encode(payload: Any) -> bytes:

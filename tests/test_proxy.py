@@ -294,7 +294,10 @@ def test_upstream_errors_come_back_as_they_came(fleet: Fleet):
         ("/v1/completions", b'{"prompt": "x", "model": "nope"}', 404, "model"),
         ("/v1/chat/completions", b'{"messages": []}', 400, "messages"),
         ("/v1/chat/completions", b'{"messages": "hi"}', 400, "messages"),
-        ("/v1/chat/completions", b'{"messages": [{"content": "x"}]}', 400, "messages[0]"),
+        ("/v1/chat/completions", b'{"messages": [{"content": "x"}]}', 400, "messages[0].role"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "continue_final_message": '
+                                 b'true}', 400, "add_generation_prompt"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "tools": {}}', 400, "tools"),
         ("/v1/chat/completions", b'{"messages": [{"role": 1}]}', 400, "messages[0].role"),
     ],
 )
