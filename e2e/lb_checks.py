@@ -190,10 +190,13 @@ def check_routes_where_kvroute_says(setup: Setup, lb: Balancer) -> str:
     plans.append(("text", "/v1/completions", {"model": MODEL, "prompt": prose},
                   {"model": MODEL, "prompt": prose + " and a question"},
                   {"model": MODEL, "prompt": prose}))
-    chat = [{"role": "system", "content": text(10 * BLOCK)},
-            {"role": "user", "content": "which instance holds this?"}]
-    plans.append(("chat", "/v1/chat/completions", {"model": MODEL, "messages": chat},
-                  {"model": MODEL, "messages": chat}, {"model": MODEL, "messages": chat}))
+    # An agent's chat: tools and template arguments change the prompt the engine renders
+    # (the simulator's template, like a model's), so the glue must pass them on.
+    chat = {"model": MODEL, "tools": [{"type": "function", "function": {"name": "where"}}],
+            "chat_template_kwargs": {"brief": True},
+            "messages": [{"role": "system", "content": text(10 * BLOCK)},
+                         {"role": "user", "name": "ops", "content": "which instance holds this?"}]}
+    plans.append(("chat", "/v1/chat/completions", chat, chat, chat))
     # every worker at least once, text and chat on workers of their own
     targets = workers + [workers[1], workers[2]]
     lines = []
@@ -362,6 +365,13 @@ def check_question(setup: Setup, lb: Balancer) -> str:
          {"model": MODEL, "prompt": "first"}),
         ("chat", "/v1/chat/completions", {"model": MODEL, "messages": messages},
          {"model": MODEL, "messages": messages}),
+        ("chat, template arguments", "/v1/chat/completions",
+         {"model": MODEL, "messages": messages, "temperature": 0, "tools": [],
+          "chat_template_kwargs": {"x": [1, {"y": None}]}, "add_generation_prompt": False,
+          "continue_final_message": True, "add_special_tokens": False, "chat_template": None},
+         {"model": MODEL, "messages": messages, "tools": [],
+          "chat_template_kwargs": {"x": [1, {"y": None}]}, "add_generation_prompt": False,
+          "continue_final_message": True, "add_special_tokens": False, "chat_template": None}),
     ]
     instance0 = setup.cluster.instances[0].url
     for what, path, body, expected in cases:

@@ -3,7 +3,8 @@
 -- haproxy.cfg runs the action `lua.kvroute_route <backend> <kvroute address>` on
 -- POST /v1/completions and /v1/chat/completions, with `option http-buffer-request` so
 -- that the body is there. The action sends kvroute's POST /v1/route the prompt it finds
--- (token ids when the body has them, else the text or the chat messages; `model` as
+-- (token ids when the body has them, else the text or the chat messages and their
+-- template fields; `model` as
 -- given), through the address of haproxy.cfg's `listen kvroute_api` section, whose
 -- timeouts are the deadline and which never retries. When kvroute names an instance
 -- that is a server of <backend>, the action sets
@@ -183,6 +184,9 @@ local function is_empty_array(s, first)
     return s:byte(first) == 91 and s:byte(skip_ws(s, first + 1) or 0) == 93
 end
 
+local CHAT_TEMPLATE_FIELDS = {"tools", "chat_template_kwargs", "add_generation_prompt",
+                              "continue_final_message", "add_special_tokens", "chat_template"}
+
 -- kvroute's question (a JSON text) for an OpenAI request body, or nil and the reason
 -- there is none. Mirrors kvroute's own proxy: a batch is routed by its first prompt.
 local function question(path, body)
@@ -205,6 +209,13 @@ local function question(path, body)
             return nil, "no messages"
         end
         parts[#parts + 1] = "\"messages\":" .. body:sub(span[1], span[2])
+        -- The chat template renders these too: without them kvroute tokenizes another prompt.
+        for _, key in ipairs(CHAT_TEMPLATE_FIELDS) do
+            local field = m[key]
+            if field then
+                parts[#parts + 1] = "\"" .. key .. "\":" .. body:sub(field[1], field[2])
+            end
+        end
     else
         local span = m.prompt
         if not span then

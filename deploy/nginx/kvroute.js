@@ -4,7 +4,7 @@
  * nginx.conf calls route() as the content handler of /v1/completions and
  * /v1/chat/completions, once nginx has read the request body. route() sends kvroute's
  * POST /v1/route the prompt it finds (token ids when the body has them, else the text or
- * the chat messages; `model` as given) and then hands the request to one of two named
+ * the chat messages and their template fields; `model` as given) and then hands the request to one of two named
  * locations, unchanged:
  *
  *   @kvroute   kvroute answered: proxy_pass to $kvroute_target (the instance's URL) with
@@ -27,6 +27,9 @@ const ORIGIN = /^https?:\/\/[A-Za-z0-9.\-]+(:[0-9]{1,5})?$|^https?:\/\/\[[0-9A-F
 const INSTANCE_ID = /^[\x21-\x7e]{1,200}$/;
 
 // kvroute's question for an OpenAI request body, or a string saying why there is none.
+const CHAT_TEMPLATE_FIELDS = ['tools', 'chat_template_kwargs', 'add_generation_prompt',
+                              'continue_final_message', 'add_special_tokens', 'chat_template'];
+
 // Mirrors kvroute's own proxy: a batch of prompts is routed by its first prompt.
 function question(uri, text) {
     let body;
@@ -50,6 +53,12 @@ function question(uri, text) {
             return 'no messages';
         }
         ask.messages = body.messages;
+        // The chat template renders these too: without them kvroute tokenizes another prompt.
+        CHAT_TEMPLATE_FIELDS.forEach(function (key) {  // (this njs has no for...of)
+            if (body[key] !== undefined) {
+                ask[key] = body[key];
+            }
+        });
         return ask;
     }
     let prompt = body.prompt;
