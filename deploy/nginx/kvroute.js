@@ -4,8 +4,8 @@
  * nginx.conf calls route() as the content handler of /v1/completions and
  * /v1/chat/completions, once nginx has read the request body. route() sends kvroute's
  * POST /v1/route the prompt it finds (token ids when the body has them, else the text or
- * the chat messages and their template fields; `model` as given) and then hands the request to one of two named
- * locations, unchanged:
+ * the chat messages and their template fields; `model` as given) and then hands the
+ * request to one of two named locations, unchanged:
  *
  *   @kvroute   kvroute answered: proxy_pass to $kvroute_target (the instance's URL) with
  *              X-data-parallel-rank: $kvroute_rank;
