@@ -4,8 +4,8 @@
 -- POST /v1/completions and /v1/chat/completions, with `option http-buffer-request` so
 -- that the body is there. The action sends kvroute's POST /v1/route the prompt it finds
 -- (token ids when the body has them, else the text or the chat messages and their
--- template fields; `model` as given), through the address of haproxy.cfg's `listen kvroute_api` section, whose
--- timeouts are the deadline and which never retries. When kvroute names an instance
+-- template fields; `model` as given), through the address of haproxy.cfg's
+-- `listen kvroute_api` section, whose timeouts are the deadline and which never retries. When kvroute names an instance
 -- that is a server of <backend>, the action sets
 --
 --   txn.kvroute_server    the server's name (haproxy.cfg: use-server)
