@@ -5,8 +5,8 @@
 -- that the body is there. The action sends kvroute's POST /v1/route the prompt it finds
 -- (token ids when the body has them, else the text or the chat messages and their
 -- template fields; `model` as given), through the address of haproxy.cfg's
--- `listen kvroute_api` section, whose timeouts are the deadline and which never retries. When kvroute names an instance
--- that is a server of <backend>, the action sets
+-- `listen kvroute_api` section, whose timeouts are the deadline and which never
+-- retries. When kvroute names an instance that is a server of <backend>, the action sets
 --
 --   txn.kvroute_server    the server's name (haproxy.cfg: use-server)
 --   txn.kvroute_rank      kvroute's dp_rank (haproxy.cfg: X-data-parallel-rank)
