@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -206,8 +207,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if min(subscribed) < len(sides):
                 raise RuntimeError(f"subscriptions per stream: {subscribed}")
             rss0 = {s.name: s.rss() for s in sides}
+            spy = None if args.profile is None else subprocess.Popen(
+                [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(kv.pid),
+                 "--format", "raw", "--rate", "200", "--output", str(args.profile)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             result["ingest"] = [ingest(sides, publisher, m, workdir / f"{m.name}.mix", kv,
                                        args.timeout) for m in mixes]
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(60)
             held = sum(m.held_at_end for m in mixes)
             result["holdings"] = held
             result["rss_bytes_per_holding"] = {s.name: (s.rss() - rss0[s.name]) / held
@@ -309,6 +317,8 @@ def main() -> None:
     parser.add_argument("--peer-threads", type=int, default=None,
                         help="the peer's --threads (default: its own default)")
     parser.add_argument("--peer-venv", default="bench-out/peer-venv")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="record kvroute's ingest with py-spy (collapsed stacks) here")
     parser.add_argument("--out", type=Path, default=Path("bench-out/peer"))
     args = parser.parse_args()
     if args.quick:
