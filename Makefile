@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench bench-full bench-real bench-fleet lint e2e e2e-dashboard e2e-lb clean
+.PHONY: run test bench bench-full bench-real bench-fleet bench-peer lint e2e e2e-dashboard e2e-lb clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,14 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.hitrate --quick --clients 1,4,16 --out bench-out/clients \
 		--policies round-robin,kvroute,kvroute-proxy,oracle+load \
 		--workloads shared-system-prompts,multi-turn-chat
+	$(BIN)/python -m benchmarks.peer_bench --quick --out bench-out/peer-quick
+
+# kvroute beside Dynamo's standalone KV indexer on one stream (ingest, queries, memory);
+# installs the peer (PyPI ai-dynamo) into bench-out/peer-venv on first use. `make bench`
+# runs a quick version, without the peer unless that venv is already there.
+PEER_ARGS ?=
+bench-peer: $(STAMP)
+	$(BIN)/python -m benchmarks.peer_bench $(PEER_ARGS)
 
 bench-full: $(STAMP)
 	$(BIN)/python -m benchmarks.index_bench

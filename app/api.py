@@ -46,6 +46,7 @@ from kvroute.app.errors import (
 from kvroute.app.fleet import Resolver
 from kvroute.app.http_guard import HttpGuard
 from kvroute.app.json_body import decode_json, integral_numbers
+from kvroute.app.loop_lag import LoopLagMonitor
 from kvroute.app.metrics import CONTENT_TYPE
 from kvroute.app.openapi import openapi_document
 from kvroute.app.proxy import Proxy, add_proxy_routes
@@ -120,7 +121,9 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> FastA
         app.state.service = service
         app.state.epp = None
         proxy = epp = None
+        lag = LoopLagMonitor(service.metrics.registry)
         try:
+            lag.start()
             await service.start()
             # The proxy's HTTP client lives as long as the service it forwards for.
             proxy = app.state.proxy = Proxy(service) if settings.proxy else None
@@ -133,6 +136,7 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> FastA
                 app.state.epp = epp
             yield
         finally:
+            await lag.stop()
             if epp is not None:
                 await epp.stop()
             if proxy is not None:

@@ -7,7 +7,9 @@ Bounds (``SubscriberOptions``):
   envelope decoded, then ``chunk_events`` events at a time.
 - At most ``chunk_events`` events, or ``slice_blocks`` blocks of index work, are applied
   between two yields to the loop, counted across batches (a replay of thousands of small
-  batches yields too). An event of more work is applied in slices (``wire.slices``) that
+  batches yields too); and all appliers together stop for the turn once the loop's
+  ``LoopBudget`` is used up (``app.loop_budget``: a burst from many workers at once).
+  An event of more work is applied in slices (``wire.slices``) that
   leave the index exactly as one call would. A clear is one call whatever it costs
   (bounded by ``max_blocks_per_worker``).
 - A BlockStored of more than ``max_blocks_per_event`` blocks, or one that would take the
@@ -29,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvroute.app.loop_budget import LoopBudget, shared_budget
 from kvroute.app.wire import (
     SLICE_TOKENS_PER_BLOCK,
     AllBlocksCleared,
@@ -99,10 +102,20 @@ class BatchApplier:
         self._refused = refused
         self._unyielded = 0  # events applied since the last yield to the event loop
         self._unyielded_work = 0  # blocks of index work since then (see slice_blocks)
+        self._budget: LoopBudget | None = None  # the loop's, shared by the fleet
+
+    @property
+    def budget(self) -> LoopBudget:
+        if self._budget is None:
+            self._budget = shared_budget()
+        return self._budget
 
     async def apply(self, seq: int, payload: bytes) -> BatchOutcome:
         outcome = BatchOutcome()
         self._unyielded += 1  # even an empty or garbage batch is work
+        budget = self.budget
+        if budget.exhausted():  # the fleet's work in this turn of the loop is done
+            await self.yield_to_loop()
         lazily = len(payload) > _DECODE_WHOLE_BYTES
         started = time.perf_counter()
         try:
@@ -129,7 +142,7 @@ class BatchApplier:
             outcome.events += len(events)
             for event in coalesced(events):
                 self._unyielded += 1
-                if self._unyielded >= chunk:
+                if self._unyielded >= chunk or budget.exhausted():
                     await self.yield_to_loop()
                 if isinstance(event, BlockStored) and self._over_a_cap(seq, event):
                     outcome.exact_again = False  # only a clear after the skip makes it exact
@@ -171,7 +184,8 @@ class BatchApplier:
         applied = 0
         for piece in slices(event, budget, self._holds):
             work = self._work(piece)
-            if self._unyielded_work and self._unyielded_work + work > budget:
+            if (self._unyielded_work and self._unyielded_work + work > budget
+                    or self.budget.exhausted()):
                 await self.yield_to_loop()
             self._unyielded_work += work
             applied += apply_event(self.index, self.worker, piece)
@@ -208,10 +222,15 @@ class BatchApplier:
         return False
 
     async def yield_to_loop(self) -> None:
-        """Let the loop run (queries, other workers); ``check`` may then void the step."""
+        """Let the loop run (queries, other workers); ``check`` may then void the step. When
+        the fleet's ingest work of this turn is used up, that is until the next turn."""
         self._unyielded = 0
         self._unyielded_work = 0
-        await asyncio.sleep(0)
+        budget = self.budget
+        if budget.exhausted():
+            await budget.next_turn()
+        else:
+            await asyncio.sleep(0)
         self._check()
 
     async def pause(self, took: float) -> None:

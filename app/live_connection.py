@@ -43,6 +43,8 @@ class LiveConnection:
         self._reconnect_ivl = reconnect_ivl_ms / 1000
         self._went_down = went_down  # called with whether it was connected
         self._sub: zmq.asyncio.Socket | None = None
+        # The same socket without asyncio's futures, for messages already queued.
+        self._sync: zmq.Socket[bytes] | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._watcher: asyncio.Task[None] | None = None
         # When the connection dropped without ZMQ scheduling a reconnect (it gives a
@@ -55,12 +57,22 @@ class LiveConnection:
         assert self._sub is not None, "not open"
         return self._sub
 
+    def queued(self) -> list[bytes] | None:
+        """A message already queued, or None, without waiting: many per wake-up of the
+        loop cost one future per wake-up, not one per message."""
+        assert self._sync is not None, "not open"
+        try:
+            return self._sync.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+
     def open(self) -> None:
         """A new SUB socket connecting to the endpoint, and a task watching its connection."""
         sub = self._sub = self._ctx.socket(zmq.SUB)
         for option, value in self._options.items():
             sub.setsockopt(option, value)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        self._sync = zmq.Socket.shadow(sub.underlying)
         monitor = self._monitor = sub.get_monitor_socket(_UP | _DOWN)
         self._watcher = asyncio.create_task(self._watch(monitor),
                                             name=f"kv-monitor-{self.endpoint}")
@@ -75,6 +87,7 @@ class LiveConnection:
                 await watcher
         sub, monitor = self._sub, self._monitor
         self._sub = self._monitor = None
+        self._sync = None  # a shadow: closing the socket is closing it
         if sub is not None:
             with contextlib.suppress(zmq.ZMQError):
                 sub.disable_monitor()

@@ -103,6 +103,7 @@ class _Disconnected(Abandoned):
 
 
 _POLL_MS = 100
+_MESSAGES_PER_WAKEUP = 256
 _QUIET_POLL_MS = 1000
 _MAX_REPLAYED_FINGERPRINTS = 20_000
 
@@ -241,11 +242,18 @@ class Subscriber:
                     else:
                         await self._rebuild()
                     idle_since = time.monotonic()
-                elif await sub.poll(self._quiet_poll_ms(idle_since, quiet_for), zmq.POLLIN):
-                    frames = await sub.recv_multipart()
+                elif (frames := self._live.queued()) is not None or await sub.poll(
+                        self._quiet_poll_ms(idle_since, quiet_for), zmq.POLLIN):
                     idle_since = time.monotonic()
-                    self._check_connection()
-                    await self._on_live(frames)
+                    # Every message queued, up to a bound, in this wake-up: the applier
+                    # yields between bounded pieces of work all the same.
+                    for _ in range(_MESSAGES_PER_WAKEUP):
+                        frames = frames or self._live.queued()
+                        if frames is None:
+                            break
+                        self._check_connection()
+                        await self._on_live(frames)
+                        frames = None
                 elif time.monotonic() - idle_since >= quiet_for:
                     quiet_for = self._pacing.idle_after(self.options.idle_check)
                     if self.status.last_seq is not None or self._unfinished_rebuild:

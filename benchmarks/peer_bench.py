@@ -1,0 +1,332 @@
+"""kvroute beside Dynamo's standalone KV indexer, fed the same stream at the same time
+(issue: ingest and match faster than the strongest peer).
+
+One publisher process (benchmarks.peer_publisher) serves ``--workers`` event streams; kvroute
+(``kvroute serve``) and the peer (``python -m dynamo.indexer``, installed into
+bench-out/peer-venv on first use) each subscribe to all of them, in processes of their own.
+Measured in one run:
+
+- ingest, per mix (benchmarks.peer_stream: ``roots`` with lagged removals, ``deep`` chains
+  that workers share): stored blocks per second from the first batch sent until the
+  indexer shows every worker holding the mix's marker block (its last), beside the
+  msgspec decode-only floor of the same payloads (kvroute's decoder, in this process,
+  before anything else runs); a 1k-token query every poll while it ingests (p99);
+- kvroute's worst event-loop lag during each ingest (its ``kvroute_event_loop_lag_*``);
+- after ingest, both indexers' answers checked against what the stream leaves each worker
+  holding; a mismatch, or a marker not seen within the deadline, is reported (the peer
+  losing events), not waited for;
+- query p50/p99 at 1k/8k/32k tokens over the deep mix's holdings, beside each one's own
+  health round trip; RSS per holding (growth from before ingest over holdings).
+
+``--quick`` (what ``make bench`` runs) is a smaller stream, and runs kvroute alone when
+the peer's venv is not there yet (``make bench-peer`` installs it). JSON and a table
+(benchmarks.report), bench-out/peer/peer.json and, with matplotlib, peer.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.peer_sides import Dynamo, Kvroute, Side, ensure_peer, peer_python
+from benchmarks.peer_stream import BLOCK, Mix, deep, doc_tokens, roots
+from benchmarks.report import emit
+from kvroute.app.wire import decode_batch
+
+POLL = 0.05
+QUERY_LENGTHS = (1024, 8192, 32768)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def decode_floor(mix: Mix) -> float:
+    """Stored blocks per second of decoding every payload once (nothing applied)."""
+    payloads = [p for per_worker in mix.payloads for p in per_worker]
+    started = time.perf_counter()
+    for payload in payloads:
+        decode_batch(payload)
+    return mix.stored / (time.perf_counter() - started)
+
+
+class _Watch(threading.Thread):
+    """Polls one side while it ingests: a timed 1k-token query, then whether every worker
+    holds the marker; stops at the marker or the deadline."""
+
+    def __init__(self, side: Side, mix: Mix, probe: list[int], deadline: float) -> None:
+        super().__init__(daemon=True)
+        self.side, self.mix, self.probe, self.deadline = side, mix, probe, deadline
+        self.done_at: float | None = None
+        self.holders = 0
+        self.latencies: list[float] = []
+        self.error: str | None = None
+
+    def run(self) -> None:
+        try:
+            while time.monotonic() < self.deadline:
+                self.latencies.append(self.side.query(self.probe)[0])
+                held = self.side.holding(self.mix.marker)
+                self.holders = sum(1 for n in held.values() if n == BLOCK)
+                if self.holders == self.side.workers:
+                    self.done_at = time.monotonic()
+                    return
+                time.sleep(POLL)
+        except Exception as exc:  # reported, never waited for
+            self.error = repr(exc)
+
+
+def _ask(publisher: subprocess.Popen[str], request: dict[str, Any]) -> dict[str, Any]:
+    assert publisher.stdin is not None and publisher.stdout is not None
+    publisher.stdin.write(json.dumps(request) + "\n")
+    publisher.stdin.flush()
+    return json.loads(publisher.stdout.readline())
+
+
+def _check(side: Side, mix: Mix, workers: int) -> list[str]:
+    """Where ``side``'s answers differ from what the stream leaves held."""
+    wrong = []
+    for w, tokens, held in mix.samples:
+        got = side.holding(tokens)
+        want = {w: len(tokens)} if held else {}
+        if got != want:
+            wrong.append(f"{mix.name} chain of worker {w}: {got} instead of {want}")
+    for doc, holders in sorted(mix.holders.items())[:8]:
+        got = side.holding(doc_tokens(doc, 1024))
+        want = dict.fromkeys(holders, 1024)
+        if got != want:
+            wrong.append(f"{mix.name} document {doc}: {len(got)} holders, want {len(want)}")
+    return wrong
+
+
+def _stall(kv: Kvroute, before: tuple[float, dict[float, float]]) -> float:
+    """kvroute's worst loop lag since ``before``: exact when it set a new worst since start,
+    otherwise the smallest histogram bound under which every lag since ``before`` fell."""
+    worst, buckets = kv.loop_lag()
+    if worst > before[0]:
+        return worst
+    grown = {b: n - before[1].get(b, 0) for b, n in buckets.items()}
+    total = max(grown.values(), default=0)
+    return min((b for b, n in grown.items() if n == total), default=0.0)
+
+
+def ingest(sides: list[Side], publisher: subprocess.Popen[str], mix: Mix, path: Path,
+           kv: Kvroute, timeout: float) -> dict[str, Any]:
+    mix.save(path)
+    probe = doc_tokens(0, 1024)
+    lag_before = kv.loop_lag()
+    deadline = time.monotonic() + timeout
+    watches = [_Watch(side, mix, probe, deadline) for side in sides]
+    for watch in watches:
+        watch.start()
+    sent = _ask(publisher, {"send": str(path)})
+    for watch in watches:
+        watch.join(timeout + 5)
+    row: dict[str, Any] = {"mix": mix.name, "stored_blocks": mix.stored,
+                           "batches": sum(map(len, mix.payloads)),
+                           "send_seconds": sent["sent"] - sent["started"]}
+    for side, watch in zip(sides, watches, strict=True):
+        took = None if watch.done_at is None else watch.done_at - sent["started"]
+        row[side.name] = {
+            "blocks_per_s": None if took is None else mix.stored / took,
+            "seconds": took,
+            "final_state": watch.done_at is not None,
+            "marker_holders": watch.holders,
+            "error": watch.error,
+            "query_1k_during_ingest_p99_ms": _pct([x * 1000 for x in watch.latencies], 0.99),
+        }
+        if watch.done_at is None:
+            row[side.name]["error"] = watch.error or (
+                f"did not reach the final state within {timeout:g} s: the marker shows on "
+                f"{watch.holders} of {side.workers} workers (events lost?)")
+    row["kvroute"]["worst_loop_lag_ms"] = 1000 * _stall(kv, lag_before)
+    for side in sides:
+        row[side.name]["wrong_answers"] = _check(side, mix, side.workers)[:5]
+    return row
+
+
+def queries(side: Side, mix: Mix, count: int, rng: random.Random) -> dict[str, Any]:
+    docs = sorted(mix.holders)
+    out: dict[str, Any] = {}
+    wrong = 0
+    for length in QUERY_LENGTHS:
+        times = []
+        for _ in range(count):
+            doc = rng.choice(docs)
+            took, got = side.query(doc_tokens(doc, length))
+            times.append(took * 1000)
+            best = max(got.values(), default=0)
+            wrong += best != length
+        out[f"{length}"] = {"p50_ms": statistics.median(times), "p99_ms": _pct(times, 0.99)}
+    health = [side.health() * 1000 for _ in range(count)]
+    out["health"] = {"p50_ms": statistics.median(health), "p99_ms": _pct(health, 0.99)}
+    out["wrong_best_matches"] = wrong
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    venv = Path(args.peer_venv)
+    with_peer = not args.no_peer and (not args.quick or peer_python(venv).exists())
+    python = ensure_peer(venv) if with_peer else None
+    workers = args.workers
+    mixes = [roots(workers, args.blocks, args.lag),
+             deep(workers, args.docs_per_worker, args.doc_blocks)]
+    floors = {m.name: decode_floor(m) for m in mixes}
+    result: dict[str, Any] = {"benchmark": "peer", "workers": workers, "peer": with_peer,
+                              "peer_threads": args.peer_threads, "decode_floor": floors}
+    if not with_peer:
+        result["peer_skipped"] = "no peer venv (make bench-peer installs it)"
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        publisher = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.peer_publisher", str(workers)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert publisher.stdout is not None
+        endpoints = json.loads(publisher.stdout.readline())["endpoints"]
+        kv = Kvroute(workers)
+        sides: list[Side] = [kv]
+        if python is not None:
+            sides.append(Dynamo(workers, python, args.peer_threads))
+        try:
+            for side in sides:
+                side.start(endpoints, workdir)  # type: ignore[attr-defined]
+            subscribed = _ask(publisher, {"wait": len(sides), "timeout": 60})["subscribed"]
+            if min(subscribed) < len(sides):
+                raise RuntimeError(f"subscriptions per stream: {subscribed}")
+            rss0 = {s.name: s.rss() for s in sides}
+            spy = None if args.profile is None else subprocess.Popen(
+                [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(kv.pid),
+                 "--format", "raw", "--rate", "200", "--output", str(args.profile)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            result["ingest"] = [ingest(sides, publisher, m, workdir / f"{m.name}.mix", kv,
+                                       args.timeout) for m in mixes]
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(60)
+            held = sum(m.held_at_end for m in mixes)
+            result["holdings"] = held
+            result["rss_bytes_per_holding"] = {s.name: (s.rss() - rss0[s.name]) / held
+                                               for s in sides}
+            rng = random.Random(20)
+            result["queries"] = {s.name: queries(s, mixes[1], args.queries, rng)
+                                 for s in sides}
+        finally:
+            for side in sides:
+                side.stop()
+            assert publisher.stdin is not None
+            publisher.stdin.close()
+            publisher.wait(30)
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    names = ["kvroute", "dynamo"] if result["peer"] else ["kvroute"]
+    lines = ["| measure | " + " | ".join(names) + " | decode floor |",
+             "|---|" + "---|" * (len(names) + 1)]
+
+    def cell(value: Any, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    for row in result.get("ingest", []):
+        floor = result["decode_floor"][row["mix"]]
+        cells = []
+        for n in names:
+            r = row[n]
+            text = (f"{cell(r['blocks_per_s'], ',.0f')} blocks/s "
+                    f"(1k query p99 {cell(r['query_1k_during_ingest_p99_ms'], '.1f')} ms)")
+            if n == "kvroute":
+                text += f", worst loop lag {r['worst_loop_lag_ms']:.0f} ms"
+            if r["error"] or r["wrong_answers"]:
+                text += f" **{r['error'] or len(r['wrong_answers'])} wrong**"
+            cells.append(text)
+        lines.append(f"| ingest {row['mix']} ({row['stored_blocks']:,} blocks) | "
+                     + " | ".join(cells) + f" | {floor:,.0f} blocks/s |")
+    q = result.get("queries", {})
+    for length in [*map(str, QUERY_LENGTHS), "health"]:
+        if not q:
+            break
+        label = "health round trip" if length == "health" else f"query {int(length) // 1024}k"
+        lines.append(f"| {label} p50 (p99) | " + " | ".join(
+            f"{q[n][length]['p50_ms']:.2f} ({q[n][length]['p99_ms']:.2f}) ms" for n in names)
+            + " | |")
+    if "rss_bytes_per_holding" in result:
+        lines.append(f"| RSS per holding ({result['holdings']:,}) | " + " | ".join(
+            f"{result['rss_bytes_per_holding'][n]:.0f} B" for n in names) + " | |")
+    if not result["peer"]:
+        lines.append(f"\npeer skipped: {result['peer_skipped']}")
+    lines.append("\nkvroute gets every prompt with one token more than Dynamo (which counts "
+                 "the block holding the last token): both match the same full blocks.")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], out: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    names = ["kvroute", "dynamo"] if result["peer"] else ["kvroute"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    mixes = [r["mix"] for r in result["ingest"]]
+    width = 0.8 / (len(names) + 1)
+    for k, n in enumerate([*names, "decode floor"]):
+        values = [(result["decode_floor"][r["mix"]] if n == "decode floor"
+                   else r[n]["blocks_per_s"] or 0) for r in result["ingest"]]
+        left.bar([i + k * width for i in range(len(mixes))], values, width, label=n)
+    left.set_xticks([i + width for i in range(len(mixes))], mixes)
+    left.set_ylabel("stored blocks/s")
+    left.set_yscale("log")
+    left.legend()
+    for n in names:
+        q = result["queries"][n]
+        right.plot([x // 1024 for x in QUERY_LENGTHS], [q[str(x)]["p50_ms"] for x in QUERY_LENGTHS],
+                   "o-", label=f"{n} p50")
+    right.set_xlabel("prompt (k tokens)")
+    right.set_ylabel("ms")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(out / "peer.png")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="a small stream; without the peer when its venv is absent")
+    parser.add_argument("--no-peer", action="store_true", help="kvroute alone")
+    parser.add_argument("--workers", type=int, default=32)
+    parser.add_argument("--blocks", type=int, default=1_000_000, help="roots mix: blocks stored")
+    parser.add_argument("--lag", type=int, default=16, help="roots mix: batches kept")
+    parser.add_argument("--docs-per-worker", type=int, default=15)
+    parser.add_argument("--doc-blocks", type=int, default=2048)
+    parser.add_argument("--queries", type=int, default=200, help="per prompt length")
+    parser.add_argument("--timeout", type=float, default=120.0, help="per mix, seconds")
+    parser.add_argument("--peer-threads", type=int, default=None,
+                        help="the peer's --threads (default: its own default)")
+    parser.add_argument("--peer-venv", default="bench-out/peer-venv")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="record kvroute's ingest with py-spy (collapsed stacks) here")
+    parser.add_argument("--out", type=Path, default=Path("bench-out/peer"))
+    args = parser.parse_args()
+    if args.quick:
+        args.blocks, args.docs_per_worker, args.queries = 100_000, 2, 50
+    result = run(args)
+    emit(result, table(result), out_file=args.out / "peer.json")
+    plot(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
