@@ -79,13 +79,18 @@ def test_the_snapshot_follows_the_fleet_and_the_proxied_requests(kvroute):
              and len(workers(snapshot(http))) == 2, "both workers live on the dashboard")
     before = snapshot(http)
     prompt = unique_tokens(51, 5 * 16 + 3)
-    for _ in range(3):
+
+    def proxied() -> str:
         answer = http.post("/v1/completions", headers=AUTH,
                            json={"model": "sim-model", "prompt": prompt, "max_tokens": 2})
         assert answer.status_code == 200, answer.text
-    chosen = answer.headers["x-kvroute-instance"]
-    probe = http.post("/v1/route", headers=AUTH, json={"token_ids": prompt, "probe": True})
-    assert probe.status_code == 200
+        return answer.headers["x-kvroute-instance"]
+
+    chosen = proxied()
+    # Its blocks indexed (probes: decisions, not routed), the next two go to them too.
+    wait_for(lambda: http.post("/v1/route", headers=AUTH, json={
+        "token_ids": prompt, "probe": True}).json()["matched_blocks"] == 5, "blocks indexed")
+    assert [proxied(), proxied()] == [chosen, chosen]
 
     def settled() -> dict | None:
         now = snapshot(http)
@@ -97,7 +102,7 @@ def test_the_snapshot_follows_the_fleet_and_the_proxied_requests(kvroute):
 
     after = wait_for(settled, "the three proxied requests recorded")
     assert after["proxy"] is True and after["ready"] is True
-    assert after["routes"]["decisions"] == before["routes"]["decisions"] + 4
+    assert after["routes"]["decisions"] >= before["routes"]["decisions"] + 4
     assert after["routes"]["routed"] == before["routes"]["routed"] + 3  # the probe is not
     assert after["routes"]["recent_p50_ms"] > 0
     assert after["routes"]["recent_p99_ms"] >= after["routes"]["recent_p50_ms"]
@@ -108,9 +113,9 @@ def test_the_snapshot_follows_the_fleet_and_the_proxied_requests(kvroute):
     assert worker["holdings"]["GPU"] >= 5 and worker["stats"]["events"] > 0
     assert worker["inflight"] == 0
     # The same prompt three times: all compared; the 2nd and 3rd found its 5 blocks.
-    hits = worker["hits"]
-    assert hits["requests"] >= 3 and hits["exact"] == hits["requests"]
-    assert hits["predicted"] == hits["actual"] >= 2 * 5 * 16
+    hits = {k: v - workers(before)[chosen]["hits"][k] for k, v in worker["hits"].items()}
+    assert hits["requests"] == 3 and hits["exact"] == 3
+    assert hits["predicted"] == hits["actual"] == 2 * 5 * 16
     assert after["index_nodes"] >= 5 and after["index_bytes"] > 0
     assert {i["id"] for i in after["instances"]} == set(ids)
 
