@@ -12,6 +12,8 @@ Invariants:
   with no workers and keeps retrying in the background; one added through the
   API must be discoverable at once, or the caller gets the error.
 - At most `max_instances` are registered, counting adds still discovering.
+- `version` changes whenever the set of registered instances, their workers or a worker's
+  state changes, so what is derived from them (`app.eligible`) can be kept between routes.
 - Every worker's endpoints are on its instance's host or an allowed one
   (`config.foreign_endpoints`), whether configured or discovered; and an instance's
   models are what its /v1/models lists whenever kvroute learnt it from there.
@@ -35,7 +37,12 @@ from kvroute.app.errors import LimitReached, NotAllowed
 from kvroute.app.fleet_pacing import FleetPacing
 from kvroute.app.saved_state import SavedWorker
 from kvroute.app.subscriber import Subscriber
-from kvroute.app.subscription import SubscriberOptions, WorkerKey, WorkerState
+from kvroute.app.subscription import (
+    SubscriberHooks,
+    SubscriberOptions,
+    WorkerKey,
+    WorkerState,
+)
 from kvroute.index import PrefixIndex
 
 __all__ = ["DuplicateInstance", "Instance", "ModelNotServed", "Registry", "UnknownInstance",
@@ -68,10 +75,11 @@ class Worker:
     endpoint: WorkerEndpoint
     subscriber: Subscriber
     task: asyncio.Task[None] | None = None
+    # (instance id, rank): made once, since routes look it up for many workers each.
+    key: WorkerKey = field(init=False)
 
-    @property
-    def key(self) -> WorkerKey:
-        return (self.instance.id, self.endpoint.dp_rank)
+    def __post_init__(self) -> None:
+        self.key = (self.instance.id, self.endpoint.dp_rank)
 
     @property
     def state(self) -> WorkerState:
@@ -116,6 +124,9 @@ class Registry:
         self._instances: dict[str, Instance] = {}
         self._discovery_tasks: dict[str, asyncio.Task[None]] = {}
         self._closed = False
+        # Bumped on every change of the instances, their workers or a worker's state.
+        self.version = 0
+        self._hooks = _VersionHooks(self)
 
     # -- queries ---------------------------------------------------------
     def __contains__(self, instance_id: str) -> bool:
@@ -188,6 +199,7 @@ class Registry:
             self._start_workers(instance, endpoints)
             return instance
         self._instances[instance_id] = instance
+        self.version += 1
         self._discovery_tasks[instance_id] = asyncio.create_task(
             self._discover_until_found(instance), name=f"discover {instance_id}")
         return instance
@@ -196,6 +208,7 @@ class Registry:
         """Stop an instance's subscribers and drop everything the index had of it."""
         instance = self.get(instance_id)
         del self._instances[instance_id]
+        self.version += 1
         task = self._discovery_tasks.pop(instance_id, None)
         if task is not None:
             task.cancel()
@@ -213,6 +226,7 @@ class Registry:
         self._closed = True
         instances = list(self._instances.values())
         self._instances.clear()
+        self.version += 1
         tasks = list(self._discovery_tasks.values())
         self._discovery_tasks.clear()
         for task in tasks:
@@ -290,10 +304,11 @@ class Registry:
             return
 
     def _start_workers(self, instance: Instance, endpoints: list[WorkerEndpoint]) -> None:
+        self.version += 1
         for endpoint in endpoints:
             subscriber = Subscriber(endpoint, self.index, ctx=self._context,
                                     options=self._options, saved=self.claim_saved(endpoint),
-                                    pacing=self.pacing)
+                                    pacing=self.pacing, hooks=self._hooks)
             worker = Worker(instance=instance, endpoint=endpoint, subscriber=subscriber)
             worker.task = asyncio.create_task(
                 subscriber.run(), name=f"subscriber {instance.id} rank {endpoint.dp_rank}")
@@ -312,6 +327,18 @@ class Registry:
                 except Exception:  # its end is not the remover's failure
                     log.exception("subscriber %s rank %d ended with an error",
                                   worker.instance.id, worker.endpoint.dp_rank)
+
+
+class _VersionHooks(SubscriberHooks):
+    """Every subscriber's state change is a change of the registry."""
+
+    __slots__ = ("_registry",)
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    def state_changed(self, worker: WorkerKey, state: WorkerState) -> None:
+        self._registry.version += 1
 
 
 def _nothing_saved(endpoint: WorkerEndpoint) -> None:
