@@ -30,7 +30,9 @@ Sequence tracking (docs/decisions.md; each seq is classified by ``sequence.class
   timeouts) it rebuilds as above, and the holdings are kept unconfirmed too.
 - When the live stream has been quiet for ``idle_check`` seconds, a replay from
   ``last_seq + 1`` picks up batches whose live copies were dropped at the end of a burst
-  (a gap is otherwise only visible when the next batch arrives).
+  (a gap is otherwise only visible when the next batch arrives). Each check that finds
+  nothing doubles the next quiet spell, up to ``IDLE_CHECK_BACKOFF`` times, until a live
+  batch arrives; a quiet worker's task sleeps until its next check is due.
 - ``degraded`` means the worker's entry may under-report what the engine holds (history
   lost, a gap that could not be filled, a store skipped for a cap). It ends when the state
   is known to be exact again: an ``AllBlocksCleared`` was applied after the last skip, or a
@@ -103,7 +105,8 @@ class _Disconnected(Abandoned):
 
 
 _POLL_MS = 100
-_QUIET_POLL_MS = 1000
+# Quiet spells between idle checks that find nothing grow to at most this many idle_checks.
+IDLE_CHECK_BACKOFF = 8
 _MAX_REPLAYED_FINGERPRINTS = 20_000
 
 
@@ -170,6 +173,8 @@ class Subscriber:
         # being applied: the index matches last_seq only between batches (save_point).
         self._last_payload: bytes | None = None
         self._applying = False
+        # The poll of a quiet wait for a live batch (`_wait_for_live`), while one runs.
+        self._waiting: asyncio.Future[int] | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -196,6 +201,7 @@ class Subscriber:
     async def stop(self, timeout: float = 5.0) -> None:
         """Ask ``run()`` to return and wait for it (sockets closed when this returns)."""
         self._stopping.set()
+        self._wake()
         if self._task is None or self._stopped.is_set():
             return
         try:
@@ -221,9 +227,11 @@ class Subscriber:
         self._clear_worker()
         self._needs_rebuild = True
         self._set_state(WorkerState.DOWN)
+        self._wake()  # a quiet wait would otherwise last until the next idle check
 
     async def _main_loop(self) -> None:
         idle_since = time.monotonic()
+        backoff = 1  # idle checks in a row that found nothing new, doubled (see _idle_check)
         quiet_for = self._pacing.idle_after(self.options.idle_check)
         while not self._stopping.is_set():
             self._working_generation = self._generation
@@ -241,17 +249,21 @@ class Subscriber:
                     else:
                         await self._rebuild()
                     idle_since = time.monotonic()
-                elif await sub.poll(self._quiet_poll_ms(idle_since, quiet_for), zmq.POLLIN):
+                elif await self._wait_for_live(idle_since + quiet_for - time.monotonic()):
                     frames = await sub.recv_multipart()
                     idle_since = time.monotonic()
+                    if backoff > 1:
+                        backoff = 1
+                        quiet_for = self._pacing.idle_after(self.options.idle_check)
                     self._check_connection()
                     await self._on_live(frames)
                 elif time.monotonic() - idle_since >= quiet_for:
-                    quiet_for = self._pacing.idle_after(self.options.idle_check)
                     if self.status.last_seq is not None or self._unfinished_rebuild:
                         await self._pacing.idle_check_slot()
                         self._check_connection()
-                        await self._idle_check()
+                        found = await self._idle_check()
+                        backoff = 1 if found else min(2 * backoff, IDLE_CHECK_BACKOFF)
+                    quiet_for = self._pacing.idle_after(self.options.idle_check * backoff)
                     idle_since = time.monotonic()
             except _Disconnected:
                 continue
@@ -260,20 +272,40 @@ class Subscriber:
                 self.status.last_error = f"internal error: {exc!r}"
                 await asyncio.sleep(_POLL_MS / 1000)
 
-    @staticmethod
-    def _quiet_poll_ms(idle_since: float, quiet_for: float) -> int:
-        """How long to wait for a live batch: until the next idle check is due, at most
-        _QUIET_POLL_MS. A quiet worker wakes about once a second, not ten times (a fleet of
-        a thousand costs its event loop a thousand wake-ups a second, not ten thousand);
-        `stop()` waits at most that long."""
-        due = idle_since + quiet_for - time.monotonic()
-        return max(_POLL_MS // 10, min(_QUIET_POLL_MS, int(due * 1000) + 1))
+    async def _wait_for_live(self, seconds: float) -> bool:
+        """Whether a live batch arrived within `seconds` (at least 10 ms). A quiet worker
+        sleeps until its next idle check is due, not a poll interval: a quiet fleet of a
+        thousand costs its event loop a wake-up per idle check, not a thousand a second.
+        `_wake` (a stop, a dropped connection) ends the wait at once, with False."""
+        waiting = self._live.socket.poll(max(_POLL_MS // 10, int(seconds * 1000) + 1),
+                                         zmq.POLLIN)
+        self._waiting = waiting
+        try:
+            return bool(await waiting)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the task itself is cancelled, not only this wait
+            return False
+        finally:
+            self._waiting = None
 
-    async def _idle_check(self) -> None:
+    def _wake(self) -> None:
+        """End a quiet wait now (it then returns False), so the loop looks at its state."""
+        waiting = self._waiting
+        if waiting is not None and not waiting.done():
+            waiting.cancel()
+
+    async def _idle_check(self) -> bool:
         """Pick up dropped tail batches; after a rebuild whose replay did not finish, this
         is the rebuild's retry: when the rest of the history arrives whole (and nothing
-        else turned the worker degraded meanwhile), the worker is exact again."""
-        last = self.status.last_seq
+        else turned the worker degraded meanwhile), the worker is exact again.
+
+        Returns whether it found anything: a check that found nothing doubles the quiet
+        spell before the next one (up to IDLE_CHECK_BACKOFF times `idle_check`) until a
+        live batch arrives. Tail batches are lost at the end of a burst, so right after
+        traffic a worker is checked at the set pace, and an idle fleet is seldom asked."""
+        last, batches = self.status.last_seq, self.status.batches
         unfinished, marks = self._unfinished_rebuild, self.status.degraded_count
         complete = await self._fill_from(0 if last is None else last + 1)
         if unfinished and complete and self.status.degraded_count == marks:
@@ -281,6 +313,8 @@ class Subscriber:
             self._degraded = False
             self._settle()
             log.info("%s: the replay finished on a retry; exact again", self.worker)
+            return True
+        return self.status.batches != batches or self.status.last_seq != last
 
     async def _reopen_if_given_up(self) -> None:
         if await self._live.reopen_if_given_up():

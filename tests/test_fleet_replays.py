@@ -122,3 +122,50 @@ def test_idle_checks_reuse_one_socket_and_find_dropped_tail_batches():
                                  "an idle check to find the dropped batch")
                 assert index.log(sub.worker) == ledger.truth(sub.worker)
     run(scenario)
+
+
+def test_idle_checks_that_find_nothing_back_off_until_a_live_batch_arrives():
+    options = dataclasses.replace(TEST_OPTIONS, idle_check=0.05)
+
+    async def scenario(ctx):
+        with EventPublisher() as pub:
+            ledger, source = Ledger(pub), EventSource(9)
+            ledger.publish(source.batch())
+            sub = Subscriber(endpoint_of(pub), OpLog(), ctx=ctx,
+                             options=options, pacing=FleetPacing(jitter=0.0))
+            async with Running(sub):
+                await wait_until(lambda: caught_up(sub, ledger, ("live",)), "the first batch")
+                first = pub.replays_served
+                await asyncio.sleep(2.0)
+                # At a fixed 0.05 s pace that would be about 40 checks; doubling to at most
+                # IDLE_CHECK_BACKOFF (8) times 0.05 s makes it fewer than 10 (fewer still on
+                # a slow machine, so this cannot fail for being slow).
+                assert pub.replays_served - first < 12
+                # A live batch ends the backoff: a dropped tail right after it is found by
+                # the check at the set pace.
+                ledger.publish(source.batch())
+                await wait_until(lambda: caught_up(sub, ledger, ("live",)), "a live batch")
+                pub.drop_live([pub.next_seq])
+                ledger.publish(source.batch())
+                await wait_until(lambda: caught_up(sub, ledger, ("live",)),
+                                 "an idle check to find the dropped batch")
+    run(scenario)
+
+
+def test_stopping_a_quiet_worker_ends_its_wait_at_once():
+    async def scenario(ctx):
+        with EventPublisher() as pub:
+            ledger, source = Ledger(pub), EventSource(10)
+            ledger.publish(source.batch())
+            sub = Subscriber(endpoint_of(pub), OpLog(), ctx=ctx, options=TEST_OPTIONS)
+            task = asyncio.create_task(sub.run())
+            try:
+                await wait_until(lambda: caught_up(sub, ledger, ("live",)), "the first batch")
+                await asyncio.sleep(0.2)  # waiting for a live batch, the idle check 60 s away
+                await sub.stop()
+                # It returned by itself: stop() cancels a subscriber only after its timeout.
+                assert task.done() and not task.cancelled()
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+    run(scenario)
