@@ -182,6 +182,8 @@ class Subscriber:
         """Subscribe and apply until ``stop()``; never raises for wire or peer faults."""
         self._task = asyncio.current_task()
         try:
+            # Opening costs a few sockets: a fleet added at once opens in bounded pieces.
+            await self._pacing.turn()
             try:
                 self._live.open()
             except zmq.ZMQError as exc:
@@ -193,10 +195,13 @@ class Subscriber:
                 return
             await self._main_loop()
         finally:
-            await self._live.close()
-            if self._replay_channel is not None:
-                self._replay_channel.close()
-            self._stopped.set()
+            try:
+                await self._pacing.turn()  # and closing them, in bounded pieces too
+            finally:
+                await self._live.close()
+                if self._replay_channel is not None:
+                    self._replay_channel.close()
+                self._stopped.set()
 
     async def stop(self, timeout: float = 5.0) -> None:
         """Ask ``run()`` to return and wait for it (sockets closed when this returns)."""

@@ -169,3 +169,32 @@ def test_stopping_a_quiet_worker_ends_its_wait_at_once():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
     run(scenario)
+
+
+def test_turns_hand_out_a_bounded_number_per_pass_of_the_loop_in_order():
+    async def scenario(ctx):
+        pacing = FleetPacing(turns_per_pass=4)
+        passes = 0
+        running = True
+
+        def tick() -> None:  # counts passes of the loop
+            nonlocal passes
+            passes += 1
+            if running:
+                asyncio.get_running_loop().call_soon(tick)
+
+        asyncio.get_running_loop().call_soon(tick)
+        taken: list[tuple[int, int]] = []
+
+        async def worker(number: int) -> None:
+            await pacing.turn()
+            taken.append((number, passes))
+
+        await asyncio.wait_for(asyncio.gather(*(worker(n) for n in range(30))), 10)
+        running = False
+        assert [number for number, _ in taken] == list(range(30))  # in order of asking
+        per_pass: dict[int, int] = {}
+        for _, seen in taken:
+            per_pass[seen] = per_pass.get(seen, 0) + 1
+        assert max(per_pass.values()) <= 4 and len(per_pass) >= 30 // 4
+    run(scenario)
