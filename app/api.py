@@ -115,9 +115,10 @@ async def _freeze_when_ready(service: Service) -> None:
     objects added up (a hundred instances registered at once). Frozen, they are never
     scanned again; the price: those of a configured instance removed later are never freed
     (bounded by the configured fleet)."""
+    gc.freeze()  # what start() made already: the subscribers, their tasks
     while not service.readiness()[0]:
-        await asyncio.sleep(0.5)
-    gc.freeze()
+        await asyncio.sleep(0.2)
+    gc.freeze()  # and what they made connecting and replaying
 
 
 def create_app(settings: Settings, *, resolver: Resolver | None = None,
