@@ -44,9 +44,11 @@ weighs xxh3(the prompt's first block, the worker's key), and the heaviest wins. 
 prefix nobody holds lands on the same worker in every kvroute replica, with no message
 exchanged (a burst of it through several replicas builds one copy, not one per replica),
 while different prefixes spread evenly over the fleet. The first block is the prompt's
-first `block size` tokens at the smallest block size among the scored workers, or the
-first block hash of a block-hash query: requests that could share a cached block share
-the key; a worker joining or leaving the tie moves only the prefixes it wins or won.
+first `block size` tokens at the smallest block size among the eligible workers (a
+worker's block size: its match's, else its instance's as configured or discovered, the
+same on every replica, else the one its events use), or the first block hash of a
+block-hash query: requests that could share a cached block share the key; a worker
+joining or leaving the tie moves only the prefixes it wins or won.
 """
 
 from __future__ import annotations
