@@ -133,6 +133,12 @@ def change_fleet(base: str, endpoints: list, prompt: list[int]) -> dict:
             "change_removed_after_s": removed_after}
 
 
+def _echo(stream, said: list[str]) -> None:
+    for line in stream:
+        sys.stderr.write(line)
+        said.append(line)
+
+
 def run_one(workers: int, workdir: Path) -> dict:
     publishers_n = min(MAX_PUBLISHERS, workers)
     per_process = -(-publishers_n // PUBLISHER_PROCESSES)
@@ -158,7 +164,11 @@ def run_one(workers: int, workdir: Path) -> dict:
         config.write_text("\n".join(lines) + "\n")
         started = time.monotonic()
         kvroute = subprocess.Popen([sys.executable, "-m", "kvroute.app.cli", "serve",
-                                    "--config", str(config)])
+                                    "--config", str(config)], stderr=subprocess.PIPE, text=True)
+        # kvroute's own lines (warnings) still show; its last one says why, if it exits.
+        said: list[str] = []
+        echo = threading.Thread(target=_echo, args=(kvroute.stderr, said), daemon=True)
+        echo.start()
         base = f"http://127.0.0.1:{port}"
         with httpx.Client(base_url=base, timeout=30) as http:
             live_after = None
@@ -170,7 +180,10 @@ def run_one(workers: int, workdir: Path) -> dict:
                         live_after = time.monotonic() - started
                         break
                 except httpx.TransportError:
-                    pass
+                    if kvroute.poll() is not None:  # it could not start: say why, go on
+                        echo.join(5)
+                        return {"workers": workers, "publishers": publishers_n,
+                                "error": said[-1].strip() if said else "kvroute exited"}
                 time.sleep(0.1)
             prompt = list(range(1, 1041))
             route_ms, health_ms, size = [], [], 0
@@ -219,14 +232,18 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")] + ([4096] if args.huge else [])
     with tempfile.TemporaryDirectory() as tmp:
         rows = [run_one(size, Path(tmp)) for size in sizes]
-    base = rows[0]
+    ran = [r for r in rows if "error" not in r]
+    base = ran[0]
     per_worker = None
-    if len(rows) > 1:
-        last = rows[-1]
+    if len(ran) > 1:
+        last = ran[-1]
         per_worker = (last["rss_mb"] - base["rss_mb"]) * 1024 / (last["workers"] - base["workers"])
     table = ["| workers | all live after | route p50 / p99 | /healthz p50 / p99 | answer | "
              "idle CPU | RSS | shutdown |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if "error" in r:
+            table.append(f"| {r['workers']:,} | did not start: {r['error']} |")
+            continue
         live = "never" if r["live_after_s"] is None else f"{r['live_after_s']:.1f} s"
         table.append(
             f"| {r['workers']:,} | {live} | {r['route_p50_ms']:.1f} / {r['route_p99_ms']:.1f} ms"
@@ -238,6 +255,8 @@ def main() -> None:
               "added all live after | removed in |",
               "|---|---|---|---|---|---|"]
     for r in rows:
+        if "error" in r:
+            continue
         live = "never" if r["change_live_after_s"] is None else \
             f"{r['change_live_after_s']:.1f} s"
         table.append(
@@ -249,7 +268,7 @@ def main() -> None:
             f"{live} | {r['change_removed_after_s']:.1f} s |")
     if per_worker is not None:
         table.append(f"\nmemory per idle worker: {per_worker:.0f} KB "
-                     f"(RSS from {base['workers']} to {rows[-1]['workers']} workers)")
+                     f"(RSS from {base['workers']} to {ran[-1]['workers']} workers)")
     result = {"benchmark": "fleet", "rows": rows, "rss_kb_per_worker": per_worker}
     emit(result, "\n".join(table), out_file=args.out / "fleet.json")
     try:
@@ -259,10 +278,10 @@ def main() -> None:
     except ImportError:
         return
     fig, ax = plt.subplots()
-    xs = [r["workers"] for r in rows]
-    ax.plot(xs, [r["route_p50_ms"] for r in rows], "o-", label="route p50")
-    ax.plot(xs, [r["route_p99_ms"] for r in rows], "o-", label="route p99")
-    ax.plot(xs, [r["healthz_p50_ms"] for r in rows], "o--", label="/healthz p50")
+    xs = [r["workers"] for r in ran]
+    ax.plot(xs, [r["route_p50_ms"] for r in ran], "o-", label="route p50")
+    ax.plot(xs, [r["route_p99_ms"] for r in ran], "o-", label="route p99")
+    ax.plot(xs, [r["healthz_p50_ms"] for r in ran], "o--", label="/healthz p50")
     ax.set_xscale("log")
     ax.set_xlabel("workers")
     ax.set_ylabel("ms")
