@@ -35,6 +35,7 @@ from kvroute.app.config import InstanceConfig, default_instance_id, foreign_endp
 from kvroute.app.discovery import DiscoveryError, WorkerEndpoint, discover, discover_models
 from kvroute.app.errors import LimitReached, NotAllowed
 from kvroute.app.fleet_pacing import FleetPacing
+from kvroute.app.fleet_resources import room_for
 from kvroute.app.saved_state import SavedWorker
 from kvroute.app.subscriber import Subscriber
 from kvroute.app.subscription import (
@@ -184,6 +185,7 @@ class Registry:
                                topic=config.topic)
                 for rank, endpoint in enumerate(config.events)
             ]
+            self._check_room(len(endpoints))
             self._instances[instance_id] = instance
             self._start_workers(instance, endpoints)
             return instance
@@ -195,6 +197,7 @@ class Registry:
                 self._adding -= 1
             if instance_id in self._instances:  # a concurrent add of the same id won
                 raise DuplicateInstance(instance_id)
+            self._check_room(len(endpoints))
             self._instances[instance_id] = instance
             self._start_workers(instance, endpoints)
             return instance
@@ -292,7 +295,8 @@ class Registry:
         while not self._closed:
             try:
                 endpoints = await self._discover(instance)
-            except DiscoveryError as exc:
+                self._check_room(len(endpoints))
+            except (DiscoveryError, LimitReached) as exc:
                 instance.discovery_error = str(exc)
                 log.warning("instance %s: %s; retrying in %.0f s", instance.id, exc, delay)
                 await asyncio.sleep(delay)
@@ -302,6 +306,15 @@ class Registry:
                 self._start_workers(instance, endpoints)
             self._discovery_tasks.pop(instance.id, None)
             return
+
+    def _check_room(self, adding: int) -> None:
+        """Raise LimitReached when `adding` workers more would not fit the process's open
+        files or the ZMQ context's sockets: said now, in one sentence, rather than by their
+        subscribers failing to open sockets."""
+        followed = sum(len(instance.workers) for instance in self._instances.values())
+        reason = room_for(followed, adding, self._context)
+        if reason is not None:
+            raise LimitReached(reason, "events")
 
     def _start_workers(self, instance: Instance, endpoints: list[WorkerEndpoint]) -> None:
         self.version += 1
