@@ -1,16 +1,18 @@
 """The workers a route may weigh, kept between routes instead of found anew for each.
 
 A route weighs the serving (live or degraded) workers of the instances that serve its model.
-Finding them walks the whole fleet, so a `EligibleCache` keeps one `Eligible` per model and
-builds it again only when the registry changed: a route then costs the workers that match or
-carry load, not the fleet.
+Finding them walks the whole fleet, so an `EligibleCache` keeps one `Eligible` per model,
+built again only when instances come or go, and updated in place when a worker changes
+state (a hundred instances joining make thousands of those): a route then costs the
+workers that match or carry load, not the fleet.
 
 Invariants:
-- An `Eligible` is exactly what a walk of the registry would find at the `Registry.version`
-  it was built at (instances added or removed, workers started, a worker's state changed
-  all bump the version); `EligibleCache.get` never answers one built at another version.
-- Its workers are in registry order (instances as added, ranks in order); `sorted_keys`
-  holds the same keys sorted, so the first few idle workers are found without a sort.
+- A kept `Eligible` is exactly what a walk of the registry would find now: it is built at a
+  `Registry.version` (instances added or removed, workers started bump it) and never
+  answered at another, and each worker's change of state since is applied to it
+  (`worker_changed`) as it happens.
+- `sorted_keys` holds its workers' keys sorted, so the first few idle workers are found
+  without a sort. The order of `workers` and `instances` means nothing.
 - Block sizes (the tie-break's, `routing.TieBreaker`): a worker's is its instance's declared
   (configured or discovered) block size; for an instance that declares none, the size the
   index learnt from the worker's events, read at each use (it can change any time).
@@ -18,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -62,6 +65,35 @@ class Eligible:
     def ascending(self, skip: Callable[[WorkerKey], bool]) -> Iterator[WorkerKey]:
         """The keys in sorted order, without those `skip` says."""
         return (key for key in self.sorted_keys if not skip(key))
+
+    def worker_changed(self, worker: Worker, model: str | None) -> None:
+        """`worker` (of a registered instance) changed state: join or leave."""
+        key, instance = worker.key, worker.instance
+        if not instance.serves(model) or (key in self.workers) == worker.state.serving:
+            return
+        self._urls = None
+        if worker.state.serving:
+            self.workers[key] = worker
+            bisect.insort(self.sorted_keys, key)
+            if instance not in self.instances:
+                self.instances.append(instance)
+            self.adapter = self.adapter or model in instance.lora_adapters
+            if instance.block_size:
+                self.declared_sizes[instance.block_size] += 1
+            else:
+                self.undeclared.append(key)
+            return
+        del self.workers[key]
+        del self.sorted_keys[bisect.bisect_left(self.sorted_keys, key)]
+        if instance.block_size:
+            self.declared_sizes[instance.block_size] -= 1
+            if not self.declared_sizes[instance.block_size]:
+                del self.declared_sizes[instance.block_size]
+        else:
+            self.undeclared.remove(key)
+        if not any(w.key in self.workers for w in instance.workers):
+            self.instances.remove(instance)
+            self.adapter = any(model in i.lora_adapters for i in self.instances)
 
     def smallest_block_size(self, others: Iterable[WorkerKey],
                             index_size: Callable[[WorkerKey], int | None]) -> int | None:
@@ -123,6 +155,13 @@ class EligibleCache:
     def __init__(self, registry: Registry) -> None:
         self._registry = registry
         self._by_model: dict[str | None, Eligible] = {}
+        registry.state_listeners.append(self._worker_changed)
+
+    def _worker_changed(self, worker: Worker) -> None:
+        version = self._registry.version
+        for model, eligible in self._by_model.items():
+            if eligible.version == version:  # a stale one is rebuilt when asked for
+                eligible.worker_changed(worker, model)
 
     def get(self, model: str | None) -> Eligible:
         version = self._registry.version

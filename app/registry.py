@@ -12,8 +12,9 @@ Invariants:
   with no workers and keeps retrying in the background; one added through the
   API must be discoverable at once, or the caller gets the error.
 - At most `max_instances` are registered, counting adds still discovering.
-- `version` changes whenever the set of registered instances, their workers or a worker's
-  state changes, so what is derived from them (`app.eligible`) can be kept between routes.
+- `version` changes whenever the set of registered instances or their workers changes, and
+  every `state_listeners` callback hears each worker's change of state, so what is derived
+  from them (`app.eligible`) can be kept between routes.
 - Every worker's endpoints are on its instance's host or an allowed one
   (`config.foreign_endpoints`), whether configured or discovered; and an instance's
   models are what its /v1/models lists whenever kvroute learnt it from there.
@@ -125,8 +126,10 @@ class Registry:
         self._instances: dict[str, Instance] = {}
         self._discovery_tasks: dict[str, asyncio.Task[None]] = {}
         self._closed = False
-        # Bumped on every change of the instances, their workers or a worker's state.
+        # Bumped on every change of the instances or their workers; a worker's change of
+        # state is told to each of state_listeners instead (with the worker).
         self.version = 0
+        self.state_listeners: list[Callable[[Worker], None]] = []
         self._hooks = _VersionHooks(self)
 
     # -- queries ---------------------------------------------------------
@@ -343,7 +346,7 @@ class Registry:
 
 
 class _VersionHooks(SubscriberHooks):
-    """Every subscriber's state change is a change of the registry."""
+    """Every subscriber's state change, told to the registry's state listeners."""
 
     __slots__ = ("_registry",)
 
@@ -351,7 +354,14 @@ class _VersionHooks(SubscriberHooks):
         self._registry = registry
 
     def state_changed(self, worker: WorkerKey, state: WorkerState) -> None:
-        self._registry.version += 1
+        registry = self._registry
+        if not registry.state_listeners or worker[0] not in registry:
+            return
+        for candidate in registry.get(worker[0]).workers:
+            if candidate.endpoint.dp_rank == worker[1]:
+                for listener in registry.state_listeners:
+                    listener(candidate)
+                return
 
 
 def _nothing_saved(endpoint: WorkerEndpoint) -> None:

@@ -135,6 +135,16 @@ def test_the_kept_eligible_set_follows_the_registry():
                 def fresh() -> set:
                     return set(eligible_among(service.registry, None).workers)
 
+                def same_as_fresh(kept) -> bool:
+                    walked = eligible_among(service.registry, None)
+                    return (set(kept.workers) == set(walked.workers)
+                            and kept.sorted_keys == walked.sorted_keys
+                            and +kept.declared_sizes == walked.declared_sizes
+                            and {i.id for i in kept.instances}
+                            == {i.id for i in walked.instances}
+                            and kept.urls() == walked.urls()
+                            and kept.adapter == walked.adapter)
+
                 await wait_until(lambda: len(service.eligible.get(None)) == 2,
                                  "both workers eligible")
                 kept = service.eligible.get(None)
@@ -144,10 +154,15 @@ def test_the_kept_eligible_set_follows_the_registry():
                                  and len(fresh()) == 3, "the new worker to be eligible")
                 assert service.eligible.get("m").served
                 assert not service.eligible.get("other").served
-                # A worker going down leaves the set at once.
+                # A worker going down leaves the kept set at once, in place, and comes back.
+                kept = service.eligible.get(None)
                 added.workers[0].subscriber._set_state(WorkerState.DOWN)
-                assert set(service.eligible.get(None).workers) == fresh()
-                assert ("i2", 0) not in service.eligible.get(None)
+                assert service.eligible.get(None) is kept
+                assert ("i2", 0) not in kept and same_as_fresh(kept)
+                added.workers[0].subscriber._set_state(WorkerState.LIVE)
+                assert ("i2", 0) in kept and same_as_fresh(kept)
+                added.workers[0].subscriber._set_state(WorkerState.DOWN)
+                assert same_as_fresh(service.eligible.get("m"))
                 await service.registry.remove("i0")
                 assert set(service.eligible.get(None).workers) == {("i1", 0)} == fresh()
             finally:
