@@ -21,6 +21,10 @@ Invariants:
   (`app.upstream`), so one slow, dripping or huge instance cannot delay the readings of
   the others, nor routes. A failed scrape drops the instance's readings (as any failure
   does) and is kept, for the operator, until the next scrape that succeeds (`failure`).
+- An instance whose scrapes fail is asked again after a delay that doubles with each
+  failure, from one interval up to `FAILED_SCRAPE_BACKOFF` seconds, and at the interval
+  again once one succeeds: a fleet whose instances serve no /metrics (or are down) costs a
+  request each per half a minute, not each per interval.
 - A page is parsed on a worker thread: at the size cap a hostile page takes ~0.2 s of
   parsing, a stall of every route if it ran on the event loop. On the thread, no single
   C call (a `str.find` over the page, one regex over one line of bounded length) holds
@@ -56,6 +60,8 @@ _SAMPLES = {
     "vllm:generation_tokens_total": "work",
 }
 _PREFIXES = tuple(_SAMPLES)
+# The longest wait before scraping again an instance whose scrapes fail, in seconds.
+FAILED_SCRAPE_BACKOFF = 30.0
 # Longer lines are skipped: vLLM's sample lines are a few hundred bytes (labels engine and
 # model_name), and one regex call over a line holds the GIL for all of it.
 _MAX_SAMPLE_LINE = 16 * 1024
@@ -143,6 +149,8 @@ class LoadMonitor:
         self._overload_kv_usage = overload_kv_usage
         self._busy: set[WorkerKey] = set()
         self._failures: dict[str, str] = {}  # instance id -> why its last scrape failed
+        # Instance id -> (when to scrape it again, the delay that gave), while it fails.
+        self._retry: dict[str, tuple[float, float]] = {}
         self._task: asyncio.Task[None] | None = None
 
     def get(self, worker_key: WorkerKey) -> Load | None:
@@ -172,7 +180,9 @@ class LoadMonitor:
             self._task = None
 
     async def scrape_once(self) -> None:
-        instances = [i for i in self._registry if i.url and i.workers]
+        now = time.monotonic()
+        instances = [i for i in self._registry if i.url and i.workers
+                     and (i.id not in self._retry or self._retry[i.id][0] <= now)]
         await asyncio.gather(*(self._scrape(instance) for instance in instances))
         known = {worker.key for worker in self._registry.workers()}
         for key in [key for key in self._loads if key not in known]:
@@ -180,6 +190,7 @@ class LoadMonitor:
         self._busy.intersection_update(self._loads)
         for instance_id in [i for i in self._failures if i not in self._registry]:
             del self._failures[instance_id]
+            self._retry.pop(instance_id, None)
 
     async def _run(self) -> None:
         while True:
@@ -206,6 +217,7 @@ class LoadMonitor:
             return
         if self._failures.pop(instance.id, None) is not None:
             log.info("instance %s: load read again", instance.id)
+        self._retry.pop(instance.id, None)
         for worker in instance.workers:
             reading = readings.get(worker.endpoint.dp_rank)
             if reading is None:
@@ -233,6 +245,9 @@ class LoadMonitor:
             log.warning("instance %s: load not read (%s); routing without its metrics until "
                         "a scrape succeeds", instance.id, reason)
         self._failures[instance.id] = reason
+        _, delay = self._retry.get(instance.id, (0.0, 0.0))
+        delay = min(FAILED_SCRAPE_BACKOFF, max(self.interval, 2 * delay))
+        self._retry[instance.id] = (time.monotonic() + delay, delay)
         for worker in instance.workers:
             self._loads.pop(worker.key, None)
 

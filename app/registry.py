@@ -12,6 +12,9 @@ Invariants:
   with no workers and keeps retrying in the background; one added through the
   API must be discoverable at once, or the caller gets the error.
 - At most `max_instances` are registered, counting adds still discovering.
+- `version` changes whenever the set of registered instances or their workers changes, and
+  every `state_listeners` callback hears each worker's change of state, so what is derived
+  from them (`app.eligible`) can be kept between routes.
 - Every worker's endpoints are on its instance's host or an allowed one
   (`config.foreign_endpoints`), whether configured or discovered; and an instance's
   models are what its /v1/models lists whenever kvroute learnt it from there.
@@ -33,9 +36,15 @@ from kvroute.app.config import InstanceConfig, default_instance_id, foreign_endp
 from kvroute.app.discovery import DiscoveryError, WorkerEndpoint, discover, discover_models
 from kvroute.app.errors import LimitReached, NotAllowed
 from kvroute.app.fleet_pacing import FleetPacing
+from kvroute.app.fleet_resources import room_for
 from kvroute.app.saved_state import SavedWorker
 from kvroute.app.subscriber import Subscriber
-from kvroute.app.subscription import SubscriberOptions, WorkerKey, WorkerState
+from kvroute.app.subscription import (
+    SubscriberHooks,
+    SubscriberOptions,
+    WorkerKey,
+    WorkerState,
+)
 from kvroute.index import PrefixIndex
 
 __all__ = ["DuplicateInstance", "Instance", "ModelNotServed", "Registry", "UnknownInstance",
@@ -68,10 +77,11 @@ class Worker:
     endpoint: WorkerEndpoint
     subscriber: Subscriber
     task: asyncio.Task[None] | None = None
+    # (instance id, rank): made once, since routes look it up for many workers each.
+    key: WorkerKey = field(init=False)
 
-    @property
-    def key(self) -> WorkerKey:
-        return (self.instance.id, self.endpoint.dp_rank)
+    def __post_init__(self) -> None:
+        self.key = (self.instance.id, self.endpoint.dp_rank)
 
     @property
     def state(self) -> WorkerState:
@@ -116,6 +126,11 @@ class Registry:
         self._instances: dict[str, Instance] = {}
         self._discovery_tasks: dict[str, asyncio.Task[None]] = {}
         self._closed = False
+        # Bumped on every change of the instances or their workers; a worker's change of
+        # state is told to each of state_listeners instead (with the worker).
+        self.version = 0
+        self.state_listeners: list[Callable[[Worker], None]] = []
+        self._hooks = _VersionHooks(self)
 
     # -- queries ---------------------------------------------------------
     def __contains__(self, instance_id: str) -> bool:
@@ -173,6 +188,7 @@ class Registry:
                                topic=config.topic)
                 for rank, endpoint in enumerate(config.events)
             ]
+            self._check_room(len(endpoints))
             self._instances[instance_id] = instance
             self._start_workers(instance, endpoints)
             return instance
@@ -184,10 +200,12 @@ class Registry:
                 self._adding -= 1
             if instance_id in self._instances:  # a concurrent add of the same id won
                 raise DuplicateInstance(instance_id)
+            self._check_room(len(endpoints))
             self._instances[instance_id] = instance
             self._start_workers(instance, endpoints)
             return instance
         self._instances[instance_id] = instance
+        self.version += 1
         self._discovery_tasks[instance_id] = asyncio.create_task(
             self._discover_until_found(instance), name=f"discover {instance_id}")
         return instance
@@ -196,6 +214,7 @@ class Registry:
         """Stop an instance's subscribers and drop everything the index had of it."""
         instance = self.get(instance_id)
         del self._instances[instance_id]
+        self.version += 1
         task = self._discovery_tasks.pop(instance_id, None)
         if task is not None:
             task.cancel()
@@ -213,6 +232,7 @@ class Registry:
         self._closed = True
         instances = list(self._instances.values())
         self._instances.clear()
+        self.version += 1
         tasks = list(self._discovery_tasks.values())
         self._discovery_tasks.clear()
         for task in tasks:
@@ -278,7 +298,8 @@ class Registry:
         while not self._closed:
             try:
                 endpoints = await self._discover(instance)
-            except DiscoveryError as exc:
+                self._check_room(len(endpoints))
+            except (DiscoveryError, LimitReached) as exc:
                 instance.discovery_error = str(exc)
                 log.warning("instance %s: %s; retrying in %.0f s", instance.id, exc, delay)
                 await asyncio.sleep(delay)
@@ -289,11 +310,21 @@ class Registry:
             self._discovery_tasks.pop(instance.id, None)
             return
 
+    def _check_room(self, adding: int) -> None:
+        """Raise LimitReached when `adding` workers more would not fit the process's open
+        files or the ZMQ context's sockets: said now, in one sentence, rather than by their
+        subscribers failing to open sockets."""
+        followed = sum(len(instance.workers) for instance in self._instances.values())
+        reason = room_for(followed, adding, self._context)
+        if reason is not None:
+            raise LimitReached(reason, "events")
+
     def _start_workers(self, instance: Instance, endpoints: list[WorkerEndpoint]) -> None:
+        self.version += 1
         for endpoint in endpoints:
             subscriber = Subscriber(endpoint, self.index, ctx=self._context,
                                     options=self._options, saved=self.claim_saved(endpoint),
-                                    pacing=self.pacing)
+                                    pacing=self.pacing, hooks=self._hooks)
             worker = Worker(instance=instance, endpoint=endpoint, subscriber=subscriber)
             worker.task = asyncio.create_task(
                 subscriber.run(), name=f"subscriber {instance.id} rank {endpoint.dp_rank}")
@@ -312,6 +343,25 @@ class Registry:
                 except Exception:  # its end is not the remover's failure
                     log.exception("subscriber %s rank %d ended with an error",
                                   worker.instance.id, worker.endpoint.dp_rank)
+
+
+class _VersionHooks(SubscriberHooks):
+    """Every subscriber's state change, told to the registry's state listeners."""
+
+    __slots__ = ("_registry",)
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    def state_changed(self, worker: WorkerKey, state: WorkerState) -> None:
+        registry = self._registry
+        if not registry.state_listeners or worker[0] not in registry:
+            return
+        for candidate in registry.get(worker[0]).workers:
+            if candidate.endpoint.dp_rank == worker[1]:
+                for listener in registry.state_listeners:
+                    listener(candidate)
+                return
 
 
 def _nothing_saved(endpoint: WorkerEndpoint) -> None:

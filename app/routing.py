@@ -44,9 +44,11 @@ weighs xxh3(the prompt's first block, the worker's key), and the heaviest wins. 
 prefix nobody holds lands on the same worker in every kvroute replica, with no message
 exchanged (a burst of it through several replicas builds one copy, not one per replica),
 while different prefixes spread evenly over the fleet. The first block is the prompt's
-first `block size` tokens at the smallest block size among the scored workers, or the
-first block hash of a block-hash query: requests that could share a cached block share
-the key; a worker joining or leaving the tie moves only the prefixes it wins or won.
+first `block size` tokens at the smallest block size among the eligible workers (a
+worker's block size: its match's, else its instance's as configured or discovered, the
+same on every replica, else the one its events use), or the first block hash of a
+block-hash query: requests that could share a cached block share the key; a worker
+joining or leaving the tie moves only the prefixes it wins or won.
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ from kvroute.app.answers import CostTerms, LoadReadings, MediumCounts, WorkerSco
 from kvroute.app.subscription import WorkerKey
 from kvroute.index import Match
 
-__all__ = ["CostWeights", "IdleWorkers", "Score", "TieBreaker", "WorkerView", "best_of", "choose",
-           "ranked", "score_workers"]
+__all__ = ["CostWeights", "Score", "TieBreaker", "WorkerGroup", "WorkerView", "best_of", "choose",
+           "prefill_cost", "ranked", "score_workers"]
 
 MEDIA = ("GPU", "CPU", "STORAGE")
 # The first block's length when no scored worker's block size is known: vLLM's default.
@@ -141,6 +143,15 @@ class Score:
         )
 
 
+def prefill_cost(weights: CostWeights, prompt_tokens: int, matched_tokens: int, cpu_blocks: int,
+                 storage_blocks: int, block_size: int) -> float:
+    """The prefill term of a cost. A worker with no load costs exactly this (its queue term
+    is 0.0), so `WorkerGroup` costs made with it equal the `Score.cost` of each member."""
+    return (weights.miss_token * max(prompt_tokens - matched_tokens, 0)
+            + weights.cpu_hit_token * cpu_blocks * block_size
+            + weights.storage_hit_token * storage_blocks * block_size)
+
+
 def score_workers(
     workers: list[WorkerView],
     matches: Mapping[WorkerKey, Match],
@@ -167,9 +178,8 @@ def score_workers(
             pending = match.pending
         size = block_size or 0
         total = prompt_tokens if prompt_tokens is not None else (prompt_blocks or 0) * size
-        prefill = (weights.miss_token * max(total - tokens, 0)
-                   + weights.cpu_hit_token * by_medium["CPU"] * size
-                   + weights.storage_hit_token * by_medium["STORAGE"] * size)
+        prefill = prefill_cost(weights, total, tokens, by_medium["CPU"], by_medium["STORAGE"],
+                               size)
         queued = max(float(view.queued_prefill), (view.waiting or 0.0) * total)
         queued = max(0.0, queued - pending * size)  # the prefix being computed for us
         running = max(float(view.inflight + view.answered), view.running or 0.0)
@@ -246,16 +256,28 @@ def best_of(scores: list[Score], ties: TieBreaker) -> Score:
 
 
 @dataclass(frozen=True, slots=True)
-class IdleWorkers:
-    """Eligible workers that match none of the prompt and carry no load: each one's cost is
-    the whole prompt's prefill (`cost`) and nothing else, and none is overloaded. They are
-    kept as keys, so a route costs the workers that hold something or do something, not
-    the fleet; a `Score` is made only for the ones an answer shows (`score`)."""
+class WorkerGroup:
+    """Eligible workers that carry no load and cost the same: those that match the same
+    blocks, or none (the idle ones: the whole prompt to compute). None of them is
+    overloaded and each one's `Score.cost` is exactly `cost`. They are kept as keys, so a
+    route costs the workers whose scores differ, not the fleet; a `Score` is made only for
+    the ones an answer shows (`score`).
 
-    keys: list[WorkerKey]
+    `count` keys in all; `keys()` yields every one (asked for only when the group ties for
+    the lowest cost, or for every score), `first(n)` the n smallest, ascending."""
+
     cost: float
+    count: int
+    keys: Callable[[], Iterable[WorkerKey]]
+    first: Callable[[int], list[WorkerKey]]
     score: Callable[[WorkerKey], Score]
-    block_size: Callable[[WorkerKey], int | None]
+
+    @classmethod
+    def of(cls, keys: Sequence[WorkerKey], cost: float,
+           score: Callable[[WorkerKey], Score]) -> WorkerGroup:
+        """A group of the listed workers."""
+        return cls(cost=cost, count=len(keys), keys=lambda: keys,
+                   first=lambda n: heapq.nsmallest(n, keys), score=score)
 
 
 def ranked(scores: Iterable[Score]) -> list[Score]:
@@ -263,39 +285,45 @@ def ranked(scores: Iterable[Score]) -> list[Score]:
     return sorted(scores, key=lambda s: (s.overloaded, s.cost, s.instance, s.dp_rank))
 
 
-def choose(scores: list[Score], idle: IdleWorkers, ties: TieBreaker,
-           keep: int | None) -> tuple[Score, list[Score]]:
-    """`best_of` over `scores` and the idle workers together, and the `keep` first scores
-    in `ranked` order, the chosen one always among them (every score when `keep` is
-    None). At least one of the two is not empty. Same choice as `best_of` over every
-    worker's full score: the idle ones are exactly as cheap as `idle.cost` says and never
-    overloaded."""
-    pool = [score for score in scores if not score.overloaded]
-    if not idle.keys:
+def choose(scores: list[Score], groups: Sequence[WorkerGroup], ties: TieBreaker,
+           keep: int | None, block_size: int | None) -> tuple[Score, list[Score]]:
+    """`best_of` over `scores` and the groups' workers together, and the `keep` first scores
+    in `ranked` order, the chosen one always among them (every score when `keep` is None).
+    `block_size` is the smallest block size among all of them (None: none known), as
+    `best_of` takes it for a tie. Not every one of `scores` and the groups is empty.
+
+    Same choice and scores as `best_of` and `ranked` over every worker's full score: a
+    group's workers cost exactly its `cost` and are never overloaded, so a group either
+    ties for the lowest cost as a whole or not at all, and ranks its own workers by key."""
+    groups = [group for group in groups if group.count]
+    if not groups:
         best = best_of(scores, ties)
     else:
-        lowest = min(min((s.cost for s in pool), default=idle.cost), idle.cost)
+        pool = [score for score in scores if not score.overloaded]
+        lowest = min([*(s.cost for s in pool), *(g.cost for g in groups)])
         tied_scores = [s for s in pool if s.cost == lowest]
-        tied_keys = [(s.instance, s.dp_rank) for s in tied_scores]
-        if idle.cost == lowest:
-            tied_keys += idle.keys
-        if len(tied_keys) == 1:
-            best = tied_scores[0] if tied_scores else idle.score(tied_keys[0])
+        tied_groups = [g for g in groups if g.cost == lowest]
+        if len(tied_scores) + sum(g.count for g in tied_groups) == 1:
+            best = tied_scores[0] if tied_scores else tied_groups[0].score(
+                tied_groups[0].first(1)[0])
         else:
-            # The smallest block size among every eligible worker, as best_of takes it.
-            block_size = min(
-                (size for size in (*(s.block_size for s in scores),
-                                   *map(idle.block_size, idle.keys)) if size),
-                default=DEFAULT_BLOCK_SIZE)
-            chosen = ties.pick_key(tied_keys, block_size)
-            best = next((s for s in tied_scores if (s.instance, s.dp_rank) == chosen), None) \
-                or idle.score(chosen)
+            tied_keys = [(s.instance, s.dp_rank) for s in tied_scores]
+            owners: list[tuple[int, WorkerGroup]] = []  # where each group's keys end
+            for group in tied_groups:
+                tied_keys.extend(group.keys())
+                owners.append((len(tied_keys), group))
+            chosen = ties.pick_key(tied_keys, block_size or DEFAULT_BLOCK_SIZE)
+            position = tied_keys.index(chosen)
+            if position < len(tied_scores):
+                best = tied_scores[position]
+            else:
+                best = next(g for end, g in owners if position < end).score(chosen)
     if keep is None:
-        shown = ranked([*scores, *map(idle.score, idle.keys)])
+        shown = ranked([*scores, *(g.score(key) for g in groups for key in g.keys())])
     else:
-        # The idle workers rank by key among themselves: only the first `keep` can show.
-        first_idle = heapq.nsmallest(keep, idle.keys)
-        shown = ranked([*scores, *map(idle.score, first_idle)])[:keep]
+        # Each group ranks its workers by key among themselves: only its first `keep` can show.
+        shown = ranked([*scores, *(g.score(key) for g in groups for key in g.first(keep))])
+        shown = shown[:keep]
         chosen = (best.instance, best.dp_rank)
         if keep and all((s.instance, s.dp_rank) != chosen for s in shown):
             # A tie's pick need not rank first: the answer always shows the chosen worker.

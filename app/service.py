@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 import httpx
@@ -31,6 +32,7 @@ from kvroute.app.answers import (
 )
 from kvroute.app.config import Settings
 from kvroute.app.dashboard import RouteActivity
+from kvroute.app.eligible import Eligible, EligibleCache, eligible_among
 from kvroute.app.errors import (
     Busy,
     InvalidRequest,
@@ -57,11 +59,12 @@ from kvroute.app.route_request import (
 )
 from kvroute.app.routing import (
     CostWeights,
-    IdleWorkers,
     Score,
     TieBreaker,
+    WorkerGroup,
     WorkerView,
     choose,
+    prefill_cost,
     score_workers,
 )
 from kvroute.app.state_keeper import StateCollector, StateKeeper
@@ -69,7 +72,7 @@ from kvroute.app.state_store import DirectoryStore, StateStore
 from kvroute.app.subscription import SubscriberOptions, WorkerKey, WorkerState
 from kvroute.app.tokenizer import Tokenizer, make_tokenizer
 from kvroute.app.valkey import NO_LOAD, PeerLoad, Peers, PeersCollector, ValkeyStore
-from kvroute.index import PrefixIndex
+from kvroute.index import Match, PrefixIndex
 
 __all__ = ["Decision", "Service", "route_request_decoder"]
 
@@ -131,6 +134,8 @@ class Service:
             max_instances=settings.max_instances, endpoint_hosts=settings.zmq_endpoint_hosts,
             pacing=FleetPacing(settings.replay_concurrency, settings.idle_checks_per_second))
         self.metrics = ServiceMetrics(self.registry)
+        # The workers each model's routes weigh, kept until the registry changes.
+        self.eligible = EligibleCache(self.registry)
         # DNS names followed as fleets (app.fleet): each address is an instance.
         self.fleets = [Fleet(config, self.registry, resolver or resolve_with_getaddrinfo,
                              interval=settings.dns_refresh_seconds)
@@ -224,30 +229,24 @@ class Service:
         return False, "waiting for: " + "; ".join(waiting)
 
     # -- routing ---------------------------------------------------------
-    def _eligible(self, request: RouteRequest) -> list[Worker]:
+    def _eligible(self, request: RouteRequest) -> Eligible:
         if request.candidates is not None:
             unknown = sorted({c for c in request.candidates if c not in self.registry})
             if unknown:
                 raise NotFound(f"unknown candidate instance(s): {', '.join(unknown)}",
                                "candidates", unknown=unknown)
-            wanted = set(request.candidates)
+            eligible = eligible_among((self.registry.get(c) for c in dict.fromkeys(
+                request.candidates)), request.model)
+            eligible.version = self.registry.version
         else:
-            wanted = None
-        if request.model is not None and not any(instance.serves(request.model)
-                                                 for instance in self.registry):
+            eligible = self.eligible.get(request.model)
+        if request.model is not None and not (eligible.served or any(
+                instance.serves(request.model) for instance in self.registry)):
             raise NotFound(f"model {request.model!r} is not served by any registered "
                            "instance", "model")
-        return [
-            worker
-            for instance in self.registry
-            if (wanted is None or instance.id in wanted) and instance.serves(request.model)
-            for worker in instance.workers
-            # A worker still connecting or replaying may hold anything (and a registration
-            # that never goes live, say a fake one, must never take traffic).
-            if worker.state.serving
-        ]
+        return eligible
 
-    async def _tokens(self, request: RouteRequest, eligible: list[Worker]) -> list[int]:
+    async def _tokens(self, request: RouteRequest, urls: list[str]) -> list[int]:
         if request.token_ids is not None:
             return request.token_ids
         field = "prompt" if request.prompt is not None else "messages"
@@ -256,7 +255,6 @@ class Service:
                                  "(set `tokenizer`), or send token_ids", field)
         # An instance whose HTTP server fails (502) hands over to the next, so one dead
         # server does not fail text routing while others could answer.
-        urls = list(dict.fromkeys(w.instance.url for w in eligible if w.instance.url))
         template_args = request.template_args() if request.messages is not None else {}
         for attempt, url in enumerate(urls[:TOKENIZE_ATTEMPTS] or [None]):
             try:
@@ -286,10 +284,11 @@ class Service:
         With `shed_when_overloaded`, a request that finds every eligible worker overloaded is
         refused (Busy) instead of sent to the least bad one, and leaves nothing behind.
 
-        Only workers that match some of the prompt or carry load get a full score; the
-        others cost the same (the whole prompt to compute) and are kept as keys
-        (`routing.IdleWorkers`), so a route's cost follows the work, not the fleet. The
-        decision keeps `TOP_SCORES` scores, or all of them with `request.all_scores`."""
+        Only workers that carry load get a full score; the others cost their prefill alone
+        and are kept as keys, grouped by it (`_group`, `routing.WorkerGroup`), and which
+        workers are eligible is kept between routes (`app.eligible`), so a route's cost
+        follows the work, not the fleet. The decision keeps `TOP_SCORES` scores, or all
+        of them with `request.all_scores`."""
         started = time.perf_counter()
         given = [name for name in INPUTS if getattr(request, name) is not None]
         if len(given) != 1:
@@ -299,8 +298,10 @@ class Service:
         if request.messages is not None:
             check_messages(request.messages, self.settings.max_prompt_chars)
         self.answers.settle(time.monotonic(), self._reading_taken)
-        eligible = [w for w in self._eligible(request) if w.key not in exclude]
-        if not eligible:
+        eligible = self._eligible(request)
+        exclude = frozenset(key for key in exclude if key in eligible)
+        count = len(eligible) - len(exclude)
+        if not count:
             reason = "no registered instance" if not len(self.registry) else (
                 "no live worker" + (f" serves model {request.model!r}" if request.model else "")
                 + (" among the candidates" if request.candidates is not None else "")
@@ -308,51 +309,50 @@ class Service:
             raise NoEligibleWorker(f"no eligible worker: {reason}")
         tokens: list[int] | None = None
         lora_name = request.lora_name
+        groups: list[WorkerGroup] = []
         if request.block_hashes is not None:
             hashes = [parse_hash(h, i) for i, h in enumerate(request.block_hashes)]
             # Each worker's prompt length is its own block size times the hashes: no
             # shared cost for idle workers, so every worker is scored.
-            matches = self.index.match_hashes(hashes, workers=[w.key for w in eligible])
+            scored = [w for w in eligible.workers.values() if w.key not in exclude]
+            matches = self.index.match_hashes(hashes, workers=[w.key for w in scored])
             ties = TieBreaker(first_hash=hashes[0] if hashes else None)
-            scored, idle = eligible, []
+            block_size = None  # best_of finds it among the scores
         else:
-            tokens = await self._tokens(request, eligible)
-            # Tokenizing awaited: an instance may have been removed meanwhile.
-            eligible = [w for w in eligible if w.instance.id in self.registry]
-            if not eligible:
-                raise NoEligibleWorker("no eligible worker: the instances went away")
+            tokens = await self._tokens(request, eligible.urls(exclude))
+            if self.registry.version != eligible.version:
+                # Tokenizing awaited: instances may have come, gone or changed state.
+                try:
+                    eligible = self._eligible(request)
+                except NotFound:
+                    eligible = eligible_among((), None)
+                exclude = frozenset(key for key in exclude if key in eligible)
+                count = len(eligible) - len(exclude)
+                if not count:
+                    raise NoEligibleWorker("no eligible worker: the instances went away")
             # vLLM always computes a prompt's last token (it needs its logits), so its
             # prefix-cache hit is capped at the full blocks of all tokens but the last: a
             # prompt that ends on a block boundary reuses one block less than it holds.
-            if lora_name is None and any(request.model in w.instance.lora_adapters
-                                         for w in eligible):
+            if lora_name is None and eligible.adapter:
                 lora_name = request.model  # vLLM caches an adapter's blocks under its name
+            # Every worker the index knows is walked (its bit masks cost the same whatever
+            # the selection), and the matches of workers that may not take the route left.
             matches = self.index.match(tokens[:-1], lora_name=lora_name,
-                                       workers=[w.key for w in eligible],
                                        now=time.monotonic(), matched_only=True)
             ties = TieBreaker(tokens=tokens)
-            busy = self._busy()
-            scored, idle = [], []
-            for w in eligible:
-                (scored if w.key in matches or w.key in busy else idle).append(w)
+            scored, groups, block_size = self._group(eligible, exclude, matches, len(tokens))
         prompt_tokens = len(tokens) if tokens is not None else None
         prompt_blocks = len(request.block_hashes or ())
         scores = score_workers([self._view(w) for w in scored], matches, self.weights,
                                prompt_tokens=prompt_tokens, prompt_blocks=prompt_blocks)
-        by_key = {w.key: w for w in idle}
-        best, shown = choose(scores, IdleWorkers(
-            keys=list(by_key), cost=self.weights.miss_token * (prompt_tokens or 0),
-            score=lambda key: score_workers([self._view(by_key[key])], {}, self.weights,
-                                            prompt_tokens=prompt_tokens,
-                                            prompt_blocks=prompt_blocks)[0],
-            block_size=lambda key: self._block_size(by_key[key])),
-            ties, keep=None if request.all_scores else TOP_SCORES)
+        best, shown = choose(scores, groups, ties,
+                             keep=None if request.all_scores else TOP_SCORES,
+                             block_size=block_size)
         if shed_when_overloaded and best.overloaded:  # best_of skips overloaded ones if it can
-            raise Busy(f"every eligible worker is overloaded ({len(eligible)} scored: waiting "
+            raise Busy(f"every eligible worker is overloaded ({count} scored: waiting "
                        f"queue at {self.weights.overload_waiting} or KV-cache usage at "
                        f"{self.weights.overload_kv_usage}); retry later")
-        best_key = (best.instance, best.dp_rank)
-        worker = by_key.get(best_key) or next(w for w in scored if w.key == best_key)
+        worker = eligible.workers[(best.instance, best.dp_rank)]
         guess_expires = None
         if tokens and self.settings.placement_ttl > 0 and not request.probe:
             # Until its events arrive, the chosen worker counts as holding this prompt, so
@@ -364,7 +364,7 @@ class Service:
         self.activity.decided(worker.key, time.perf_counter() - started, request.probe)
         return Decision(kind=given[0], worker=worker, best=best, scores=shown, tokens=tokens,
                         lora_name=lora_name, guess_expires=guess_expires,
-                        eligible=len(eligible))
+                        eligible=count)
 
     def retract(self, decision: Decision) -> None:
         """The chosen worker did not take the request (it refused the connection): its
@@ -407,9 +407,53 @@ class Service:
             busy.update(self.peers.loaded())
         return busy
 
+    def _group(self, eligible: Eligible, exclude: frozenset[WorkerKey],
+               matches: dict[WorkerKey, Match], prompt_tokens: int,
+               ) -> tuple[list[Worker], list[WorkerGroup], int | None]:
+        """(workers to score one by one, groups of the others, smallest block size of all)
+        for a prompt of `prompt_tokens` tokens. Workers that carry load are scored; the
+        others cost only their prefill, so they are grouped by it: those matching the same
+        blocks, and the idle ones. Costs the matched and loaded workers, not the fleet."""
+        busy = self._busy()
+        workers = eligible.workers
+        scored = [workers[key] for key in busy if key in workers and key not in exclude]
+        by_cost: dict[float, list[WorkerKey]] = {}
+        # Each as its score will say: the match's block size, else the worker's.
+        sizes = [size for w in scored if (size := (
+            matches[w.key].block_size if w.key in matches else None) or self._block_size(w))]
+        for key, match in matches.items():
+            if key in busy or key not in workers or key in exclude:
+                continue
+            size = match.block_size or self._block_size(workers[key])
+            if size:
+                sizes.append(size)
+            cost = prefill_cost(self.weights, prompt_tokens, match.tokens,
+                                match.by_medium["CPU"], match.by_medium["STORAGE"], size or 0)
+            by_cost.setdefault(cost, []).append(key)
+        taken = {*(w.key for w in scored), *(k for keys in by_cost.values() for k in keys)}
+        idle_count = len(workers) - len(exclude) - len(taken)
+        smallest = eligible.smallest_block_size(taken | exclude, self.index.block_size)
+        if smallest:
+            sizes.append(smallest)
+
+        def score(key: WorkerKey) -> Score:
+            return score_workers([self._view(workers[key])], matches, self.weights,
+                                 prompt_tokens=prompt_tokens)[0]
+
+        groups = [WorkerGroup.of(keys, cost, score) for cost, keys in by_cost.items()]
+        if idle_count:
+            def idle(key: WorkerKey) -> bool:
+                return key in taken or key in exclude
+            groups.append(WorkerGroup(
+                cost=self.weights.miss_token * prompt_tokens, count=idle_count,
+                keys=lambda: eligible.ascending(idle),
+                first=lambda n: list(islice(eligible.ascending(idle), n)), score=score))
+        return scored, groups, min(sizes, default=None)
+
     def _block_size(self, worker: Worker) -> int | None:
-        """The block size a worker is matched at: its index entry's, else its instance's."""
-        return self.index.block_size(worker.key) or worker.instance.block_size
+        """A worker's block size when no match says it: its instance's as declared
+        (configured or discovered; the same on every replica), else the index's."""
+        return worker.instance.block_size or self.index.block_size(worker.key)
 
     def _view(self, worker: Worker) -> WorkerView:
         load = self.load.get(worker.key)

@@ -18,19 +18,13 @@ Sequence tracking (docs/decisions.md; each seq is classified by ``sequence.class
 - On the first connection, and on every reconnection, the worker is rebuilt from a replay
   from 0 (state is never trusted across a disconnect; while disconnected it is ``down`` and
   holds nothing in the index).
-- Resume (``app.saved_state``): a subscriber given a saved worker asks, on its first
-  connection, for a replay from the saved seq instead. The first batch decides:
-  that seq with the saved fingerprint is the same engine, so the saved holdings are
-  restored exactly and the rest of the replay brings them up to date (``live`` at once);
-  no batch at or after it, or another payload under that seq, is another engine (the
-  holdings are dropped and the worker is rebuilt as above); a first batch past the saved
-  seq means the buffer moved on: the holdings are kept unconfirmed (they count like
-  placement guesses until real events replace them or ``unconfirmed_ttl`` passes) and the
-  worker rebuilds from what is buffered, degraded. Without any answer (no replay endpoint,
-  timeouts) it rebuilds as above, and the holdings are kept unconfirmed too.
+- Resume from saved holdings, and every replay (rebuild, gap, idle check): see
+  ``app.subscriber_replay``.
 - When the live stream has been quiet for ``idle_check`` seconds, a replay from
   ``last_seq + 1`` picks up batches whose live copies were dropped at the end of a burst
-  (a gap is otherwise only visible when the next batch arrives).
+  (a gap is otherwise only visible when the next batch arrives). Each check that finds
+  nothing doubles the next quiet spell, up to ``IDLE_CHECK_BACKOFF`` times, until a live
+  batch arrives; a quiet worker's task sleeps until its next check is due.
 - ``degraded`` means the worker's entry may under-report what the engine holds (history
   lost, a gap that could not be filled, a store skipped for a cap). It ends when the state
   is known to be exact again: an ``AllBlocksCleared`` was applied after the last skip, or a
@@ -65,12 +59,13 @@ from typing import Any, Protocol
 import zmq
 import zmq.asyncio
 
-from kvroute.app.batch_apply import Abandoned, BatchApplier
+from kvroute.app.batch_apply import BatchApplier
 from kvroute.app.fleet_pacing import FleetPacing
 from kvroute.app.live_connection import LiveConnection
-from kvroute.app.replay_request import ReplayChannel, ReplayRequest
+from kvroute.app.replay_request import ReplayChannel
 from kvroute.app.saved_state import SavedWorker, payload_fingerprint
 from kvroute.app.sequence import Kind, Verdict, classify
+from kvroute.app.subscriber_replay import Disconnected, SubscriberReplays
 from kvroute.app.subscription import (
     SubscriberHooks,
     SubscriberOptions,
@@ -78,7 +73,7 @@ from kvroute.app.subscription import (
     WorkerState,
     WorkerStatus,
 )
-from kvroute.app.wire import IndexWriter, WireError, decode_replay_frame, decode_seq
+from kvroute.app.wire import IndexWriter, WireError, decode_seq
 from kvroute.index.holdings import Holdings
 
 log = logging.getLogger(__name__)
@@ -97,14 +92,10 @@ class SubscriberIndex(IndexWriter, Protocol):
                             expires: float) -> int: ...
 
 
-class _Disconnected(Abandoned):
-    """The connection dropped while a batch or replay was in progress: abandon it (the
-    worker was cleared and will be rebuilt)."""
-
-
 _POLL_MS = 100
 _MESSAGES_PER_WAKEUP = 256
-_QUIET_POLL_MS = 1000
+# Quiet spells between idle checks that find nothing grow to at most this many idle_checks.
+IDLE_CHECK_BACKOFF = 8
 _MAX_REPLAYED_FINGERPRINTS = 20_000
 
 
@@ -113,7 +104,7 @@ def _fingerprint(payload: bytes) -> int:
     return hash(payload)
 
 
-class Subscriber:
+class Subscriber(SubscriberReplays):
     """Keeps ``index``'s entries for one worker equal to what that worker's engine holds."""
 
     def __init__(
@@ -171,6 +162,8 @@ class Subscriber:
         # being applied: the index matches last_seq only between batches (save_point).
         self._last_payload: bytes | None = None
         self._applying = False
+        # The poll of a quiet wait for a live batch (`_wait_for_live`), while one runs.
+        self._waiting: asyncio.Future[int] | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -178,6 +171,8 @@ class Subscriber:
         """Subscribe and apply until ``stop()``; never raises for wire or peer faults."""
         self._task = asyncio.current_task()
         try:
+            # Opening costs a few sockets: a fleet added at once opens in bounded pieces.
+            await self._pacing.turn()
             try:
                 self._live.open()
             except zmq.ZMQError as exc:
@@ -189,14 +184,18 @@ class Subscriber:
                 return
             await self._main_loop()
         finally:
-            await self._live.close()
-            if self._replay_channel is not None:
-                self._replay_channel.close()
-            self._stopped.set()
+            try:
+                await self._pacing.turn()  # and closing them, in bounded pieces too
+            finally:
+                await self._live.close()
+                if self._replay_channel is not None:
+                    self._replay_channel.close()
+                self._stopped.set()
 
     async def stop(self, timeout: float = 5.0) -> None:
         """Ask ``run()`` to return and wait for it (sockets closed when this returns)."""
         self._stopping.set()
+        self._wake()
         if self._task is None or self._stopped.is_set():
             return
         try:
@@ -222,13 +221,14 @@ class Subscriber:
         self._clear_worker()
         self._needs_rebuild = True
         self._set_state(WorkerState.DOWN)
+        self._wake()  # a quiet wait would otherwise last until the next idle check
 
     async def _main_loop(self) -> None:
         idle_since = time.monotonic()
+        backoff = 1  # idle checks in a row that found nothing new, doubled (see _idle_check)
         quiet_for = self._pacing.idle_after(self.options.idle_check)
         while not self._stopping.is_set():
             self._working_generation = self._generation
-            sub = self._live.socket
             try:
                 if not self._live.connected.is_set():
                     await self._reopen_if_given_up()
@@ -242,9 +242,12 @@ class Subscriber:
                     else:
                         await self._rebuild()
                     idle_since = time.monotonic()
-                elif (frames := self._live.queued()) is not None or await sub.poll(
-                        self._quiet_poll_ms(idle_since, quiet_for), zmq.POLLIN):
+                elif (frames := self._live.queued()) is not None or await self._wait_for_live(
+                        idle_since + quiet_for - time.monotonic()):
                     idle_since = time.monotonic()
+                    if backoff > 1:
+                        backoff = 1
+                        quiet_for = self._pacing.idle_after(self.options.idle_check)
                     # Every message queued, up to a bound, in this wake-up: the applier
                     # yields between bounded pieces of work all the same.
                     for _ in range(_MESSAGES_PER_WAKEUP):
@@ -255,33 +258,54 @@ class Subscriber:
                         await self._on_live(frames)
                         frames = None
                 elif time.monotonic() - idle_since >= quiet_for:
-                    quiet_for = self._pacing.idle_after(self.options.idle_check)
                     if self.status.last_seq is not None or self._unfinished_rebuild:
                         await self._pacing.idle_check_slot()
                         self._check_connection()
-                        await self._idle_check()
+                        found = await self._idle_check()
+                        backoff = 1 if found else min(2 * backoff, IDLE_CHECK_BACKOFF)
+                    quiet_for = self._pacing.idle_after(self.options.idle_check * backoff)
                     idle_since = time.monotonic()
-            except _Disconnected:
+            except Disconnected:
                 continue
             except Exception as exc:  # never let a bug end the subscription silently
                 log.exception("%s: unexpected error", self.worker)
                 self.status.last_error = f"internal error: {exc!r}"
                 await asyncio.sleep(_POLL_MS / 1000)
 
-    @staticmethod
-    def _quiet_poll_ms(idle_since: float, quiet_for: float) -> int:
-        """How long to wait for a live batch: until the next idle check is due, at most
-        _QUIET_POLL_MS. A quiet worker wakes about once a second, not ten times (a fleet of
-        a thousand costs its event loop a thousand wake-ups a second, not ten thousand);
-        `stop()` waits at most that long."""
-        due = idle_since + quiet_for - time.monotonic()
-        return max(_POLL_MS // 10, min(_QUIET_POLL_MS, int(due * 1000) + 1))
+    async def _wait_for_live(self, seconds: float) -> bool:
+        """Whether a live batch arrived within `seconds` (at least 10 ms). A quiet worker
+        sleeps until its next idle check is due, not a poll interval: a quiet fleet of a
+        thousand costs its event loop a wake-up per idle check, not a thousand a second.
+        `_wake` (a stop, a dropped connection) ends the wait at once, with False."""
+        waiting = self._live.socket.poll(max(_POLL_MS // 10, int(seconds * 1000) + 1),
+                                         zmq.POLLIN)
+        self._waiting = waiting
+        try:
+            return bool(await waiting)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the task itself is cancelled, not only this wait
+            return False
+        finally:
+            self._waiting = None
 
-    async def _idle_check(self) -> None:
+    def _wake(self) -> None:
+        """End a quiet wait now (it then returns False), so the loop looks at its state."""
+        waiting = self._waiting
+        if waiting is not None and not waiting.done():
+            waiting.cancel()
+
+    async def _idle_check(self) -> bool:
         """Pick up dropped tail batches; after a rebuild whose replay did not finish, this
         is the rebuild's retry: when the rest of the history arrives whole (and nothing
-        else turned the worker degraded meanwhile), the worker is exact again."""
-        last = self.status.last_seq
+        else turned the worker degraded meanwhile), the worker is exact again.
+
+        Returns whether it found anything: a check that found nothing doubles the quiet
+        spell before the next one (up to IDLE_CHECK_BACKOFF times `idle_check`) until a
+        live batch arrives. Tail batches are lost at the end of a burst, so right after
+        traffic a worker is checked at the set pace, and an idle fleet is seldom asked."""
+        last, batches = self.status.last_seq, self.status.batches
         unfinished, marks = self._unfinished_rebuild, self.status.degraded_count
         complete = await self._fill_from(0 if last is None else last + 1)
         if unfinished and complete and self.status.degraded_count == marks:
@@ -289,6 +313,8 @@ class Subscriber:
             self._degraded = False
             self._settle()
             log.info("%s: the replay finished on a retry; exact again", self.worker)
+            return True
+        return self.status.batches != batches or self.status.last_seq != last
 
     async def _reopen_if_given_up(self) -> None:
         if await self._live.reopen_if_given_up():
@@ -301,7 +327,7 @@ class Subscriber:
     def _check_connection(self) -> None:
         """Called after every await inside a step: a disconnect meanwhile voids the step."""
         if self._generation != self._working_generation:
-            raise _Disconnected
+            raise Disconnected
 
     async def _wait_or_stop(self, awaitable: Awaitable[Any], timeout: float) -> None:
         with contextlib.suppress(asyncio.TimeoutError):
@@ -359,229 +385,6 @@ class Subscriber:
         """A gap nothing can fill: hold nothing rather than something possibly stale."""
         log.warning("%s: %s; clearing the worker and going on degraded", self.worker, reason)
         self.status.last_error = reason
-        self._clear_worker()
-        self._mark_degraded()
-
-    # --- replay -------------------------------------------------------------------------------
-
-    async def _rebuild(self) -> None:
-        """Clear the worker and learn everything the publisher still buffers."""
-        self._clear_worker()
-        self._degraded = False
-        self._unfinished_rebuild = False
-        self._set_state(WorkerState.REPLAYING)
-        if self.endpoint.replay_endpoint is not None:
-            if not await self._fill_from(0):
-                self._mark_degraded()  # the engine may hold blocks we could not learn
-                self._unfinished_rebuild = True
-        self._settle()
-
-    async def _resume(self, saved: SavedWorker) -> None:
-        """Learn the engine's state from saved holdings and a replay from the saved seq
-        (see the module docstring for what its first batch decides)."""
-        self._clear_worker()
-        self._degraded = False
-        self._set_state(WorkerState.REPLAYING)
-        self._resuming = saved
-        self._refused = None
-        try:
-            complete = await self._fill_from(saved.head.seq)
-        except _Disconnected:
-            if self._resuming is not None:  # not judged yet: try on the next connection
-                self._saved = self._resuming
-            raise
-        finally:
-            unjudged, self._resuming = self._resuming, None
-        if self._refused is not None:
-            log.warning("%s: saved state not used: %s; rebuilding", self.worker,
-                        self.status.last_error)
-            if self._refused == "other engine":
-                self._count("restarts")
-            await self._rebuild()
-            return
-        if unjudged is not None:  # no batch said anything about the saved holdings
-            await self._rebuild()
-            self._restore_unconfirmed(*self._all_unconfirmed(unjudged))
-            self._mark_degraded()  # what is really held may under-report the engine
-            return
-        if not complete:
-            self._mark_degraded()
-        self._settle()
-
-    async def _judge_saved(self, start: int, seq: int | None, payload: bytes) -> bool:
-        """The first reply of a resume's replay (``seq`` None: the end marker): restore the
-        saved holdings as it says; False when they are refused (another engine's)."""
-        saved, self._resuming = self._resuming, None
-        assert saved is not None
-        fingerprint = saved.head.fingerprint
-        if seq is None or (seq == start and fingerprint is not None
-                           and payload_fingerprint(payload) != fingerprint):
-            self.status.last_error = (
-                f"no batch at or after the saved seq {start} in the replay" if seq is None
-                else f"the batch at the saved seq {start} differs from the saved one")
-            self._refused = "other engine"
-            return False
-        if seq == start and fingerprint is not None:
-            try:
-                for piece in saved.pieces:  # a piece at a time, with the loop running between
-                    self._count("restored_blocks", self.index.restore(self.worker, [piece]))
-                    await self._applier.yield_to_loop()
-            except ValueError as exc:  # a sound blob of unsound holdings: a bug somewhere
-                self.status.last_error = f"saved holdings rejected by the index: {exc}"
-                self._refused = "unusable"
-                return False
-            self.status.last_seq = start
-            self._last_payload = payload
-            self._remember_replayed(start, payload)
-            if saved.unconfirmed:  # still unconfirmed, for the time they had left
-                self._restore_unconfirmed(saved.unconfirmed,
-                                          saved.unconfirmed_left(time.time()))
-            if saved.head.degraded:
-                self._mark_degraded()
-            log.info("%s: resumed %d saved blocks at seq %d", self.worker,
-                     self.status.restored_blocks, start)
-            return True
-        self._lost_history(start, seq)
-        self._restore_unconfirmed(*self._all_unconfirmed(saved))
-        return True
-
-    def _all_unconfirmed(self, saved: SavedWorker) -> tuple[list[Holdings], float]:
-        """Saved holdings no replay confirmed, with how long they count: what was held
-        gets a full ``unconfirmed_ttl`` from now (so all of it does, one expiry per worker);
-        what was unconfirmed already, alone, keeps the time it had left."""
-        if not saved.head.blocks:
-            return saved.unconfirmed, saved.unconfirmed_left(time.time())
-        return [*saved.pieces, *saved.unconfirmed], self.options.unconfirmed_ttl
-
-    def _restore_unconfirmed(self, pieces: list[Holdings], lasting: float) -> None:
-        if not pieces or lasting <= 0:
-            return
-        expires = time.monotonic() + lasting
-        try:
-            kept = self.index.restore_unconfirmed(self.worker, pieces, expires)
-        except ValueError as exc:
-            log.warning("%s: saved holdings rejected by the index: %s", self.worker, exc)
-            return
-        self._count("restored_unconfirmed", kept)
-        log.warning("%s: %d saved blocks could not be confirmed by a replay; they count "
-                    "as guesses for %.0f s", self.worker, kept, lasting)
-
-    async def _fill_from(self, start: int) -> bool:
-        """Apply replayed batches from ``start`` on, re-asking from each hole (bounded).
-        Returns whether the replay reached its end marker without a hole left."""
-        if self.endpoint.replay_endpoint is None:
-            return False
-        for _ in range(self.options.max_hole_retries + 1):
-            outcome = await self._replay_once(start)
-            if outcome != "hole":
-                return outcome == "complete"
-            start = 0 if self.status.last_seq is None else self.status.last_seq + 1
-        return False
-
-    async def _replay_once(self, start: int) -> str:
-        """One request, retried after timeouts. Returns "complete", "hole" (ask again from
-        last_seq + 1) or "failed"."""
-        endpoint = self.endpoint.replay_endpoint
-        assert endpoint is not None
-        self._count("replays")
-        delay = self.options.retry_backoff
-        channel = self._replay_channel
-        assert channel is not None
-        for attempt in range(self.options.replay_retries):
-            deadline = self.options.replay_deadline
-            asked_at = time.monotonic()
-            try:
-                # A slot first (the fleet's bound on replays at once); the deadline covers
-                # the whole answer, so one that trickles in forever cannot keep the worker
-                # replaying: it is asked again, and after the last attempt given up.
-                async with self._pacing.replay_slot(), asyncio.timeout(deadline), \
-                        ReplayRequest(channel, start,
-                                      timeout=self.options.replay_timeout) as request:
-                    return await self._consume_replay(request)
-            except TimeoutError:
-                how = (f"did not finish within {deadline:g} s"
-                       if time.monotonic() - asked_at >= deadline else "timed out")
-                self.status.last_error = (f"replay from {endpoint} {how} "
-                                          f"(attempt {attempt + 1}/{self.options.replay_retries})")
-            if self._stopping.is_set():
-                break
-            await asyncio.sleep(delay)
-            self._check_connection()
-            delay *= 2
-            start = self._resume_point(start)
-        self._count("replay_failures")
-        log.warning("%s: %s", self.worker, self.status.last_error)
-        return "failed"
-
-    def _resume_point(self, start: int) -> int:
-        """Where a retry after a timeout asks from: after what the timed-out answer already
-        applied. Asking from ``start`` again would re-send all of it, and once the buffer has
-        moved past ``start`` (a long replay of a busy engine) would read as history lost."""
-        last = self.status.last_seq
-        if self._resuming is not None or last is None or last < start:
-            return start  # nothing of this answer applied yet
-        return last + 1
-
-    async def _consume_replay(self, request: ReplayRequest) -> str:
-        start = request.start
-        first = True
-        while True:
-            frames = await request.next_frames()
-            self._check_connection()
-            if frames is None:
-                return self._replay_cut(start)
-            try:
-                reply = decode_replay_frame(frames)
-            except WireError as exc:
-                self._malformed(f"replay: {exc}")
-                return "hole"
-            if reply.seq is None:
-                request.finished()  # the answer is whole: its socket can serve the next
-            if first and self._resuming is not None:
-                first = False
-                if not await self._judge_saved(start, reply.seq, reply.payload):
-                    return "failed"  # refused (the end marker first always is)
-                if self.status.last_seq == reply.seq:
-                    continue  # restored: the saved holdings end with this batch
-                await self._apply(reply.seq, reply.payload, replayed=True)
-                continue
-            if reply.seq is None:
-                return "complete"
-            if first:
-                first = False
-                if reply.seq > start:
-                    self._lost_history(start, reply.seq)
-                    await self._apply(reply.seq, reply.payload, replayed=True)
-                    continue
-            verdict = classify(reply.seq, last_applied=self.status.last_seq)
-            if verdict.kind is Kind.DUPLICATE:
-                continue  # already applied (a replay overlapping live batches)
-            if verdict.kind is Kind.GAP:
-                return "hole"  # the ROUTER dropped frames (its HWM): ask again from here
-            await self._apply(reply.seq, reply.payload, replayed=True)
-
-    def _replay_cut(self, start: int) -> str:
-        """The replay connection dropped mid-answer. ZMQ drops one that sends a frame over
-        max_message_bytes, and the ROUTER cannot send the rest to a new connection, so the
-        batch after the last one received (the one such a frame held) cannot be had. Like a
-        gap nothing can fill it clears the worker (the batch may have removed blocks: holding
-        them would over-report); the replay is then asked again from the batch after it."""
-        last = self.status.last_seq
-        lost = start if last is None else max(start, last + 1)
-        self._count("unreceivable")
-        self._give_up(f"replayed batch {lost} could not be received: the replay connection "
-                      "dropped (ZMQ drops one that sends a frame over max_message_bytes="
-                      f"{self.options.max_message_bytes})")
-        self.status.last_seq = lost
-        self._last_payload = None
-        return "hole"
-
-    def _lost_history(self, asked: int, got: int) -> None:
-        log.warning("%s: replay asked from %d starts at %d: history lost, rebuilding degraded",
-                    self.worker, asked, got)
-        self.status.last_error = (
-            f"replay history lost: asked from seq {asked}, buffer starts at {got}"
-        )
         self._clear_worker()
         self._mark_degraded()
 

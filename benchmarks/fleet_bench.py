@@ -6,14 +6,19 @@ worker is one data-parallel rank of an instance, its events on a publisher), one
 publisher in eight holding a 64-block prefix; kvroute as its own process. Measured: time
 until every worker is live, `POST /v1/route` of a 1,040-token prompt starting with the
 prefix (p50/p99, answer bytes) beside `/healthz` of the same server in the same run (the
-floor), kvroute's CPU over 10 s idle (share of one core, from /proc), its RSS, and the
-time from SIGTERM to its exit. Prints JSON and a table (benchmarks.report); writes
+floor), kvroute's CPU over 10 s idle (share of one core, from /proc), its RSS, routes
+while 100 instances (800 workers) are added through the API at once and then removed at
+once (p50/p99 beside those of the same routes before, how long until every added worker
+was live), and the time from SIGTERM to its exit. The load monitor runs as configured by
+default; the simulated publishers have no HTTP server, so the instances have no `url`.
+Prints JSON and a table (benchmarks.report); writes
 bench-out/fleet/fleet.json and, when matplotlib is installed, fleet.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import signal
@@ -21,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -33,6 +39,7 @@ MAX_PUBLISHERS = 64
 RANKS = 8
 ROUTES = 200
 IDLE_SECONDS = 10.0
+CHANGED_INSTANCES = 100  # added at once through the API, then removed at once
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -60,6 +67,82 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _routes_while(http: httpx.Client, prompt: list[int],
+                  busy: threading.Event) -> tuple[list[float], list[float]]:
+    """Route the prompt, then GET /healthz, until `busy` is cleared; latencies, ms."""
+    routes, health = [], []
+    while busy.is_set():
+        t = time.perf_counter()
+        answer = http.post("/v1/route", json={"token_ids": prompt, "probe": True})
+        routes.append((time.perf_counter() - t) * 1000)
+        assert answer.status_code == 200, answer.text
+        t = time.perf_counter()
+        http.get("/healthz")
+        health.append((time.perf_counter() - t) * 1000)
+    return routes, health
+
+
+def change_fleet(base: str, endpoints: list, prompt: list[int]) -> dict:
+    """Add CHANGED_INSTANCES instances of RANKS workers at once (concurrent POSTs), wait until
+    every one is live, remove them at once (concurrent DELETEs), with routes answered all
+    along on another connection; route latencies before and during, in the same run."""
+    with httpx.Client(base_url=base, timeout=60) as http:
+        before = []
+        for _ in range(ROUTES):
+            t = time.perf_counter()
+            http.post("/v1/route", json={"token_ids": prompt, "probe": True})
+            before.append((time.perf_counter() - t) * 1000)
+    ids = [f"added{n:03d}" for n in range(CHANGED_INSTANCES)]
+    bodies = [{"id": i, "block_size": 16,
+               "events": [endpoints[(n * RANKS + r) % len(endpoints)][0] for r in range(RANKS)],
+               "replay": [endpoints[(n * RANKS + r) % len(endpoints)][1] for r in range(RANKS)]}
+              for n, i in enumerate(ids)]
+    busy = threading.Event()
+    busy.set()
+    with httpx.Client(base_url=base, timeout=60) as router, \
+            httpx.Client(base_url=base, timeout=60,
+                         limits=httpx.Limits(max_connections=32)) as admin, \
+            concurrent.futures.ThreadPoolExecutor(33) as pool:
+        routing = pool.submit(_routes_while, router, prompt, busy)
+        started = time.monotonic()
+        answers = list(pool.map(lambda body: admin.post("/v1/instances", json=body), bodies))
+        added = [body["id"] for body, answer in zip(bodies, answers, strict=True)
+                 if answer.status_code == 201]
+        refused = [answer.json()["error"] for answer in answers if answer.status_code != 201]
+        live_after = None
+        while time.monotonic() - started < 120:
+            states = [i["state"] for i in admin.get("/v1/instances").json()["instances"]
+                      if i["id"].startswith("added")]
+            if len(states) == len(added) and all(s == "live" for s in states):
+                live_after = time.monotonic() - started
+                break
+            time.sleep(0.05)
+        removing = time.monotonic()
+        removed = list(pool.map(lambda i: admin.delete(f"/v1/instances/{i}").status_code,
+                                added))
+        removed_after = time.monotonic() - removing
+        busy.clear()
+        during, health = routing.result()
+    assert all(status in (200, 204) for status in removed), removed
+    return {"change_instances": CHANGED_INSTANCES,
+            "change_route_before_p50_ms": statistics.median(before),
+            "change_route_before_p99_ms": _percentile(before, 0.99),
+            "change_route_during_p50_ms": statistics.median(during),
+            "change_route_during_p99_ms": _percentile(during, 0.99),
+            "change_healthz_during_p50_ms": statistics.median(health),
+            "change_healthz_during_p99_ms": _percentile(health, 0.99),
+            "change_routes": len(during), "change_live_after_s": live_after,
+            "change_refused": len(refused), "change_refused_reason": refused[0] if refused
+            else None,
+            "change_removed_after_s": removed_after}
+
+
+def _echo(stream, said: list[str]) -> None:
+    for line in stream:
+        sys.stderr.write(line)
+        said.append(line)
+
+
 def run_one(workers: int, workdir: Path) -> dict:
     publishers_n = min(MAX_PUBLISHERS, workers)
     per_process = -(-publishers_n // PUBLISHER_PROCESSES)
@@ -74,8 +157,8 @@ def run_one(workers: int, workdir: Path) -> dict:
     kvroute = None
     try:
         port = _free_port()
-        lines = [f"port = {port}", 'log_level = "warning"', "load_interval = 0",
-                 f"max_instances = {max(4096, workers)}"]
+        lines = [f"port = {port}", 'log_level = "warning"',
+                 f"max_instances = {max(4096, workers) + CHANGED_INSTANCES}"]
         for n in range(workers // RANKS):
             ranks = [endpoints[(n * RANKS + r) % publishers_n] for r in range(RANKS)]
             lines += ["[[instances]]", f'id = "i{n:04d}"', "block_size = 16",
@@ -85,7 +168,11 @@ def run_one(workers: int, workdir: Path) -> dict:
         config.write_text("\n".join(lines) + "\n")
         started = time.monotonic()
         kvroute = subprocess.Popen([sys.executable, "-m", "kvroute.app.cli", "serve",
-                                    "--config", str(config)])
+                                    "--config", str(config)], stderr=subprocess.PIPE, text=True)
+        # kvroute's own lines (warnings) still show; its last one says why, if it exits.
+        said: list[str] = []
+        echo = threading.Thread(target=_echo, args=(kvroute.stderr, said), daemon=True)
+        echo.start()
         base = f"http://127.0.0.1:{port}"
         with httpx.Client(base_url=base, timeout=30) as http:
             live_after = None
@@ -97,7 +184,10 @@ def run_one(workers: int, workdir: Path) -> dict:
                         live_after = time.monotonic() - started
                         break
                 except httpx.TransportError:
-                    pass
+                    if kvroute.poll() is not None:  # it could not start: say why, go on
+                        echo.join(5)
+                        return {"workers": workers, "publishers": publishers_n,
+                                "error": said[-1].strip() if said else "kvroute exited"}
                 time.sleep(0.1)
             prompt = list(range(1, 1041))
             route_ms, health_ms, size = [], [], 0
@@ -114,6 +204,7 @@ def run_one(workers: int, workdir: Path) -> dict:
             time.sleep(IDLE_SECONDS)
             idle_cpu = (_cpu_seconds(kvroute.pid) - cpu0) / IDLE_SECONDS
             rss = _rss_mb(kvroute.pid)
+        change = change_fleet(base, endpoints, prompt)
         stop_at = time.monotonic()
         kvroute.send_signal(signal.SIGTERM)
         kvroute.wait(60)
@@ -124,7 +215,8 @@ def run_one(workers: int, workdir: Path) -> dict:
                 "healthz_p50_ms": statistics.median(health_ms),
                 "healthz_p99_ms": _percentile(health_ms, 0.99),
                 "answer_bytes": size, "matched_blocks": matched,
-                "idle_cpu_core_share": idle_cpu, "rss_mb": rss, "shutdown_s": shutdown}
+                "idle_cpu_core_share": idle_cpu, "rss_mb": rss, "shutdown_s": shutdown,
+                **change}
     finally:
         if kvroute is not None and kvroute.poll() is None:
             kvroute.kill()
@@ -144,23 +236,46 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")] + ([4096] if args.huge else [])
     with tempfile.TemporaryDirectory() as tmp:
         rows = [run_one(size, Path(tmp)) for size in sizes]
-    base = rows[0]
+    ran = [r for r in rows if "error" not in r]
+    base = ran[0]
     per_worker = None
-    if len(rows) > 1:
-        last = rows[-1]
+    if len(ran) > 1:
+        last = ran[-1]
         per_worker = (last["rss_mb"] - base["rss_mb"]) * 1024 / (last["workers"] - base["workers"])
     table = ["| workers | all live after | route p50 / p99 | /healthz p50 / p99 | answer | "
              "idle CPU | RSS | shutdown |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if "error" in r:
+            table.append(f"| {r['workers']:,} | did not start: {r['error']} |")
+            continue
         live = "never" if r["live_after_s"] is None else f"{r['live_after_s']:.1f} s"
         table.append(
             f"| {r['workers']:,} | {live} | {r['route_p50_ms']:.1f} / {r['route_p99_ms']:.1f} ms"
             f" | {r['healthz_p50_ms']:.1f} / {r['healthz_p99_ms']:.1f} ms"
             f" | {r['answer_bytes'] / 1024:.1f} KB | {100 * r['idle_cpu_core_share']:.1f}%"
             f" | {r['rss_mb']:.0f} MB | {r['shutdown_s']:.1f} s |")
+    table += ["", f"| workers | routes before: p50 / p99 | while adding {CHANGED_INSTANCES} "
+              "instances and removing them: p50 / p99 | /healthz meanwhile | "
+              "added all live after | removed in |",
+              "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            continue
+        live = "never" if r["change_live_after_s"] is None else \
+            f"{r['change_live_after_s']:.1f} s"
+        table.append(
+            f"| {r['workers']:,} | {r['change_route_before_p50_ms']:.1f} / "
+            f"{r['change_route_before_p99_ms']:.1f} ms | {r['change_route_during_p50_ms']:.1f}"
+            f" / {r['change_route_during_p99_ms']:.1f} ms ({r['change_routes']} routes) | "
+            f"{r['change_healthz_during_p50_ms']:.1f} / "
+            f"{r['change_healthz_during_p99_ms']:.1f} ms | "
+            f"{live} | {r['change_removed_after_s']:.1f} s |")
+        if r["change_refused"]:
+            table.append(f"| | {r['change_refused']} of the {CHANGED_INSTANCES} refused: "
+                         f"{r['change_refused_reason']} |")
     if per_worker is not None:
         table.append(f"\nmemory per idle worker: {per_worker:.0f} KB "
-                     f"(RSS from {base['workers']} to {rows[-1]['workers']} workers)")
+                     f"(RSS from {base['workers']} to {ran[-1]['workers']} workers)")
     result = {"benchmark": "fleet", "rows": rows, "rss_kb_per_worker": per_worker}
     emit(result, "\n".join(table), out_file=args.out / "fleet.json")
     try:
@@ -170,10 +285,10 @@ def main() -> None:
     except ImportError:
         return
     fig, ax = plt.subplots()
-    xs = [r["workers"] for r in rows]
-    ax.plot(xs, [r["route_p50_ms"] for r in rows], "o-", label="route p50")
-    ax.plot(xs, [r["route_p99_ms"] for r in rows], "o-", label="route p99")
-    ax.plot(xs, [r["healthz_p50_ms"] for r in rows], "o--", label="/healthz p50")
+    xs = [r["workers"] for r in ran]
+    ax.plot(xs, [r["route_p50_ms"] for r in ran], "o-", label="route p50")
+    ax.plot(xs, [r["route_p99_ms"] for r in ran], "o-", label="route p99")
+    ax.plot(xs, [r["healthz_p50_ms"] for r in ran], "o--", label="/healthz p50")
     ax.set_xscale("log")
     ax.set_xlabel("workers")
     ax.set_ylabel("ms")

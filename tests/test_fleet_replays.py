@@ -122,3 +122,79 @@ def test_idle_checks_reuse_one_socket_and_find_dropped_tail_batches():
                                  "an idle check to find the dropped batch")
                 assert index.log(sub.worker) == ledger.truth(sub.worker)
     run(scenario)
+
+
+def test_idle_checks_that_find_nothing_back_off_until_a_live_batch_arrives():
+    options = dataclasses.replace(TEST_OPTIONS, idle_check=0.05)
+
+    async def scenario(ctx):
+        with EventPublisher() as pub:
+            ledger, source = Ledger(pub), EventSource(9)
+            ledger.publish(source.batch())
+            sub = Subscriber(endpoint_of(pub), OpLog(), ctx=ctx,
+                             options=options, pacing=FleetPacing(jitter=0.0))
+            async with Running(sub):
+                await wait_until(lambda: caught_up(sub, ledger, ("live",)), "the first batch")
+                first = pub.replays_served
+                await asyncio.sleep(2.0)
+                # At a fixed 0.05 s pace that would be about 40 checks; doubling to at most
+                # IDLE_CHECK_BACKOFF (8) times 0.05 s makes it fewer than 10 (fewer still on
+                # a slow machine, so this cannot fail for being slow).
+                assert pub.replays_served - first < 12
+                # A live batch ends the backoff: a dropped tail right after it is found by
+                # the check at the set pace.
+                ledger.publish(source.batch())
+                await wait_until(lambda: caught_up(sub, ledger, ("live",)), "a live batch")
+                pub.drop_live([pub.next_seq])
+                ledger.publish(source.batch())
+                await wait_until(lambda: caught_up(sub, ledger, ("live",)),
+                                 "an idle check to find the dropped batch")
+    run(scenario)
+
+
+def test_stopping_a_quiet_worker_ends_its_wait_at_once():
+    async def scenario(ctx):
+        with EventPublisher() as pub:
+            ledger, source = Ledger(pub), EventSource(10)
+            ledger.publish(source.batch())
+            sub = Subscriber(endpoint_of(pub), OpLog(), ctx=ctx, options=TEST_OPTIONS)
+            task = asyncio.create_task(sub.run())
+            try:
+                await wait_until(lambda: caught_up(sub, ledger, ("live",)), "the first batch")
+                await asyncio.sleep(0.2)  # waiting for a live batch, the idle check 60 s away
+                await sub.stop()
+                # It returned by itself: stop() cancels a subscriber only after its timeout.
+                assert task.done() and not task.cancelled()
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+    run(scenario)
+
+
+def test_turns_hand_out_a_bounded_number_per_pass_of_the_loop_in_order():
+    async def scenario(ctx):
+        pacing = FleetPacing(turns_per_pass=4)
+        passes = 0
+        running = True
+
+        def tick() -> None:  # counts passes of the loop
+            nonlocal passes
+            passes += 1
+            if running:
+                asyncio.get_running_loop().call_soon(tick)
+
+        asyncio.get_running_loop().call_soon(tick)
+        taken: list[tuple[int, int]] = []
+
+        async def worker(number: int) -> None:
+            await pacing.turn()
+            taken.append((number, passes))
+
+        await asyncio.wait_for(asyncio.gather(*(worker(n) for n in range(30))), 10)
+        running = False
+        assert [number for number, _ in taken] == list(range(30))  # in order of asking
+        per_pass: dict[int, int] = {}
+        for _, seen in taken:
+            per_pass[seen] = per_pass.get(seen, 0) + 1
+        assert max(per_pass.values()) <= 4 and len(per_pass) >= 30 // 4
+    run(scenario)

@@ -85,3 +85,37 @@ def test_too_few_open_files_for_the_fleet_is_one_line(tmp_path, capsys):
     assert f"{workers} configured workers need about" in err
     assert f"may open {hard}" in err
     assert resource.getrlimit(resource.RLIMIT_NOFILE) == (soft, hard)
+
+
+def test_workers_past_the_sockets_kvroute_can_hold_are_refused_in_one_sentence():
+    """Added through the API after start: refused before any socket is made, not failing
+    inside their subscribers; what was followed goes on."""
+    publishers = [EventPublisher(dp_rank=None).start() for _ in range(2)]
+    try:
+        # max_instances 2: the context keeps ZMQ's default of 1,023 sockets (170 workers).
+        settings = Settings(host="127.0.0.1", port=0, log_level="warning", load_interval=0.0,
+                            max_instances=2)
+        server = BackgroundServer(settings).start()
+        try:
+            with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as http:
+                def register(name: str, ranks: int) -> httpx.Response:
+                    return http.post("/v1/instances", json={
+                        "id": name, "block_size": BLOCK,
+                        "events": [publishers[r % 2].endpoint for r in range(ranks)],
+                        "replay": [publishers[r % 2].replay_endpoint for r in range(ranks)]})
+
+                assert register("a", 100).status_code == 201
+                refused = register("b", 80)  # 180 workers' sockets: more than it holds
+                assert refused.status_code == 409, refused.text
+                error = refused.json()["error"]
+                assert "following 180 workers needs about 1080 ZMQ sockets" in error
+                assert "\n" not in error
+                listed = http.get("/v1/instances").json()["instances"]
+                assert [i["id"] for i in listed] == ["a"]
+                wait_for(lambda: http.get("/v1/instances/a").json()["state"] == "live",
+                         "the instance followed before to stay live", timeout=120)
+        finally:
+            server.stop()
+    finally:
+        for pub in publishers:
+            pub.close()

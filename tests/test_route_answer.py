@@ -12,11 +12,12 @@ import pytest
 from kvroute.app.config import Settings
 from kvroute.app.routing import (
     CostWeights,
-    IdleWorkers,
     TieBreaker,
+    WorkerGroup,
     WorkerView,
     best_of,
     choose,
+    prefill_cost,
     ranked,
     score_workers,
 )
@@ -31,47 +32,70 @@ BLOCK = 16
 
 
 def _fleet(rng: random.Random, size: int) -> tuple[list[WorkerView], dict, set]:
-    """Random views and matches; returns (views, matches, keys that are neither matched nor
-    loaded)."""
-    views, matches, idle = [], {}, set()
+    """Random views (block sizes 8 and 16) and matches, many sharing a match; returns
+    (views, matches, keys that carry no load)."""
+    views, matches, unloaded = [], {}, set()
     for n in range(size):
         key = (f"w{n:03d}", n % 2)
+        size_of = rng.choice([BLOCK, BLOCK, BLOCK // 2])
         blocks = rng.choice([0, 0, 0, 2, 5, 8])
+        cpu = rng.choice([0, 0, 1]) if blocks else 0
         loaded = rng.random() < 0.3
         load = dict(running=rng.choice([0, 1, 3]), waiting=rng.choice([0, 2, 80]),
                     kv_usage=rng.choice([0.1, 0.99]), inflight=rng.choice([0, 1])) \
             if loaded else {}
-        views.append(WorkerView(key=key, block_size=BLOCK, state="live", **load))
+        views.append(WorkerView(key=key, block_size=size_of, state="live", **load))
         if blocks:
-            matches[key] = Match(blocks, blocks * BLOCK, BLOCK,
-                                 {"GPU": blocks, "CPU": 0, "STORAGE": 0})
-        if not blocks and not loaded:
-            idle.add(key)
-    return views, matches, idle
+            matches[key] = Match(blocks, blocks * size_of, size_of,
+                                 {"GPU": blocks - cpu, "CPU": cpu, "STORAGE": 0})
+        if not loaded:
+            unloaded.add(key)
+    return views, matches, unloaded
 
 
-@pytest.mark.parametrize("seed", range(40))
+def _grouped(views: list[WorkerView], matches: dict, unloaded: set, prompt_tokens: int,
+             rng: random.Random) -> tuple[list, list[WorkerGroup], int | None]:
+    """What the service weighs: loaded workers scored, the others grouped by prefill cost
+    (matched ones by their match, idle ones together), and the smallest block size."""
+    by_key = {v.key: v for v in views}
+
+    def score(key):
+        return score_workers([by_key[key]], matches, W, prompt_tokens=prompt_tokens)[0]
+
+    scored = score_workers([v for v in views if v.key not in unloaded], matches, W,
+                           prompt_tokens=prompt_tokens)
+    by_cost: dict[float, list] = {}
+    for key in sorted(unloaded, key=lambda k: rng.random()):
+        match = matches.get(key)
+        size = (match.block_size if match else None) or by_key[key].block_size
+        cost = prefill_cost(W, prompt_tokens, match.tokens if match else 0,
+                            match.by_medium["CPU"] if match else 0, 0, size)
+        by_cost.setdefault(cost, []).append(key)
+    groups = [WorkerGroup.of(keys, cost, score) for cost, keys in by_cost.items()]
+    sizes = [s.block_size for s in scored] + [
+        (matches[k].block_size if k in matches else by_key[k].block_size) for k in unloaded]
+    return scored, groups, min(sizes, default=None)
+
+
+@pytest.mark.parametrize("seed", range(60))
 def test_choose_picks_what_scoring_every_worker_picks(seed: int):
     rng = random.Random(seed)
-    views, matches, idle_keys = _fleet(rng, rng.randint(1, 40))
+    views, matches, unloaded = _fleet(rng, rng.randint(1, 40))
     tokens = unique_tokens(seed, 160)
     everyone = score_workers(views, matches, W, prompt_tokens=len(tokens))
     expected = best_of(everyone, TieBreaker(tokens=tokens))
-    by_key = {v.key: v for v in views}
-    scored = score_workers([v for v in views if v.key not in idle_keys], matches, W,
-                           prompt_tokens=len(tokens))
-    idle = IdleWorkers(
-        keys=sorted(idle_keys, key=lambda k: rng.random()), cost=W.miss_token * len(tokens),
-        score=lambda key: score_workers([by_key[key]], {}, W, prompt_tokens=len(tokens))[0],
-        block_size=lambda key: by_key[key].block_size)
-    best, shown = choose(scored, idle, TieBreaker(tokens=tokens), keep=4)
+    scored, groups, block_size = _grouped(views, matches, unloaded, len(tokens), rng)
+    assert all(s.cost == g.cost for g in groups for s in map(g.score, g.keys()))
+    best, shown = choose(scored, groups, TieBreaker(tokens=tokens), keep=4,
+                         block_size=block_size)
     assert best == expected
     assert len(shown) == min(4, len(views))
     assert best in shown
     ranking = ranked(everyone)
     top = ranking[:4]
     assert shown == (top if best in top else ranked([*top[:3], best]))
-    _, every = choose(scored, idle, TieBreaker(tokens=tokens), keep=None)
+    _, every = choose(scored, groups, TieBreaker(tokens=tokens), keep=None,
+                      block_size=block_size)
     assert every == ranking
 
 
@@ -81,10 +105,9 @@ def test_a_cold_prompt_on_an_idle_fleet_ties_every_worker_as_before():
     for seed in range(20):
         tokens = unique_tokens(1000 + seed, 64)
         expected = best_of(score_workers(views, {}, W, prompt_tokens=64), TieBreaker(tokens=tokens))
-        idle = IdleWorkers(keys=list(by_key), cost=64.0,
-                           score=lambda k: score_workers([by_key[k]], {}, W, prompt_tokens=64)[0],
-                           block_size=lambda k: BLOCK)
-        best, shown = choose([], idle, TieBreaker(tokens=tokens), keep=4)
+        idle = WorkerGroup.of(list(by_key), 64.0, lambda k: score_workers(
+            [by_key[k]], {}, W, prompt_tokens=64)[0])
+        best, shown = choose([], [idle], TieBreaker(tokens=tokens), keep=4, block_size=BLOCK)
         assert best == expected and best in shown and len(shown) == 4
 
 

@@ -1,0 +1,177 @@
+"""The workers a route may weigh, kept between routes instead of found anew for each.
+
+A route weighs the serving (live or degraded) workers of the instances that serve its model.
+Finding them walks the whole fleet, so an `EligibleCache` keeps one `Eligible` per model,
+built again only when instances come or go, and updated in place when a worker changes
+state (a hundred instances joining make thousands of those): a route then costs the
+workers that match or carry load, not the fleet.
+
+Invariants:
+- A kept `Eligible` is exactly what a walk of the registry would find now: it is built at a
+  `Registry.version` (instances added or removed, workers started bump it) and never
+  answered at another, and each worker's change of state since is applied to it
+  (`worker_changed`) as it happens.
+- `sorted_keys` holds its workers' keys sorted, so the first few idle workers are found
+  without a sort. The order of `workers` and `instances` means nothing.
+- Block sizes (the tie-break's, `routing.TieBreaker`): a worker's is its instance's declared
+  (configured or discovered) block size; for an instance that declares none, the size the
+  index learnt from the worker's events, read at each use (it can change any time).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from kvroute.app.registry import Instance, Registry, Worker
+from kvroute.app.subscription import WorkerKey
+
+__all__ = ["Eligible", "EligibleCache", "eligible_among"]
+
+
+@dataclass(slots=True)
+class Eligible:
+    """The serving workers of the instances serving one model (see the module invariants)."""
+
+    workers: dict[WorkerKey, Worker]
+    sorted_keys: list[WorkerKey]
+    instances: list[Instance]  # those with at least one serving worker, in registry order
+    served: bool  # some registered instance serves the model, serving workers or not
+    adapter: bool  # the model is a LoRA adapter on some instance with serving workers
+    declared_sizes: Counter[int]  # workers per declared block size
+    undeclared: list[WorkerKey]  # workers whose instance declares no block size
+    version: int = -1
+    _urls: list[str] | None = field(default=None)
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.workers
+
+    def urls(self, exclude: frozenset[WorkerKey] = frozenset()) -> list[str]:
+        """The instances' URLs, first seen first, leaving out instances whose every serving
+        worker is in `exclude`."""
+        if not exclude:
+            if self._urls is None:
+                self._urls = list(dict.fromkeys(i.url for i in self.instances if i.url))
+            return self._urls
+        return list(dict.fromkeys(
+            i.url for i in self.instances if i.url and any(
+                w.key not in exclude for w in i.workers if w.state.serving)))
+
+    def ascending(self, skip: Callable[[WorkerKey], bool]) -> Iterator[WorkerKey]:
+        """The keys in sorted order, without those `skip` says."""
+        return (key for key in self.sorted_keys if not skip(key))
+
+    def worker_changed(self, worker: Worker, model: str | None) -> None:
+        """`worker` (of a registered instance) changed state: join or leave."""
+        key, instance = worker.key, worker.instance
+        if not instance.serves(model) or (key in self.workers) == worker.state.serving:
+            return
+        self._urls = None
+        if worker.state.serving:
+            self.workers[key] = worker
+            bisect.insort(self.sorted_keys, key)
+            if instance not in self.instances:
+                self.instances.append(instance)
+            self.adapter = self.adapter or model in instance.lora_adapters
+            if instance.block_size:
+                self.declared_sizes[instance.block_size] += 1
+            else:
+                self.undeclared.append(key)
+            return
+        del self.workers[key]
+        del self.sorted_keys[bisect.bisect_left(self.sorted_keys, key)]
+        if instance.block_size:
+            self.declared_sizes[instance.block_size] -= 1
+            if not self.declared_sizes[instance.block_size]:
+                del self.declared_sizes[instance.block_size]
+        else:
+            self.undeclared.remove(key)
+        if not any(w.key in self.workers for w in instance.workers):
+            self.instances.remove(instance)
+            self.adapter = any(model in i.lora_adapters for i in self.instances)
+
+    def smallest_block_size(self, others: Iterable[WorkerKey],
+                            index_size: Callable[[WorkerKey], int | None]) -> int | None:
+        """The smallest block size among the eligible workers that are not in `others`
+        (keys of eligible workers, each at most once): costs `others` and the workers that
+        declare no block size, not the fleet."""
+        taken: Counter[int] = Counter()
+        for key in others:
+            size = self.workers[key].instance.block_size
+            if size:
+                taken[size] += 1
+        smallest = next((size for size in sorted(self.declared_sizes)
+                         if self.declared_sizes[size] > taken[size]), None)
+        if self.undeclared:
+            skipped = set(others) if not isinstance(others, (set, frozenset, dict)) else others
+            learnt = [size for key in self.undeclared
+                      if key not in skipped and (size := index_size(key))]
+            if learnt:
+                smallest = min(learnt) if smallest is None else min(smallest, *learnt)
+        return smallest
+
+
+def eligible_among(instances: Iterable[Instance], model: str | None) -> Eligible:
+    """Walk `instances` once (a route's candidates, or the whole registry)."""
+    workers: dict[WorkerKey, Worker] = {}
+    chosen: list[Instance] = []
+    served = adapter = False
+    declared: Counter[int] = Counter()
+    undeclared: list[WorkerKey] = []
+    for instance in instances:
+        if not instance.serves(model):
+            continue
+        served = True
+        # A worker still connecting or replaying may hold anything (and a registration
+        # that never goes live, say a fake one, must never take traffic).
+        serving = [w for w in instance.workers if w.state.serving]
+        if not serving:
+            continue
+        chosen.append(instance)
+        adapter = adapter or model in instance.lora_adapters
+        for worker in serving:
+            workers[worker.key] = worker
+            if instance.block_size:
+                declared[instance.block_size] += 1
+            else:
+                undeclared.append(worker.key)
+    return Eligible(workers=workers, sorted_keys=sorted(workers), instances=chosen,
+                    served=served, adapter=adapter, declared_sizes=declared,
+                    undeclared=undeclared)
+
+
+class EligibleCache:
+    """One `Eligible` per model asked for, rebuilt when the registry's version moved."""
+
+    # Models remembered at most (each costs a fleet's worth of keys); past it, all are
+    # forgotten and rebuilt as asked, so many model names cannot grow memory.
+    MAX_MODELS = 64
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+        self._by_model: dict[str | None, Eligible] = {}
+        registry.state_listeners.append(self._worker_changed)
+
+    def _worker_changed(self, worker: Worker) -> None:
+        version = self._registry.version
+        for model, eligible in self._by_model.items():
+            if eligible.version == version:  # a stale one is rebuilt when asked for
+                eligible.worker_changed(worker, model)
+
+    def get(self, model: str | None) -> Eligible:
+        version = self._registry.version
+        found = self._by_model.get(model)
+        if found is not None and found.version == version:
+            return found
+        if len(self._by_model) >= self.MAX_MODELS or any(
+                e.version != version for e in self._by_model.values()):
+            self._by_model.clear()  # stale ones are never used again
+        found = eligible_among(self._registry, model)
+        found.version = version
+        self._by_model[model] = found
+        return found

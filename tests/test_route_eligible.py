@@ -1,0 +1,174 @@
+"""A route weighs a kept set of eligible workers and groups the unloaded ones
+(`app.eligible`, `Service._group`): its choice and the scores it shows are what scoring
+every eligible worker one by one gives, through real subscribers on real sockets, with load,
+mixed block sizes, models, candidates and excluded workers; and the kept set follows the
+registry as workers come, go and change state."""
+
+from __future__ import annotations
+
+import random
+
+from kvroute.app.config import InstanceConfig, Settings
+from kvroute.app.eligible import eligible_among
+from kvroute.app.errors import NoEligibleWorker
+from kvroute.app.route_request import route_request_type
+from kvroute.app.routing import TieBreaker, best_of, ranked, score_workers
+from kvroute.app.service import TOP_SCORES, Service
+from kvroute.app.subscription import WorkerState
+from kvroute.app.wire import BlockStored
+from kvroute.sim.publisher import EventPublisher
+from tests.conftest import run_async, wait_until
+from tests.support.tokens import unique_tokens
+
+PREFIX = unique_tokens(7, 8 * 16)
+
+
+def _store(publisher: EventPublisher, tokens: list[int], block_size: int, first: int) -> None:
+    blocks = len(tokens) // block_size
+    publisher.publish([BlockStored(block_hashes=list(range(first, first + blocks)),
+                                   parent_block_hash=None,
+                                   token_ids=tokens[:blocks * block_size],
+                                   block_size=block_size)])
+
+
+def _every_score(service: Service, request, exclude, tokens):
+    """What scoring every eligible worker one by one gives (no grouping, no kept set)."""
+    instances = ([service.registry.get(c) for c in dict.fromkeys(request.candidates)]
+                 if request.candidates is not None else list(service.registry))
+    workers = [w for i in instances if i.serves(request.model) for w in i.workers
+               if w.state.serving and w.key not in exclude]
+    matches = service.index.match(tokens[:-1], workers=[w.key for w in workers],
+                                  matched_only=True)
+    scores = score_workers([service._view(w) for w in workers], matches, service.weights,
+                           prompt_tokens=len(tokens))
+    return workers, scores
+
+
+def test_a_route_chooses_what_scoring_every_worker_chooses():
+    publishers = [EventPublisher(dp_rank=None).start() for _ in range(6)]
+    try:
+        # Publishers 0-2 hold a prefix at block size 16 (of different lengths), 3 at 8.
+        for n, blocks in enumerate((8, 4, 8)):
+            _store(publishers[n], PREFIX[:blocks * 16], 16, 1000 * (n + 1))
+        _store(publishers[3], PREFIX[:40], 8, 5000)
+        declared = (16, 16, None, 8, 16, 16, 16, None)  # None: declares none
+        instances = tuple(
+            InstanceConfig(id=f"i{n}", model="a" if n % 3 else "b",
+                           block_size=declared[n],
+                           events=tuple(publishers[(n + r) % 6].endpoint for r in range(3)),
+                           replay=tuple(publishers[(n + r) % 6].replay_endpoint
+                                        for r in range(3)))
+            for n in range(8))
+        settings = Settings(log_level="warning", load_interval=0.0, placement_ttl=0.0,
+                            instances=instances)
+        kind = route_request_type(settings)
+
+        async def scenario() -> None:
+            service = Service(settings)
+            await service.start()
+            try:
+                await wait_until(lambda: all(w.state == "live"
+                                             for w in service.registry.workers()),
+                                 "every worker to go live")
+                await wait_until(lambda: len(service.index.match(PREFIX, matched_only=True))
+                                 >= 12, "the index to learn the prefixes")
+                keys = sorted(w.key for w in service.registry.workers())
+                rng = random.Random(5)
+                tickets = []
+                for round_ in range(120):
+                    for ticket in tickets:
+                        ticket.close()
+                    tickets = [service.inflight.open(key, rng.choice([0, 10, 500]))
+                               for key in rng.sample(keys, rng.randint(0, 6))]
+                    length = rng.choice([0, 20, 64, 129, 200])
+                    tokens = PREFIX[:length] + unique_tokens(round_, rng.randint(1, 40))
+                    request = kind(
+                        token_ids=tokens, probe=True,
+                        model=rng.choice([None, None, "a", "b"]),
+                        candidates=rng.choice([None, None, ["i1", "i2", "i5"]]),
+                        all_scores=rng.random() < 0.3)
+                    exclude = frozenset(rng.sample(keys, rng.choice([0, 0, 3])))
+                    workers, everyone = _every_score(service, request, exclude, tokens)
+                    if not workers:
+                        try:
+                            await service.decide(request, exclude)
+                        except NoEligibleWorker:
+                            continue
+                        raise AssertionError("a route with no eligible worker was answered")
+                    decision = await service.decide(request, exclude)
+                    expected = best_of(everyone, TieBreaker(tokens=tokens))
+                    assert decision.best == expected, round_
+                    assert decision.eligible == len(workers)
+                    ranking = ranked(everyone)
+                    if request.all_scores:
+                        assert decision.scores == ranking
+                    else:
+                        top = ranking[:TOP_SCORES]
+                        assert decision.scores == (top if expected in top else ranked(
+                            [*top[:TOP_SCORES - 1], expected]))
+                for ticket in tickets:
+                    ticket.close()
+            finally:
+                await service.close()
+
+        run_async(scenario, timeout=120)
+    finally:
+        for publisher in publishers:
+            publisher.close()
+
+
+def test_the_kept_eligible_set_follows_the_registry():
+    publishers = [EventPublisher(dp_rank=None).start() for _ in range(2)]
+    try:
+        def config(n: int) -> InstanceConfig:
+            return InstanceConfig(id=f"i{n}", model="m", block_size=16,
+                                  events=(publishers[n % 2].endpoint,),
+                                  replay=(publishers[n % 2].replay_endpoint,))
+
+        settings = Settings(log_level="warning", load_interval=0.0,
+                            instances=(config(0), config(1)))
+
+        async def scenario() -> None:
+            service = Service(settings)
+            await service.start()
+            try:
+                def fresh() -> set:
+                    return set(eligible_among(service.registry, None).workers)
+
+                def same_as_fresh(kept) -> bool:
+                    walked = eligible_among(service.registry, None)
+                    return (set(kept.workers) == set(walked.workers)
+                            and kept.sorted_keys == walked.sorted_keys
+                            and +kept.declared_sizes == walked.declared_sizes
+                            and {i.id for i in kept.instances}
+                            == {i.id for i in walked.instances}
+                            and kept.urls() == walked.urls()
+                            and kept.adapter == walked.adapter)
+
+                await wait_until(lambda: len(service.eligible.get(None)) == 2,
+                                 "both workers eligible")
+                kept = service.eligible.get(None)
+                assert service.eligible.get(None) is kept  # nothing changed: kept
+                added = await service.registry.add(config(2))
+                await wait_until(lambda: set(service.eligible.get(None).workers) == fresh()
+                                 and len(fresh()) == 3, "the new worker to be eligible")
+                assert service.eligible.get("m").served
+                assert not service.eligible.get("other").served
+                # A worker going down leaves the kept set at once, in place, and comes back.
+                kept = service.eligible.get(None)
+                added.workers[0].subscriber._set_state(WorkerState.DOWN)
+                assert service.eligible.get(None) is kept
+                assert ("i2", 0) not in kept and same_as_fresh(kept)
+                added.workers[0].subscriber._set_state(WorkerState.LIVE)
+                assert ("i2", 0) in kept and same_as_fresh(kept)
+                added.workers[0].subscriber._set_state(WorkerState.DOWN)
+                assert same_as_fresh(service.eligible.get("m"))
+                await service.registry.remove("i0")
+                assert set(service.eligible.get(None).workers) == {("i1", 0)} == fresh()
+            finally:
+                await service.close()
+
+        run_async(scenario, timeout=60)
+    finally:
+        for publisher in publishers:
+            publisher.close()
