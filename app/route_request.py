@@ -63,7 +63,7 @@ MESSAGE_SCHEMA: dict[str, Any] = {
 ChatMessage = Annotated[dict[str, Any], msgspec.Meta(extra_json_schema=MESSAGE_SCHEMA)]
 
 # The chat request's fields that change what its messages render to (vLLM's chat
-# completions and /tokenize read the same ones); None leaves vLLM's default.
+# completions and /tokenize read the same ones); one not given keeps vLLM's default.
 TEMPLATE_ARGS = ("add_generation_prompt", "continue_final_message", "add_special_tokens",
                  "chat_template", "chat_template_kwargs", "tools")
 
