@@ -153,15 +153,20 @@ class InstanceConfig(msgspec.Struct, forbid_unknown_fields=True):
         if self.replay and len(self.replay) != len(self.events):
             raise ValueError(f"replay: {len(self.replay)} endpoint(s) for {len(self.events)} "
                              "event endpoint(s); give one per data-parallel rank")
-        if self.id is not None and not matches(INSTANCE_ID, self.id):
-            raise ValueError("id: must be printable ASCII without '/', and not begin or end "
-                             "with a space")
-        if self.api_key is not None and not matches(API_KEY, self.api_key):
-            raise ValueError("api_key: must be printable ASCII (it is sent in a header), and "
-                             "not begin or end with a space")
+        _check_id_and_key(self.id, self.api_key)
 
     def __repr__(self) -> str:
         return _repr_without_secrets(self)
+
+
+def _check_id_and_key(instance_id: str | None, api_key: str | None) -> None:
+    """The string rules (app.patterns) of an instance's id and vLLM --api-key."""
+    if instance_id is not None and not matches(INSTANCE_ID, instance_id):
+        raise ValueError("id: must be printable ASCII without '/', and not begin or end "
+                         "with a space")
+    if api_key is not None and not matches(API_KEY, api_key):
+        raise ValueError("api_key: must be printable ASCII (it is sent in a header), and "
+                         "not begin or end with a space")
 
 
 class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -181,14 +186,9 @@ class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         self.url = _origin(self.url)
+        _check_id_and_key(self.id, self.api_key)
         if self.id is None:
             self.id = urlsplit(self.url).hostname
-        elif not matches(INSTANCE_ID, self.id):
-            raise ValueError("id: must be printable ASCII without '/', and not begin or end "
-                             "with a space")
-        if self.api_key is not None and not matches(API_KEY, self.api_key):
-            raise ValueError("api_key: must be printable ASCII (it is sent in a header), and "
-                             "not begin or end with a space")
 
     def __repr__(self) -> str:
         return _repr_without_secrets(self)
