@@ -17,7 +17,6 @@ process (SO_REUSEPORT off, which gRPC would otherwise set).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import grpc
@@ -30,6 +29,7 @@ from kvroute.app.epp_messages import EXT_PROC_SERVICE
 from kvroute.app.epp_tls import ServerIdentity, load_identity
 from kvroute.app.errors import RequestError
 from kvroute.app.service import Service
+from kvroute.app.tasks import cancel_and_wait
 
 __all__ = ["EppServer", "HEALTH_SERVICES"]
 
@@ -109,10 +109,7 @@ class EppServer:
 
     async def stop(self) -> None:
         await self.health.enter_graceful_shutdown()
-        if self._readiness is not None:
-            self._readiness.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._readiness
+        await cancel_and_wait(self._readiness)
         if self._server is not None:
             await self._server.stop(SHUTDOWN_GRACE)
         await self.endpoints.close()

@@ -20,7 +20,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 import socket
@@ -34,6 +33,7 @@ from prometheus_client.registry import Collector
 from kvroute.app.config import ConfigError, FleetConfig, parse_instance
 from kvroute.app.errors import LimitReached
 from kvroute.app.registry import DuplicateInstance, Registry
+from kvroute.app.tasks import cancel_and_wait
 
 __all__ = ["Fleet", "FleetCollector", "Resolver", "resolve_with_getaddrinfo"]
 
@@ -76,11 +76,8 @@ class Fleet:
 
     async def stop(self) -> None:
         """End the refresh loop; the members stay registered (the registry closes them)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         while True:

@@ -19,6 +19,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from kvroute.app.tasks import cancel_and_wait
+
 _UP = zmq.EVENT_HANDSHAKE_SUCCEEDED
 _DOWN = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CLOSED
 
@@ -81,10 +83,7 @@ class LiveConnection:
     async def close(self) -> None:
         """Close what ``open`` made (whatever part of it exists)."""
         watcher, self._watcher = self._watcher, None
-        if watcher is not None:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+        await cancel_and_wait(watcher)
         sub, monitor = self._sub, self._monitor
         self._sub = self._monitor = None
         self._sync = None  # a shadow: closing the socket is closing it

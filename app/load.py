@@ -35,7 +35,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
@@ -46,6 +45,7 @@ import httpx
 
 from kvroute.app.registry import Instance, Registry
 from kvroute.app.subscription import WorkerKey
+from kvroute.app.tasks import cancel_and_wait
 from kvroute.app.upstream import METRICS_MAX_BYTES, UpstreamError, fetch, url_at
 
 __all__ = ["Load", "LoadMonitor", "parse_load"]
@@ -173,11 +173,8 @@ class LoadMonitor:
         self._task = asyncio.create_task(self._run(), name="load monitor")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def scrape_once(self) -> None:
         now = time.monotonic()

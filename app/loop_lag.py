@@ -15,10 +15,11 @@ begins just after a wake-up is seen whole; one beginning earlier, minus what was
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
+
+from kvroute.app.tasks import cancel_and_wait
 
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
@@ -42,10 +43,7 @@ class LoopLagMonitor:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     async def _run(self) -> None:
         interval = self.interval

@@ -23,7 +23,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -45,6 +44,7 @@ from kvroute.app.subscription import (
     WorkerKey,
     WorkerState,
 )
+from kvroute.app.tasks import cancel_and_wait
 from kvroute.index import PrefixIndex
 
 __all__ = ["DuplicateInstance", "Instance", "ModelNotServed", "Registry", "UnknownInstance",
@@ -215,11 +215,7 @@ class Registry:
         instance = self.get(instance_id)
         del self._instances[instance_id]
         self.version += 1
-        task = self._discovery_tasks.pop(instance_id, None)
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._discovery_tasks.pop(instance_id, None))
         await self._stop_workers(instance.workers)
         for worker in instance.workers:
             self.index.drop_worker(worker.key)

@@ -20,7 +20,6 @@ Ownership and invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Iterator
@@ -44,6 +43,7 @@ from kvroute.app.saved_state import (
 )
 from kvroute.app.state_store import StateStore, StateStoreError
 from kvroute.app.subscription import WorkerEndpoint, WorkerKey
+from kvroute.app.tasks import cancel_and_wait
 from kvroute.index import PrefixIndex
 
 __all__ = ["SaveReport", "StateCollector", "StateKeeper", "encode_worker"]
@@ -143,11 +143,8 @@ class StateKeeper:
         """Stop saving periodically and save one last time (before subscribers stop), for
         at most ``timeout`` seconds: a store that does not answer must not hold a shutdown
         past the orchestrator's grace period (the last periodic save stays)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         try:
             await asyncio.wait_for(self.save(), timeout)
         except TimeoutError:

@@ -73,6 +73,7 @@ from kvroute.app.subscription import (
     WorkerState,
     WorkerStatus,
 )
+from kvroute.app.tasks import cancel_and_wait
 from kvroute.app.wire import IndexWriter, WireError, decode_seq
 from kvroute.index.holdings import Holdings
 
@@ -202,9 +203,7 @@ class Subscriber(SubscriberReplays):
             await asyncio.wait_for(asyncio.shield(self._stopped.wait()), timeout)
         except TimeoutError:
             # Stuck in a replay timeout: cancel; run()'s finally still closes the sockets.
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
 
     # --- connection state ---------------------------------------------------------------------
 

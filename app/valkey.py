@@ -60,6 +60,7 @@ from redis.exceptions import RedisError
 from kvroute.app.answers import ReplicasStatus
 from kvroute.app.state_store import StateStoreError
 from kvroute.app.subscription import WorkerKey
+from kvroute.app.tasks import cancel_and_wait
 from kvroute.index import PrefixIndex
 
 __all__ = ["NO_LOAD", "PeerLoad", "Peers", "PeersCollector", "ValkeyStore", "redacted"]
@@ -333,10 +334,7 @@ class Peers:
 
     async def close(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         self.connected = False
 
     # -- the background task ---------------------------------------------
