@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -10,12 +11,16 @@ from typing import Any
 
 
 @contextmanager
-def canned_http(routes: dict[str, tuple[int, str]]) -> Iterator[str]:
-    """Serve `routes` (path -> (status, body)); the dict may change while it runs.
-    Yields the base URL; the server and its thread are stopped on exit."""
+def canned_http(routes: dict[str, tuple[int, str]],
+                asked: Counter[str] | None = None) -> Iterator[str]:
+    """Serve `routes` (path -> (status, body)); the dict may change while it runs, and
+    `asked` counts the GETs of each path. Yields the base URL; the server and its thread are
+    stopped on exit."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            if asked is not None:
+                asked[self.path] += 1
             status, body = routes.get(self.path, (404, "not found"))
             data = body.encode()
             self.send_response(status)
