@@ -8,6 +8,7 @@ is left out, never sent as null); fields that can be null say so in their type.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Literal
 
 import msgspec
@@ -47,6 +48,12 @@ class MediumCounts(msgspec.Struct, forbid_unknown_fields=True):
     GPU: int
     CPU: int
     STORAGE: int
+
+    @classmethod
+    def of(cls, counts: Mapping[str, int]) -> MediumCounts:
+        """The counts per tier name (the index's holdings), 0 for a tier not in them."""
+        return cls(GPU=counts.get("GPU", 0), CPU=counts.get("CPU", 0),
+                   STORAGE=counts.get("STORAGE", 0))
 
 
 class CostTerms(msgspec.Struct, forbid_unknown_fields=True):

@@ -41,7 +41,6 @@ if TYPE_CHECKING:  # the service imports this module for RouteActivity
 __all__ = ["PAGES", "Page", "RECENT", "RouteActivity", "snapshot"]
 
 RECENT = 512  # decisions whose latency the percentiles are taken over
-NO_HOLDINGS = {"GPU": 0, "CPU": 0, "STORAGE": 0}
 
 
 class RouteActivity:
@@ -99,7 +98,7 @@ def snapshot(service: Service) -> Dashboard:
             workers.append(DashboardWorker(
                 dp_rank=worker.endpoint.dp_rank,
                 state=worker.state,
-                holdings=MediumCounts(**{**NO_HOLDINGS, **stats.holdings.get(key, {})}),
+                holdings=MediumCounts.of(stats.holdings.get(key, {})),
                 unconfirmed_blocks=index.unconfirmed_blocks(key),
                 stats=worker.subscriber.status,
                 inflight=forwarded.requests,

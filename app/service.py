@@ -78,7 +78,6 @@ __all__ = ["Decision", "Service", "route_request_decoder"]
 
 log = logging.getLogger("kvroute.service")
 
-NO_HOLDINGS = {"GPU": 0, "CPU": 0, "STORAGE": 0}
 # Scores an answer shows unless asked for all: the chosen worker and the cheapest others.
 TOP_SCORES = 4
 # Instances asked in turn to tokenize a text prompt before the request fails.
@@ -524,7 +523,7 @@ class Service:
                 events_endpoint=worker.endpoint.endpoint,
                 replay_endpoint=worker.endpoint.replay_endpoint,
                 state=worker.state,
-                holdings=MediumCounts(**{**NO_HOLDINGS, **holdings.get(worker.key, {})}),
+                holdings=MediumCounts.of(holdings.get(worker.key, {})),
                 unconfirmed_blocks=self.index.unconfirmed_blocks(worker.key),
                 stats=worker.subscriber.status,
             )
