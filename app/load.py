@@ -10,7 +10,8 @@ vLLM sets those gauges from each engine step's scheduler stats, so an engine tha
 gone idle keeps reporting its last step's values (often one request running) until its
 next request. Its `vllm:prompt_tokens` and `vllm:generation_tokens` counters move on every
 step that does work: when neither moved for two scrape intervals (longer than any one
-step), the engine is idle, and the reading says nothing runs or waits there.
+step), the engine is idle, and the reading says nothing runs or waits there and no KV
+block is in use.
 
 Invariants:
 - A reading older than `stale_after` intervals is not trusted: `get` returns None
@@ -226,8 +227,11 @@ class LoadMonitor:
                 since = previous.work_since
             reading = replace(reading, work_since=since)
             if reading.read_at - since >= 2 * self.interval:
-                # No step for that long: the gauges are the last step's leftovers.
-                reading = replace(reading, running=0.0, waiting=0.0)
+                # No step for that long: the gauges are the last step's leftovers. KV usage
+                # counts the blocks of running requests, so none are used now; a leftover
+                # usage at the overload limit would keep the idle worker skipped until
+                # some other worker overloads too.
+                reading = replace(reading, running=0.0, waiting=0.0, kv_usage=0.0)
             self._loads[worker.key] = reading
             if (reading.running or reading.waiting
                     or reading.kv_usage >= self._overload_kv_usage):

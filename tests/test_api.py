@@ -567,6 +567,33 @@ def test_an_idle_instances_leftover_gauges_do_not_count_as_load(cluster: SimClus
         server.stop()
 
 
+def test_an_idle_instances_leftover_kv_usage_does_not_overload_it(cluster: SimCluster):
+    """The KV-usage gauge is a leftover too: it counts the blocks of the requests of the
+    last step. At the overload limit it made the idle worker skipped for good (nothing
+    was sent to it, so no step ever renewed the gauge)."""
+    server = start_service(load_interval=0.1, overload_kv_usage=0.01)
+    try:
+        with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as client:
+            instance = register(client, cluster.urls[1])
+            complete(cluster.urls[1], unique_tokens(951, 2 * BLOCK))
+            metrics = httpx.get(f"{cluster.urls[1]}/metrics", timeout=HTTP_TIMEOUT).text
+            usage = next(line for line in metrics.splitlines()
+                         if line.startswith("vllm:kv_cache_usage_perc{"))
+            assert float(usage.split()[-1]) >= 0.01, usage
+
+            def reading() -> dict[str, object]:
+                scores = route(client, token_ids=[1, 2, 3]).json()["scores"]
+                return next(s for s in scores if s["instance"] == instance["id"])
+
+            wait_for(lambda: reading()["load"]["kv_usage"] == 0.0 and not reading()["overloaded"],
+                     "the idle instance's leftover KV usage to stop overloading it",
+                     detail=reading)
+            assert httpx.get(f"{cluster.urls[1]}/metrics", timeout=HTTP_TIMEOUT).text.count(
+                usage) == 1
+    finally:
+        server.stop()
+
+
 def test_a_worker_that_is_not_live_is_never_chosen(cluster: SimCluster, client: httpx.Client):
     """A registration whose event stream never connects (a fake one, or an engine that is
     not up yet) holds nothing kvroute knows of and must not take traffic."""
