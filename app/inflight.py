@@ -15,19 +15,27 @@ Ownership and invariants:
   the end. After that the request counts only as *running* (decode pressure).
 - In route mode kvroute never sees a request end. `RecentAnswers` counts each answer as a
   ticket until a reading of the instance's /metrics taken after it (which then shows the
-  request itself) or `max_age` has passed, whichever comes first.
+  request itself) or `max_age` has passed, whichever comes first. It also keeps, per
+  worker, a moving mean of the uncached prefill its answers named (`typical_prefill`):
+  what a request the metrics show waiting there is likely to cost. At most
+  `TYPICAL_WORKERS` workers are kept, the least recently answered forgotten first.
 - Nothing here reads a clock or does I/O: times are passed in.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvroute.app.subscription import WorkerKey
 
 __all__ = ["InFlight", "RecentAnswers", "Ticket", "WorkerLoad"]
+
+# How many workers' typical prefill `RecentAnswers` remembers (a bound on its memory
+# whatever the churn of instances), and how much one answer moves the mean.
+TYPICAL_WORKERS = 65_536
+TYPICAL_WEIGHT = 0.125
 
 
 
@@ -131,7 +139,7 @@ class RecentAnswers:
     """Route-mode answers as tickets of their own ledger, until the instance's metrics cover
     them. Kept apart from the proxy's tickets: an answer may never be followed."""
 
-    __slots__ = ("_ledger", "_max_age", "_margin", "_open")
+    __slots__ = ("_ledger", "_max_age", "_margin", "_open", "_typical")
 
     def __init__(self, max_age: float, margin: float = 0.05) -> None:
         self._ledger = InFlight()
@@ -140,9 +148,15 @@ class RecentAnswers:
         # this margin of the answer may not show it yet.
         self._margin = margin
         self._open: dict[WorkerKey, deque[tuple[float, Ticket]]] = {}
+        self._typical: OrderedDict[WorkerKey, float] = OrderedDict()
 
     def get(self, key: WorkerKey) -> WorkerLoad:
         return self._ledger.get(key)
+
+    def typical_prefill(self, key: WorkerKey) -> float | None:
+        """The moving mean of the uncached tokens of the answers naming this worker; None
+        when none is remembered."""
+        return self._typical.get(key)
 
     def workers(self) -> list[WorkerKey]:
         """The workers with at least one answer counted (a copy)."""
@@ -151,6 +165,11 @@ class RecentAnswers:
     def add(self, key: WorkerKey, prefill_tokens: int, now: float) -> None:
         ticket = self._ledger.open(key, prefill_tokens)
         self._open.setdefault(key, deque()).append((now, ticket))
+        mean = self._typical.pop(key, None)
+        self._typical[key] = (ticket.prefill_tokens if mean is None
+                              else mean + TYPICAL_WEIGHT * (ticket.prefill_tokens - mean))
+        if len(self._typical) > TYPICAL_WORKERS:
+            self._typical.popitem(last=False)
 
     def settle(self, now: float, reading_taken: Callable[[WorkerKey], float | None]) -> None:
         """Close the answers that a later metrics reading covers or that are too old;

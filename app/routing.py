@@ -26,9 +26,15 @@ What kvroute knows of a worker's queue, and which of it counts:
   leaves `running` and `waiting` unset;
 - in route mode, the answers it gave in the last moments (`answered`: a caller follows
   them before the instance's /metrics can show them) and the instance's /metrics
-  (`running`, `waiting`, each waiting request priced like this prompt's full length,
-  since nothing says how much of it is cached). The larger of the two views counts,
-  queued tokens and running requests each, so work seen both ways is not counted twice.
+  (`running`, `waiting`). A waiting request is priced at the uncached tokens kvroute's
+  recent answers named for that worker on average (`waiting_prefill`): the requests a
+  gateway sends there are mostly the ones kvroute chose there, so they share its cache
+  as those answers did. Priced like this prompt's full length instead, a queue of
+  requests that mostly hit the cache read as several times the work it is, and hot
+  prefixes moved off their holder for nothing. With no answer remembered, this prompt's
+  full length is the price (nothing says how much of it is cached). The larger of the
+  two views counts, queued tokens and running requests each, so work seen both ways is
+  not counted twice.
 Queued prefill that computes this prompt's own prefix
 (blocks the worker is only guessed to hold, because an answer just sent that prefix there)
 is not counted against it: that work is done once, and this request reuses it. So a burst
@@ -99,6 +105,7 @@ class WorkerView:
     inflight: int = 0  # requests kvroute's proxy forwarded and has not seen end
     answered: int = 0  # route answers naming it that its /metrics do not show yet
     queued_prefill: int = 0  # uncached prompt tokens of both, not yet computed
+    waiting_prefill: float | None = None  # the price of one `waiting` request; None: unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +187,8 @@ def score_workers(
         total = prompt_tokens if prompt_tokens is not None else (prompt_blocks or 0) * size
         prefill = prefill_cost(weights, total, tokens, by_medium["CPU"], by_medium["STORAGE"],
                                size)
-        queued = max(float(view.queued_prefill), (view.waiting or 0.0) * total)
+        per_waiting = total if view.waiting_prefill is None else view.waiting_prefill
+        queued = max(float(view.queued_prefill), (view.waiting or 0.0) * per_waiting)
         queued = max(0.0, queued - pending * size)  # the prefix being computed for us
         running = max(float(view.inflight + view.answered), view.running or 0.0)
         overloaded = ((view.waiting or 0.0) >= weights.overload_waiting

@@ -470,7 +470,8 @@ class Service:
             inflight=forwarded.requests + peers.inflight,
             answered=answered.requests + peers.answered,
             queued_prefill=(forwarded.queued_prefill_tokens + answered.queued_prefill_tokens
-                            + peers.queued_prefill))
+                            + peers.queued_prefill),
+            waiting_prefill=self.answers.typical_prefill(worker.key) if queue else None)
 
     async def route(self, body: bytes) -> tuple[str, RouteAnswer]:
         """(input kind, answer) for a POST /v1/route body; raises a RequestError."""

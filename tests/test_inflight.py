@@ -80,3 +80,22 @@ def test_route_answers_count_until_a_later_metrics_reading_or_their_age_says_oth
     readings[A] = 10.6
     answers.settle(13.0, readings.get)
     assert answers.get(A) == WorkerLoad()
+
+
+def test_the_typical_prefill_of_a_worker_outlives_its_answers_and_is_bounded(monkeypatch):
+    answers = RecentAnswers(max_age=3.0)
+    assert answers.typical_prefill(A) is None
+    answers.add(A, 800, now=0.0)
+    assert answers.typical_prefill(A) == 800
+    for n in range(80):  # a moving mean: the first answer's weight fades to nothing
+        answers.add(A, 100, now=float(n))
+    answers.settle(100.0, {}.get)  # every answer too old: none counts any more ...
+    assert answers.get(A) == WorkerLoad()
+    typical = answers.typical_prefill(A)  # ... but what they cost is remembered
+    assert typical is not None and 100 < typical < 101
+    answers.add(B, -5, now=0.0)  # tickets never count negative tokens; nor does the mean
+    assert answers.typical_prefill(B) == 0
+    monkeypatch.setattr("kvroute.app.inflight.TYPICAL_WORKERS", 2)
+    answers.add(A, 100, now=1.0)  # A answered last: B is the one forgotten for C
+    answers.add(("c", 0), 100, now=1.0)
+    assert answers.typical_prefill(B) is None and answers.typical_prefill(A) is not None

@@ -50,7 +50,7 @@ def test_queued_work_outweighs_a_small_hit():
     best, scores = pick([busy, idle], {("busy", 0): match(4)})
     assert best.instance == "idle"
     busy_score = next(s for s in scores if s.instance == "busy")
-    # Each waiting request is priced like this prompt's full length (1024 tokens).
+    # Nothing says what a waiting request costs: like this prompt's full length (1024).
     assert busy_score.queued_prefill == 2 * 1024 and busy_score.running == 4
     assert busy_score.queue_cost == W.queued_prefill_token * 2 * 1024 + 4 * W.running_request
     # A long enough hit is still worth running requests (decode pressure).
@@ -80,6 +80,28 @@ def test_a_cached_prefix_on_a_busy_worker_and_an_idle_worker_compare_in_prefill_
     saturated = view("holder", inflight=4, queued_prefill=4 * 540)
     best, _ = pick([saturated, view("idle")], hit, prompt_tokens=540)
     assert best.instance == "idle"
+
+
+def test_waiting_requests_are_priced_like_the_answers_kvroute_sent_there():
+    """A holder of a 480-token prefix with 7 requests waiting, all of which kvroute sent
+    there for ~90 uncached tokens each: 630 tokens queued, not 7 x 570. Priced like this
+    prompt's length, the queue outweighed the 480 tokens the holder saves and the prefix
+    was copied to the other worker, evicting another one there."""
+    hit = {("holder", 0): Match(blocks=15, tokens=480, block_size=32,
+                                by_medium={"GPU": 15, "CPU": 0, "STORAGE": 0})}
+    other = view("other", running=1, waiting=0, waiting_prefill=90.0)
+    unknown = view("holder", running=1, waiting=7)
+    best, scores = pick([unknown, other], hit, prompt_tokens=570)
+    assert next(s for s in scores if s.instance == "holder").queued_prefill == 7 * 570
+    assert best.instance == "other"
+    typical = view("holder", running=1, waiting=7, waiting_prefill=90.0)
+    best, scores = pick([typical, other], hit, prompt_tokens=570)
+    assert next(s for s in scores if s.instance == "holder").queued_prefill == 7 * 90
+    assert best.instance == "holder"
+    # The holder's queue still counts: saturated, the prompt spreads.
+    saturated = view("holder", running=1, waiting=40, waiting_prefill=90.0)
+    best, _ = pick([saturated, other], hit, prompt_tokens=570)
+    assert best.instance == "other"
 
 
 def test_own_and_scraped_views_of_a_queue_are_not_added_up():
