@@ -196,6 +196,9 @@ class Outcome:
     waited_s: float = 0.0  # time spent waiting for the previous turn (not part of TTFT)
     sent_at: float | None = None  # time.monotonic() when the client started sending it
     repeat: int = 0  # which repetition of its (workload, router, concurrency) cell
+    # kvroute-route: each scored worker as "instance matched/prefill+queue" (the answer's
+    # cost terms), so that a request sent away from its prefix's holder can be explained.
+    scores: str | None = None
 
 
 async def drive(requests: Sequence[Request], concurrency: int,
@@ -424,11 +427,11 @@ def summarize(run: RunRecord) -> dict[str, Any]:
     # its repetition), how long routing and its first token took, how much was cached.
     out["trace"] = {
         "columns": ["repeat", "index", "engine", "sent_ms", "route_ms", "ttft_ms",
-                    "prompt_tokens", "cached_tokens", "headers_ms", "fallback"],
+                    "prompt_tokens", "cached_tokens", "headers_ms", "fallback", "scores"],
         "rows": [[o.repeat, o.index, o.engine,
                   ms(o.sent_at - origin[o.repeat]) if o.sent_at is not None else None,
                   ms(o.route_s), ms(o.ttft_s), o.prompt_tokens, o.cached_tokens,
-                  ms(o.headers_s), o.fallback]
+                  ms(o.headers_s), o.fallback, o.scores]
                  for o in run.outcomes],
     }
     return out

@@ -115,6 +115,10 @@ class Sender:
                 out.error = f"route: HTTP {answer.status_code}: {answer.text[:200]}"
                 return out
             choice = answer.json()
+            out.scores = " ".join(
+                f"{s['instance']} {s['matched_tokens']}/{s['cost_terms']['prefill']:.0f}"
+                f"+{s['cost_terms']['queue']:.0f}(q{s['queued_prefill_tokens']:.0f},"
+                f"r{s['running_requests']:.0f})" for s in choice.get("scores", []))
             url = str(choice["url"])
             headers["X-data-parallel-rank"] = str(choice.get("dp_rank", 0))
         elif self.router == "kvroute-proxy":
