@@ -306,7 +306,9 @@ def test_balancer_rows_and_their_added_latency() -> None:
     alone = summarize(_balancer_record("haproxy-kvroute", [4.0, 4.0, 4.0, 4.0]))
     assert routed["headers_p50_ms"] == 5.0 and routed["headers_p99_ms"] == 50.0
     assert routed["fallbacks"] == 1 and routed["fallback_samples"] == ["kvroute HTTP 504"]
-    assert routed["trace"]["columns"][-2:] == ["headers_ms", "fallback"]
+    columns = routed["trace"]["columns"]
+    assert columns[-3:] == ["headers_ms", "fallback", "scores"]
+    assert all(len(row) == len(columns) for row in routed["trace"]["rows"])
     rows = [rr, routed, alone]
     add_added_latency(rows)
     assert routed["added_p50_ms"] == 2.0 and routed["added_p99_ms"] == 20.0
