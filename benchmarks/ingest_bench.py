@@ -139,6 +139,7 @@ def idle_routes(kv: Kvroute, seconds: float) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     workers = args.workers
     burst = roots(workers, args.blocks, args.lag, number=10)
+    burst.name = "burst"
     floor = decode_floor(burst)
     mixes = [(burst, 0), (huge(workers, args.huge_blocks, 11), 0),
              (replay(workers, args.replay_batches, 12), args.replay_batches)]
