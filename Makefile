@@ -39,6 +39,7 @@ bench: $(STAMP)
 		--policies round-robin,kvroute,kvroute-proxy,oracle+load \
 		--workloads shared-system-prompts,multi-turn-chat
 	$(BIN)/python -m benchmarks.peer_bench --quick --out bench-out/peer-quick
+	$(BIN)/python -m benchmarks.ingest_bench --quick --out bench-out/ingest-quick
 
 # kvroute beside Dynamo's standalone KV indexer on one stream (ingest, queries, memory);
 # installs the peer (PyPI ai-dynamo) into bench-out/peer-venv on first use. `make bench`

@@ -4,7 +4,10 @@ with the event loop running between them.
 Bounds (``SubscriberOptions``):
 
 - A payload up to ``_DECODE_WHOLE_BYTES`` is decoded in one call; a bigger one has its
-  envelope decoded, then ``chunk_events`` events at a time.
+  envelope decoded, then ``chunk_events`` events at a time, except that one event over
+  ``huge_store.HUGE_EVENT_BYTES`` (a store of ~40,000 blocks or more) is decoded and
+  applied a slice at a time (``app.huge_store``: nothing applied before all of it is
+  decoded and checked; meanwhile routes see a prefix of its chain).
 - At most ``chunk_events`` events, or ``slice_blocks`` blocks of index work, are applied
   between two yields to the loop, counted across batches (a replay of thousands of small
   batches yields too); and all appliers together stop for the turn once the loop's
@@ -27,16 +30,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
+from kvroute.app.huge_store import HUGE_EVENT_BYTES, HugeStore
 from kvroute.app.loop_budget import LoopBudget, shared_budget
 from kvroute.app.wire import (
     SLICE_TOKENS_PER_BLOCK,
     AllBlocksCleared,
     BlockStored,
     Event,
+    EventBatch,
     Hash,
     WireError,
     apply_event,
@@ -65,6 +72,22 @@ _DECODE_WHOLE_BYTES = 256 * 1024
 # in front of each of them. Real batches decode in well under a millisecond.
 _LONG_DECODE = 0.005
 _MAX_PAUSE = 0.05
+
+
+def _split_huge(raws: list[msgspec.Raw]) -> Iterator[tuple[list[msgspec.Raw], msgspec.Raw | None]]:
+    """``raws`` in order, as runs of ordinary events ``(run, None)`` and each event over
+    ``HUGE_EVENT_BYTES`` on its own ``([], event)``."""
+    run: list[msgspec.Raw] = []
+    for raw in raws:
+        if len(raw) > HUGE_EVENT_BYTES:
+            if run:
+                yield run, None
+                run = []
+            yield [], raw
+        else:
+            run.append(raw)
+    if run:
+        yield run, None
 
 
 class Abandoned(Exception):
@@ -133,36 +156,79 @@ class BatchApplier:
             await self.pause(took)
         step = chunk if lazily else max(1, len(batch.events))
         for start in range(0, len(batch.events), step):
-            if lazily:  # decoded a chunk at a time, with the loop running in between
-                started = time.perf_counter()
-                events = decode_events(batch.events[start:start + step], batch)
-                await self.pause(time.perf_counter() - started)
-            else:
-                events = batch.events
-            outcome.events += len(events)
-            for event in coalesced(events):
-                self._unyielded += 1
-                if self._unyielded >= chunk or budget.exhausted():
-                    await self.yield_to_loop()
-                if isinstance(event, BlockStored) and self._over_a_cap(seq, event):
-                    outcome.exact_again = False  # only a clear after the skip makes it exact
-                    continue
-                try:
-                    outcome.blocks += await self._apply_event(event)
-                except Abandoned:
-                    raise
-                except ValueError as exc:
-                    batch.malformed += 1
-                    outcome.rejected = f"seq {seq}: event rejected by the index: {exc}"
-                except Exception as exc:
-                    log.exception("%s: applying seq %d failed", self.worker, seq)
-                    outcome.failed = f"internal error applying seq {seq}: {exc!r}"
+            if not lazily:
+                if not await self._apply_events(seq, batch.events, batch, outcome):
                     return outcome
-                if isinstance(event, AllBlocksCleared):
-                    outcome.exact_again = True
+                continue
+            # Decoded a chunk at a time, with the loop running in between; an event too
+            # big for one call goes through app.huge_store.
+            for raws, huge in _split_huge(batch.events[start:start + step]):
+                if huge is not None and await self._apply_huge(seq, huge, outcome):
+                    continue
+                started = time.perf_counter()
+                events = decode_events(raws if huge is None else [huge], batch)
+                await self.pause(time.perf_counter() - started)
+                if not await self._apply_events(seq, events, batch, outcome):
+                    return outcome
         outcome.malformed = batch.malformed
         outcome.unknown = batch.unknown
         return outcome
+
+    async def _apply_events(self, seq: int, events: list[Event], batch: EventBatch,
+                            outcome: BatchOutcome) -> bool:
+        """Apply decoded events, counting into ``outcome``; False when a bug stopped it
+        (``outcome.failed`` says which)."""
+        outcome.events += len(events)
+        budget = self.budget
+        for event in coalesced(events):
+            self._unyielded += 1
+            if self._unyielded >= self.options.chunk_events or budget.exhausted():
+                await self.yield_to_loop()
+            if isinstance(event, BlockStored) and self._over_a_cap(
+                    seq, len(event.block_hashes), bool(event.token_ids)):
+                outcome.exact_again = False  # only a clear after the skip makes it exact
+                continue
+            try:
+                outcome.blocks += await self._apply_event(event)
+            except Abandoned:
+                raise
+            except ValueError as exc:
+                batch.malformed += 1
+                outcome.rejected = f"seq {seq}: event rejected by the index: {exc}"
+            except Exception as exc:
+                log.exception("%s: applying seq %d failed", self.worker, seq)
+                outcome.failed = f"internal error applying seq {seq}: {exc!r}"
+                return False
+            if isinstance(event, AllBlocksCleared):
+                outcome.exact_again = True
+        return True
+
+    async def _apply_huge(self, seq: int, raw: bytes, outcome: BatchOutcome) -> bool:
+        """Apply one encoded event over ``HUGE_EVENT_BYTES`` without decoding it in one
+        call (``app.huge_store``); False when it is not a store that way can take (decode
+        it the ordinary way then: nothing was applied). Routes meanwhile see a prefix of
+        its chain held, never more than the engine holds."""
+        store = HugeStore.open(raw, self.options.slice_blocks)
+        if store is None or not store.valid:
+            return False
+        if self._over_a_cap(seq, store.blocks, store.has_tokens):
+            outcome.events += 1
+            outcome.exact_again = False
+            return True
+        await self.yield_to_loop()
+        for _ in store.decode_steps():
+            if self.budget.exhausted():
+                await self.yield_to_loop()
+        if not store.valid:
+            return False
+        outcome.events += 1
+        await self.yield_to_loop()  # resolving the parent and the first slice come next
+        for piece in store.slices(self._holds):
+            if self._unyielded_work or self.budget.exhausted():
+                await self.yield_to_loop()
+            self._unyielded_work += self._work(piece)
+            outcome.blocks += apply_event(self.index, self.worker, piece)
+        return True
 
     async def _apply_event(self, event: Event) -> int:
         """Apply one event; returns the blocks it stored or removed. An event of more work
@@ -201,15 +267,14 @@ class BatchApplier:
     def _holds(self, block_hash: Hash) -> bool:
         return self.index.holds_hash(self.worker, block_hash)
 
-    def _over_a_cap(self, seq: int, event: BlockStored) -> bool:
-        """Whether a store is refused for a cap (see the module docstring)."""
+    def _over_a_cap(self, seq: int, blocks: int, has_tokens: bool) -> bool:
+        """Whether a store of ``blocks`` blocks is refused for a cap (module docstring)."""
         options = self.options
-        blocks = len(event.block_hashes)
         if blocks > options.max_blocks_per_event:
             self._refused("oversized_events", f"seq {seq}: a BlockStored of {blocks} blocks "
                           f"is over max_blocks_per_event ({options.max_blocks_per_event})")
             return True
-        if not event.token_ids:
+        if not has_tokens:
             return False  # an offload adds a medium to blocks the worker holds, never a block
         # Every block counts as new, also one stored again (that adds a reference, not a
         # block): telling them apart would cost a lookup per block.

@@ -47,7 +47,7 @@ POLL = 0.05
 QUERY_LENGTHS = (1024, 8192, 32768)
 
 
-def _pct(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
@@ -89,7 +89,22 @@ class _Watch(threading.Thread):
             self.error = repr(exc)
 
 
-def _ask(publisher: subprocess.Popen[str], request: dict[str, Any]) -> dict[str, Any]:
+def start_publisher(workers: int) -> tuple[subprocess.Popen[str], list[list[str]]]:
+    """benchmarks.peer_publisher serving ``workers`` streams, and their endpoints."""
+    publisher = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.peer_publisher", str(workers)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert publisher.stdout is not None
+    return publisher, json.loads(publisher.stdout.readline())["endpoints"]
+
+
+def stop_publisher(publisher: subprocess.Popen[str]) -> None:
+    assert publisher.stdin is not None
+    publisher.stdin.close()
+    publisher.wait(30)
+
+
+def ask(publisher: subprocess.Popen[str], request: dict[str, Any]) -> dict[str, Any]:
     assert publisher.stdin is not None and publisher.stdout is not None
     publisher.stdin.write(json.dumps(request) + "\n")
     publisher.stdin.flush()
@@ -112,19 +127,10 @@ def _check(side: Side, mix: Mix, workers: int) -> list[str]:
     return wrong
 
 
-def _stall(kv: Kvroute, before: tuple[float, dict[float, float]]) -> float:
-    """kvroute's worst loop lag since ``before``: exact when it set a new worst since start,
-    otherwise the smallest histogram bound under which every lag since ``before`` fell."""
-    worst, buckets = kv.loop_lag()
-    if worst > before[0]:
-        return worst
-    grown = {b: n - before[1].get(b, 0) for b, n in buckets.items()}
-    total = max(grown.values(), default=0)
-    return min((b for b, n in grown.items() if n == total), default=0.0)
-
-
 def ingest(sides: list[Side], publisher: subprocess.Popen[str], mix: Mix, path: Path,
-           kv: Kvroute, timeout: float) -> dict[str, Any]:
+           kv: Kvroute, timeout: float, unpublished: int = 0) -> dict[str, Any]:
+    """Send ``mix`` (its first ``unpublished`` batches per worker to the replay buffer only,
+    see benchmarks.peer_publisher) and watch every side until it holds the mix's marker."""
     mix.save(path)
     probe = doc_tokens(0, 1024)
     lag_before = kv.loop_lag()
@@ -132,7 +138,7 @@ def ingest(sides: list[Side], publisher: subprocess.Popen[str], mix: Mix, path: 
     watches = [_Watch(side, mix, probe, deadline) for side in sides]
     for watch in watches:
         watch.start()
-    sent = _ask(publisher, {"send": str(path)})
+    sent = ask(publisher, {"send": str(path), "unpublished": unpublished})
     for watch in watches:
         watch.join(timeout + 5)
     row: dict[str, Any] = {"mix": mix.name, "stored_blocks": mix.stored,
@@ -146,13 +152,13 @@ def ingest(sides: list[Side], publisher: subprocess.Popen[str], mix: Mix, path: 
             "final_state": watch.done_at is not None,
             "marker_holders": watch.holders,
             "error": watch.error,
-            "query_1k_during_ingest_p99_ms": _pct([x * 1000 for x in watch.latencies], 0.99),
+            "query_1k_during_ingest_p99_ms": percentile([x * 1000 for x in watch.latencies], 0.99),
         }
         if watch.done_at is None:
             row[side.name]["error"] = watch.error or (
                 f"did not reach the final state within {timeout:g} s: the marker shows on "
                 f"{watch.holders} of {side.workers} workers (events lost?)")
-    row["kvroute"]["worst_loop_lag_ms"] = 1000 * _stall(kv, lag_before)
+    row["kvroute"]["worst_loop_lag_ms"] = 1000 * kv.stall_since(lag_before)
     for side in sides:
         row[side.name]["wrong_answers"] = _check(side, mix, side.workers)[:5]
     return row
@@ -170,9 +176,9 @@ def queries(side: Side, mix: Mix, count: int, rng: random.Random) -> dict[str, A
             times.append(took * 1000)
             best = max(got.values(), default=0)
             wrong += best != length
-        out[f"{length}"] = {"p50_ms": statistics.median(times), "p99_ms": _pct(times, 0.99)}
+        out[f"{length}"] = {"p50_ms": statistics.median(times), "p99_ms": percentile(times, 0.99)}
     health = [side.health() * 1000 for _ in range(count)]
-    out["health"] = {"p50_ms": statistics.median(health), "p99_ms": _pct(health, 0.99)}
+    out["health"] = {"p50_ms": statistics.median(health), "p99_ms": percentile(health, 0.99)}
     out["wrong_best_matches"] = wrong
     return out
 
@@ -191,11 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["peer_skipped"] = "no peer venv (make bench-peer installs it)"
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        publisher = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.peer_publisher", str(workers)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert publisher.stdout is not None
-        endpoints = json.loads(publisher.stdout.readline())["endpoints"]
+        publisher, endpoints = start_publisher(workers)
         kv = Kvroute(workers)
         sides: list[Side] = [kv]
         if python is not None:
@@ -203,7 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             for side in sides:
                 side.start(endpoints, workdir)  # type: ignore[attr-defined]
-            subscribed = _ask(publisher, {"wait": len(sides), "timeout": 60})["subscribed"]
+            subscribed = ask(publisher, {"wait": len(sides), "timeout": 60})["subscribed"]
             if min(subscribed) < len(sides):
                 raise RuntimeError(f"subscriptions per stream: {subscribed}")
             rss0 = {s.name: s.rss() for s in sides}
@@ -226,9 +228,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             for side in sides:
                 side.stop()
-            assert publisher.stdin is not None
-            publisher.stdin.close()
-            publisher.wait(30)
+            stop_publisher(publisher)
     return result
 
 

@@ -13,7 +13,10 @@ Protocol on stdin/stdout, one JSON line each:
   stream has n subscriptions (or the timeout passed);
 - ``{"send": path}``: sends the ``peer_stream.Mix`` pickled there, the workers' batches
   interleaved, as fast as ZeroMQ takes them; answers ``{"started": t, "sent": t}``
-  (``time.monotonic()``, the same clock as the bench's on Linux);
+  (``time.monotonic()``, the same clock as the bench's on Linux). With ``"unpublished": k``,
+  the first k batches of each worker (all but its last, at most) only go to the replay
+  buffer, as batches the subscribers missed: the next live one is a gap of k batches,
+  which a subscriber fills from the replay ROUTER (benchmarks.ingest_bench);
 - end of stdin: close and exit.
 """
 
@@ -80,13 +83,15 @@ class _Streams:
             time.sleep(0.05)
         return list(self.subscribed)
 
-    def send(self, mix: Mix) -> tuple[float, float]:
+    def send(self, mix: Mix, unpublished: int = 0) -> tuple[float, float]:
+        for w, payloads in enumerate(mix.payloads):
+            self.sent[w] += payloads[:min(unpublished, len(payloads) - 1)]
         started = time.monotonic()
         longest = max(len(p) for p in mix.payloads)
         with self._lock:
             for i in range(longest):
                 for w, payloads in enumerate(mix.payloads):
-                    if i < len(payloads):
+                    if min(unpublished, len(payloads) - 1) <= i < len(payloads):
                         sent = self.sent[w]
                         self.pubs[w].send_multipart([TOPIC, encode_seq(len(sent)), payloads[i]])
                         sent.append(payloads[i])
@@ -122,7 +127,7 @@ def main() -> None:
         if "wait" in ask:
             answer: dict[str, object] = {"subscribed": streams.wait(ask["wait"], ask["timeout"])}
         else:
-            started, sent = streams.send(Mix.load(Path(ask["send"])))
+            started, sent = streams.send(Mix.load(Path(ask["send"])), ask.get("unpublished", 0))
             answer = {"started": started, "sent": sent}
         print(json.dumps(answer), flush=True)
     streams.close()

@@ -124,8 +124,13 @@ class Side:
 class Kvroute(Side):
     name = "kvroute"
 
+    def __init__(self, workers: int, settings: tuple[str, ...] = ()) -> None:
+        super().__init__(workers)
+        self.settings = settings  # more lines of its TOML configuration (top-level keys)
+
     def start(self, endpoints: list[list[str]], workdir: Path) -> None:
-        lines = [f"port = {self.port}", 'log_level = "warning"', "load_interval = 0"]
+        lines = [f"port = {self.port}", 'log_level = "warning"', "load_interval = 0",
+                 *self.settings]
         for w, (events, replay) in enumerate(endpoints):
             lines += ["[[instances]]", f'id = "w{w:03d}"', f"block_size = {BLOCK}",
                       f'events = ["{events}"]', f'replay = ["{replay}"]']
@@ -159,6 +164,17 @@ class Kvroute(Side):
     def _scores(body: dict) -> dict[int, int]:
         return {int(s["instance"][1:]): s["matched_tokens"] for s in body["scores"]
                 if s["matched_tokens"]}
+
+    def stall_since(self, before: tuple[float, dict[float, float]]) -> float:
+        """The worst loop lag since ``before`` (a ``loop_lag()``): exact when it set a new
+        worst since start, otherwise the smallest histogram bound under which every lag
+        since ``before`` fell."""
+        worst, buckets = self.loop_lag()
+        if worst > before[0]:
+            return worst
+        grown = {b: n - before[1].get(b, 0) for b, n in buckets.items()}
+        total = max(grown.values(), default=0)
+        return min((b for b, n in grown.items() if n == total), default=0.0)
 
     def loop_lag(self) -> tuple[float, dict[float, float]]:
         """(worst lag since start, cumulative count per histogram bucket bound)."""
