@@ -202,6 +202,11 @@ class PrefixIndex:
         # worker -> when its unconfirmed blocks expire
         self._unconfirmed_until: dict[WorkerKey, float] = {}
 
+    @property
+    def implementation(self) -> str:
+        """Which loops this index runs: "compiled" or "pure" (see ``IMPLEMENTATION``)."""
+        return "pure" if self._fast is None else "compiled"
+
     # ------------------------------------------------------------------ ingestion
 
     def apply_stored(

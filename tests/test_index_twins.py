@@ -6,12 +6,16 @@ and the whole layout after every call; both layouts pass ``_check``."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroute.index import prefix_index
+from kvroute.index import PrefixIndex, prefix_index
 from tests.support.index_impl import TwinIndex
 
 BLOCK = 4
@@ -80,3 +84,24 @@ def test_compiled_and_pure_loops_agree_on_random_streams(seed: int, steps: int) 
         index.drop_worker(worker)
     index._check()
     assert not index.compiled._nodes and not index.pure._nodes
+
+
+def test_kvroute_pure_index_selects_the_pure_loops() -> None:
+    code = ("from kvroute.index import PrefixIndex, prefix_index; "
+            "print(prefix_index.IMPLEMENTATION, PrefixIndex().implementation)")
+    answers = {}
+    for value in ("1", "0", ""):
+        env = {**os.environ, "KVROUTE_PURE_INDEX": value}
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                env=env, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        answers[value] = result.stdout.split()
+    assert answers == {"1": ["pure", "pure"], "0": ["compiled", "compiled"],
+                       "": ["compiled", "compiled"]}
+
+
+def test_asking_for_missing_compiled_loops_is_a_clear_error(monkeypatch) -> None:
+    monkeypatch.setattr(prefix_index, "_compiled", None)
+    with pytest.raises(ValueError, match="not built"):
+        PrefixIndex(compiled=True)
+    assert PrefixIndex(compiled=False).implementation == "pure"
