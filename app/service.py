@@ -73,6 +73,7 @@ from kvroute.app.subscription import SubscriberOptions, WorkerKey, WorkerState
 from kvroute.app.tokenizer import Tokenizer, make_tokenizer
 from kvroute.app.valkey import NO_LOAD, PeerLoad, Peers, PeersCollector, ValkeyStore
 from kvroute.index import Match, PrefixIndex
+from kvroute.index.prefix_index import COMPILED_AVAILABLE
 
 __all__ = ["Decision", "Service", "route_request_decoder"]
 
@@ -180,6 +181,9 @@ class Service:
             self.metrics.registry.register(StateCollector(self.state))
 
     async def start(self) -> None:
+        # Which loops the index runs, so that a build without the compiled ones is visible.
+        log.info("prefix index: %s loops%s", self.index.implementation,
+                 "" if COMPILED_AVAILABLE else " (the compiled ones are not built)")
         if self.state is not None:
             await self.state.load()
             self.state.start()

@@ -19,6 +19,9 @@ noisy machines:
   every block held by four workers; beside it the index's own estimate (``stats()``).
   tracemalloc counts requested bytes, not the allocator's rounding.
 
+Ingestion runs once per implementation of the index's loops (compiled when built, then the
+pure reference) on the same batches; queries time both on the same index.
+
 Usage: python -m benchmarks.index_bench [--quick] [--json-only]
 (--quick: fewer blocks and repeats, queries at 32 workers only, memory without sharing only)
 Prints one JSON object, then a table.
@@ -43,7 +46,7 @@ import msgspec
 from xxhash import xxh3_128_digest
 
 from benchmarks.report import emit
-from kvroute.index import PrefixIndex
+from kvroute.index import PrefixIndex, prefix_index
 
 BLOCK = 16
 TARGET_INGEST_BLOCKS_PER_S = 1_000_000
@@ -215,7 +218,17 @@ def best_of(repeats: int, run: Callable[[], float]) -> float:
     return min(run() for _ in range(repeats))
 
 
-def bench_ingestion(quick: bool) -> dict[str, Any]:
+def implementations() -> list[str]:
+    """The index's loops to measure: the compiled ones when built, and the pure ones."""
+    return (["compiled"] if prefix_index.COMPILED_AVAILABLE else []) + ["pure"]
+
+
+def bench_ingestion(quick: bool) -> list[dict[str, Any]]:
+    """Ingestion with each implementation of the index's loops, on the same batches."""
+    return [bench_ingestion_with(quick, name) for name in implementations()]
+
+
+def bench_ingestion_with(quick: bool, implementation: str) -> dict[str, Any]:
     workers = 8
     capacity = 2_000 if quick else 8_000
     workload = build_ingest_workload(workers, capacity, 150_000 if quick else 600_000)
@@ -225,7 +238,7 @@ def bench_ingestion(quick: bool) -> dict[str, Any]:
     repeats = 2 if quick else 3
 
     def warm_index() -> PrefixIndex:
-        index = PrefixIndex()
+        index = PrefixIndex(compiled=implementation == "compiled")
         for w, payload in workload.warmup:
             apply(index, names[w], decode(payload))
         return index
@@ -262,6 +275,7 @@ def bench_ingestion(quick: bool) -> dict[str, Any]:
     applied = best_of(repeats, apply_only)
     blocks = workload.steady_blocks
     return {
+        "implementation": implementation,
         "codec": codec_name,
         "clock": f"process CPU time, best of {repeats}",
         "workers": workers,
@@ -359,12 +373,21 @@ def bench_queries(quick: bool) -> list[dict[str, Any]]:
             def query(index: PrefixIndex = index, prompt: list[int] = prompt) -> None:
                 index.match(prompt)
 
+            # Both implementations keep the same containers: the pure loops are timed on
+            # this same index by switching its loops (a benchmark's liberty).
+            pure = PrefixIndex(compiled=False)
+            pure.__dict__.update({k: v for k, v in vars(index).items() if k != "_fast"})
+
+            def pure_query(index: PrefixIndex = pure, prompt: list[int] = prompt) -> None:
+                index.match(prompt)
+
             answer = index.match(prompt)
             assert max(m.blocks for m in answer.values()) == blocks
             assert len(answer) == workers
+            assert pure.match(prompt) == answer
             gc.collect()
-            (wall, cpu), (floor_wall, _), (hash_wall, _) = timed_us(
-                [query, lookups, hashing], repeats)
+            (wall, cpu), (pure_wall, _), (floor_wall, _), (hash_wall, _) = timed_us(
+                [query, pure_query, lookups, hashing], repeats)
             rows.append({
                 "workers": workers,
                 "holdings": held,
@@ -374,6 +397,9 @@ def bench_queries(quick: bool) -> list[dict[str, Any]]:
                 "match_p50_us": statistics.median(wall),
                 "match_p99_us": percentile(wall, 0.99),
                 "match_cpu_p99_us": percentile(cpu, 0.99),
+                "implementation": index.implementation,
+                "pure_match_p50_us": statistics.median(pure_wall),
+                "pure_match_p99_us": percentile(pure_wall, 0.99),
                 "floor_dict_chain_p50_us": statistics.median(floor_wall),
                 "floor_dict_chain_p99_us": percentile(floor_wall, 0.99),
                 "hash_chain_p50_us": statistics.median(hash_wall),
@@ -423,28 +449,34 @@ def bench_memory(quick: bool) -> list[dict[str, Any]]:
 
 
 def table(result: dict[str, Any]) -> str:
-    ingest = result["ingestion"]
-    lines = [
-        f"ingestion ({ingest['codec']}, {ingest['steady_blocks']:,} blocks in "
-        f"{ingest['steady_batches']:,} batches, {ingest['workers']} workers)",
-        f"  decode + apply   {ingest['decode_apply_blocks_per_s'] / 1e6:7.2f} M blocks/s   "
-        f"target >= {TARGET_INGEST_BLOCKS_PER_S / 1e6:.2f} M/s",
-        f"  apply only       {ingest['apply_only_blocks_per_s'] / 1e6:7.2f} M blocks/s",
-        f"  floor: decode    {ingest['decode_only_blocks_per_s'] / 1e6:7.2f} M blocks/s   "
-        f"decode+apply / decode = {ingest['decode_apply_vs_decode_only']:.0%} "
-        f"(target >= {TARGET_INGEST_RATIO:.0%})",
+    lines = []
+    for ingest in result["ingestion"]:
+        lines += [
+            f"ingestion, {ingest['implementation']} loops ({ingest['codec']}, "
+            f"{ingest['steady_blocks']:,} blocks in {ingest['steady_batches']:,} batches, "
+            f"{ingest['workers']} workers)",
+            f"  decode + apply   {ingest['decode_apply_blocks_per_s'] / 1e6:7.2f} M blocks/s   "
+            f"target >= {TARGET_INGEST_BLOCKS_PER_S / 1e6:.2f} M/s",
+            f"  apply only       {ingest['apply_only_blocks_per_s'] / 1e6:7.2f} M blocks/s",
+            f"  floor: decode    {ingest['decode_only_blocks_per_s'] / 1e6:7.2f} M blocks/s   "
+            f"decode+apply / decode = {ingest['decode_apply_vs_decode_only']:.0%} "
+            f"(target >= {TARGET_INGEST_RATIO:.0%})",
+        ]
+    lines += [
         "",
-        "queries (match over all workers; floor = a bare chain of dict lookups; "
-        "hash = the keys alone: token conversion + chained xxh3)",
+        "queries (match over all workers, default loops; pure = the pure loops on the same "
+        "index; floor = a bare chain of dict lookups; hash = the keys alone: token "
+        "conversion + chained xxh3)",
         f"  {'workers':>7} {'holdings':>9} {'tokens':>6} {'blocks':>6} "
-        f"{'p50 us':>8} {'p99 us':>8} {'cpu p99':>8} {'floor p50':>9} {'floor p99':>9} "
-        f"{'hash p50':>8}",
+        f"{'p50 us':>8} {'p99 us':>8} {'cpu p99':>8} {'pure p50':>8} {'pure p99':>8} "
+        f"{'floor p50':>9} {'floor p99':>9} {'hash p50':>8}",
     ]
     for row in result["queries"]:
         lines.append(
             f"  {row['workers']:>7} {row['holdings']:>9,} {row['prompt_tokens']:>6} "
             f"{row['blocks']:>6} {row['match_p50_us']:>8.1f} {row['match_p99_us']:>8.1f} "
             f"{row['match_cpu_p99_us']:>8.1f} "
+            f"{row['pure_match_p50_us']:>8.1f} {row['pure_match_p99_us']:>8.1f} "
             f"{row['floor_dict_chain_p50_us']:>9.1f} {row['floor_dict_chain_p99_us']:>9.1f} "
             f"{row['hash_chain_p50_us']:>8.1f}"
         )

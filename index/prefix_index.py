@@ -43,6 +43,7 @@ Invariants (``PrefixIndex._check()`` verifies them; the property tests call it):
 from __future__ import annotations
 
 import heapq
+import os
 import sys
 from collections import Counter
 from collections.abc import Hashable, Iterable, Iterator, Sequence
@@ -82,6 +83,19 @@ SLOT_SHIFT = FP_SHIFT + FP_BITS
 HOLDERS_MIN = 1 << SLOT_SHIFT  # a node value below this has no holder left
 UINT64_MASK = (1 << 64) - 1
 INDEXED_KINDS = frozenset({None, "full_attention", "mla_attention"})
+
+try:  # the compiled loops (index/_fast.pyx), built at install time when a C compiler is there
+    from kvroute.index import _fast as _compiled
+except ImportError:  # not built (no compiler, or a source tree without the build step)
+    _compiled = None
+
+#: Whether the compiled loops are importable (built for this interpreter).
+COMPILED_AVAILABLE = _compiled is not None
+#: What a ``PrefixIndex()`` uses by default: "compiled", or "pure" when the compiled loops
+#: are missing or ``KVROUTE_PURE_INDEX`` is set to anything but "" or "0" (the pure loops
+#: are the reference; both keep the same containers and give the same answers).
+IMPLEMENTATION = ("compiled" if COMPILED_AVAILABLE
+                  and os.environ.get("KVROUTE_PURE_INDEX", "") in ("", "0") else "pure")
 
 
 def _fingerprint_bits(parent: bytes) -> int:
@@ -165,7 +179,14 @@ class PrefixIndex:
       happens after lost events).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, compiled: bool | None = None) -> None:
+        """``compiled``: use the compiled loops (True; ``ValueError`` when they are not
+        built), the pure ones (False), or the module's ``IMPLEMENTATION`` (None)."""
+        if compiled is None:
+            compiled = IMPLEMENTATION == "compiled"
+        if compiled and _compiled is None:
+            raise ValueError("the compiled prefix-index loops are not built")
+        self._fast = _compiled if compiled else None
         self._nodes: dict[bytes, int] = {}
         self._tiered: dict[bytes, list[int]] = {}
         self._workers: dict[WorkerKey, _Worker] = {}
@@ -180,6 +201,11 @@ class PrefixIndex:
         self.placements = Placements()
         # worker -> when its unconfirmed blocks expire
         self._unconfirmed_until: dict[WorkerKey, float] = {}
+
+    @property
+    def implementation(self) -> str:
+        """Which loops this index runs: "compiled" or "pure" (see ``IMPLEMENTATION``)."""
+        return "pure" if self._fast is None else "compiled"
 
     # ------------------------------------------------------------------ ingestion
 
@@ -273,6 +299,13 @@ class PrefixIndex:
                     worker, chain_keys(tokens[: plain * step], block_size, parent=parent_key))
         if suffixes is not None or tier != GPU:
             self._store_chain(w, block_hashes, parent_key, flag, tokens, step, suffixes, tier)
+            return
+
+        fast = self._fast
+        if fast is not None and type(block_hashes) is list:
+            held_before = fast.store_gpu_chain(self, w, block_hashes, parent_key, tokens, step,
+                                               w.bit, flag, FP_FIELD)
+            w.held[GPU] += blocks - held_before
             return
 
         # Hot path: one pass over the chain, hashing and placing each block. setdefault
@@ -422,6 +455,13 @@ class PrefixIndex:
                 self._release(w, block_hash, tier)
             return
         # Hot path: every holding of this worker is "once on GPU", so no tier bookkeeping.
+        fast = self._fast
+        if fast is not None and type(block_hashes) is list:
+            removed, unknown = fast.remove_gpu(self, w, block_hashes, HOLDERS_MIN)
+            self._unknown_removals += unknown
+            if removed:
+                w.held[GPU] -= removed
+            return
         pop_handle = w.handles.pop
         nodes = self._nodes
         removed = 0
@@ -931,11 +971,14 @@ class PrefixIndex:
         Returns ``ended``: (mask of workers, number of blocks they matched) and the
         (key, holders) of matched blocks that have non-GPU holders.
         """
+        step = block_size * TOKEN_BYTES
+        if self._fast is not None:
+            return self._fast.walk_tokens(self._nodes, parent_key, tokens, step, alive,
+                                          bool(self._tiered), TIERED)
         digest = xxh3_128_digest
         get_node = self._nodes.get
         ended: list[tuple[int, int]] = []
         tiered_hits: list[tuple[bytes, int]] = []
-        step = block_size * TOKEN_BYTES
         if len(tokens) % step:
             tokens = tokens[: len(tokens) - len(tokens) % step]  # the partial block never matches
         position = -1

@@ -22,6 +22,9 @@ from typing import TypeVar
 
 import pytest
 
+# The index tests run against both implementations of the index's loops (compiled, pure).
+from tests.support.index_impl import index_implementation  # noqa: F401
+
 T = TypeVar("T")
 
 _SCALE_VARIABLE = "KVROUTE_TEST_TIMEOUT_SCALE"

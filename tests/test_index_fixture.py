@@ -13,9 +13,13 @@ from __future__ import annotations
 from collections import Counter
 
 import msgspec
+import pytest
 
 from kvroute.index import PrefixIndex
 from tests.support.fixtures import END_SEQ, live_payloads, replay_payloads, session_frames
+
+# Every test here runs with the compiled loops, then with the pure ones (the reference).
+pytestmark = pytest.mark.usefixtures("index_implementation")
 
 WORKER = ("vllm-cpu", 0)
 BLOCK_SIZE = 32

@@ -17,8 +17,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvroute.index import Match, PrefixIndex
+from kvroute.index import Match
 from kvroute.index.holdings import Holdings
+from tests.support.index_impl import TwinIndex
 from tests.support.index_state import assert_empty
 
 TIERS = ("GPU", "CPU", "STORAGE")
@@ -240,7 +241,9 @@ token_st = st.integers(0, 2)
 class IndexMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.index = PrefixIndex()
+        # The compiled and the pure loops at once: each is checked against the model, and
+        # against the other after every call (answers and containers).
+        self.index = TwinIndex()
         self.model = Model()
         self.stored_events: list[tuple] = []  # (name, parent, raw blocks, lora, variant)
 
@@ -400,7 +403,7 @@ class IndexMachine(RuleBasedStateMachine):
             capture = self.index.capture(name)
             saved[name] = msgspec.msgpack.decode(
                 msgspec.msgpack.encode(list(capture.pieces(piece_size))), type=list[Holdings])
-        self.index = PrefixIndex()
+        self.index = TwinIndex()
         for name, pieces in saved.items():
             assert self.index.restore(name, pieces) == sum(len(p) for p in pieces)
         self.model.orphaned = self.model.unknown_removals = 0
@@ -484,7 +487,8 @@ class IndexMachine(RuleBasedStateMachine):
     def teardown(self):
         for name in SPECS:
             self.index.drop_worker(name)
-        assert_empty(self.index)
+        assert_empty(self.index.compiled)
+        assert_empty(self.index.pure)
 
 
 IndexMachine.TestCase.settings = settings(

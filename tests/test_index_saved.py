@@ -12,6 +12,9 @@ import pytest
 from kvroute.index import PrefixIndex
 from kvroute.index.holdings import Holdings
 
+# Every test here runs with the compiled loops, then with the pure ones (the reference).
+pytestmark = pytest.mark.usefixtures("index_implementation")
+
 A = ("a", 0)
 B = ("b", 0)
 BS = 4

@@ -10,6 +10,9 @@ import pytest
 from kvroute.index import IndexStats, Match, PrefixIndex
 from tests.support.index_state import assert_empty
 
+# Every test here runs with the compiled loops, then with the pure ones (the reference).
+pytestmark = pytest.mark.usefixtures("index_implementation")
+
 A, B, C = ("a", 0), ("b", 0), ("c", 1)
 TOKENS = list(range(100, 116))  # 16 tokens: 4 blocks of 4, 8 blocks of 2
 

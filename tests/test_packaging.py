@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import shutil
 import subprocess
 import sys
@@ -12,21 +13,34 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_the_wheel_holds_only_the_kvroute_package(tmp_path: Path) -> None:
-    # Built from a copy: setuptools leaves a build/ folder beside the sources.
+def _built_wheel(tmp_path: Path, env: dict[str, str] | None = None) -> list[str]:
+    """The names in a wheel built from a copy of the sources (setuptools leaves a build/
+    folder beside them; an in-place build of the compiled index loops is left out)."""
     source = tmp_path / "source"
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
     for folder in ("app", "index", "sim"):
         shutil.copytree(ROOT / folder, source / folder,
-                        ignore=shutil.ignore_patterns("__pycache__"))
+                        ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.c"))
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(tmp_path),
-         str(source)], capture_output=True, text=True, timeout=600)
+         str(source)], capture_output=True, text=True, timeout=600,
+        env=None if env is None else {**os.environ, **env})
     assert built.returncode == 0, built.stderr[-2000:]
     (wheel,) = tmp_path.glob("kvroute-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
+    return zipfile.ZipFile(wheel).namelist()
+
+
+def _compiled_loops(names: list[str]) -> list[str]:
+    return [n for n in names if n.startswith("kvroute/index/_fast.") and n.endswith(".so")]
+
+
+def test_the_wheel_holds_only_the_kvroute_package(tmp_path: Path) -> None:
+    names = _built_wheel(tmp_path)
+    wheel = next(tmp_path.glob("kvroute-*.whl"))
+    # The machine's C compiler built the index's compiled loops into the wheel.
+    assert len(_compiled_loops(names)) == 1, names
     tops = {name.split("/", 1)[0] for name in names}
     assert tops == {"kvroute", next(t for t in tops if t.endswith(".dist-info"))}
     for module in ("kvroute/app/service.py", "kvroute/index/prefix_index.py",
@@ -40,6 +54,14 @@ def test_the_wheel_holds_only_the_kvroute_package(tmp_path: Path) -> None:
     info = next(t for t in tops if t.endswith(".dist-info"))
     entry_points = zipfile.ZipFile(wheel).read(f"{info}/entry_points.txt").decode()
     assert "kvroute = kvroute.app.cli:main" in entry_points
+
+
+def test_without_a_c_compiler_the_wheel_builds_with_the_pure_loops(tmp_path: Path) -> None:
+    """The slim container image has no compiler: the build still succeeds, without the
+    compiled loops (the index then reports IMPLEMENTATION "pure")."""
+    names = _built_wheel(tmp_path, env={"CC": "false"})
+    assert "kvroute/index/prefix_index.py" in names
+    assert _compiled_loops(names) == []
 
 
 def test_the_service_never_imports_the_simulator() -> None:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvroute.index import PrefixIndex
 from kvroute.index.placement import Placements, chain_keys
+
+# Every test here runs with the compiled loops, then with the pure ones (the reference).
+pytestmark = pytest.mark.usefixtures("index_implementation")
 
 WORKERS = ("a", "b")
 

@@ -1,0 +1,107 @@
+"""The compiled loops agree with the pure ones on random event streams shaped like a fleet's:
+long chains from the root and under held blocks, content shared between workers, stores
+repeated or re-announced under other hashes, runs of removals (some of unknown hashes),
+tiered stores and clears, with queries between them. ``TwinIndex`` compares every answer
+and the whole layout after every call; both layouts pass ``_check``."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvroute.index import PrefixIndex, prefix_index
+from tests.support.index_impl import TwinIndex
+
+BLOCK = 4
+WORKERS = [(f"w{n}", 0) for n in range(5)]
+
+
+def test_the_compiled_loops_are_built_for_the_test_environment() -> None:
+    """`make test` builds them (pip install -e . compiles index/_fast.pyx); without them the
+    compiled half of every index test would silently be the pure one."""
+    assert prefix_index.COMPILED_AVAILABLE
+    twin = TwinIndex()
+    assert twin.compiled._fast is not None and twin.pure._fast is None
+
+
+def run_stream(seed: int, steps: int) -> TwinIndex:
+    rng = random.Random(seed)
+    index = TwinIndex()
+    prompts = [[rng.randrange(50) for _ in range(BLOCK * rng.randint(1, 24))] for _ in range(6)]
+    held: dict[tuple[str, int], list[int]] = {w: [] for w in WORKERS}
+    next_hash = iter(range(1, 10**9))
+    for _ in range(steps):
+        worker = rng.choice(WORKERS)
+        mine = held[worker]
+        action = rng.random()
+        if action < 0.45:  # a chain: a shared prompt, maybe a private tail, root or not
+            tokens = list(rng.choice(prompts))
+            if rng.random() < 0.5:
+                tokens += [rng.randrange(50) for _ in range(BLOCK * rng.randint(1, 40))]
+            parent = rng.choice(mine) if mine and rng.random() < 0.3 else None
+            if rng.random() < 0.1:  # an orphan: a parent nobody holds
+                parent = 10**12 + rng.randrange(5)
+            hashes = [next(next_hash) for _ in range(len(tokens) // BLOCK)]
+            if mine and rng.random() < 0.15:  # a hash re-announced (held, or other content)
+                hashes[rng.randrange(len(hashes))] = rng.choice(mine)
+            if rng.random() < 0.1:  # signed spellings of unsigned hashes
+                hashes = [h - 2**64 if h % 2 else h for h in (x + 2**63 for x in hashes)]
+            medium = rng.choice([None, None, None, None, "GPU", "CPU", "STORAGE"])
+            index.apply_stored(worker, hashes, parent, tokens, BLOCK, medium=medium)
+            mine.extend(h & (2**64 - 1) for h in hashes)
+        elif action < 0.8:  # a run of removals, like vLLM's one-hash events coalesced
+            count = rng.randint(1, 30)
+            chosen = [mine.pop(rng.randrange(len(mine))) for _ in range(min(count, len(mine)))]
+            if rng.random() < 0.2:
+                chosen.append(10**13 + rng.randrange(3))  # unknown
+            medium = rng.choice([None, None, None, "CPU"])
+            index.apply_removed(worker, chosen, medium=medium)
+        elif action < 0.85 and mine:  # offload of held blocks (a token-less store)
+            index.apply_stored(worker, rng.sample(mine, min(3, len(mine))), None, [], 0,
+                               medium="CPU")
+        elif action < 0.88:
+            index.clear_worker(worker)
+            mine.clear()
+        else:  # queries: a prompt with a tail, all workers and a subset
+            tokens = rng.choice(prompts) + [rng.randrange(50) for _ in range(rng.randint(0, 9))]
+            index.match(tokens)
+            index.match(tokens, workers=rng.sample(WORKERS, 2), matched_only=True)
+    index._check()
+    return index
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32), steps=st.integers(1, 120))
+def test_compiled_and_pure_loops_agree_on_random_streams(seed: int, steps: int) -> None:
+    index = run_stream(seed, steps)
+    for worker in WORKERS:
+        index.drop_worker(worker)
+    index._check()
+    assert not index.compiled._nodes and not index.pure._nodes
+
+
+def test_kvroute_pure_index_selects_the_pure_loops() -> None:
+    code = ("from kvroute.index import PrefixIndex, prefix_index; "
+            "print(prefix_index.IMPLEMENTATION, PrefixIndex().implementation)")
+    answers = {}
+    for value in ("1", "0", ""):
+        env = {**os.environ, "KVROUTE_PURE_INDEX": value}
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                env=env, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        answers[value] = result.stdout.split()
+    assert answers == {"1": ["pure", "pure"], "0": ["compiled", "compiled"],
+                       "": ["compiled", "compiled"]}
+
+
+def test_asking_for_missing_compiled_loops_is_a_clear_error(monkeypatch) -> None:
+    monkeypatch.setattr(prefix_index, "_compiled", None)
+    with pytest.raises(ValueError, match="not built"):
+        PrefixIndex(compiled=True)
+    assert PrefixIndex(compiled=False).implementation == "pure"
