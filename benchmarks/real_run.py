@@ -118,7 +118,9 @@ class Sender:
             out.scores = " ".join(
                 f"{s['instance']} {s['matched_tokens']}/{s['cost_terms']['prefill']:.0f}"
                 f"+{s['cost_terms']['queue']:.0f}(q{s['queued_prefill_tokens']:.0f},"
-                f"r{s['running_requests']:.0f})" for s in choice.get("scores", []))
+                f"r{s['running_requests']:.0f};a{s['load']['answered']}"
+                f",m{_count(s['load']['running'])}/{_count(s['load']['waiting'])})"
+                for s in choice.get("scores", []))
             url = str(choice["url"])
             headers["X-data-parallel-rank"] = str(choice.get("dp_rank", 0))
         elif self.router == "kvroute-proxy":
@@ -316,6 +318,10 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
               f"{row['errors']} errors, {row['fallbacks']} not routed, {wall:.0f}s, "
               f"prompt tokens {row['engine_prompt_tokens']}")
     return record
+
+
+def _count(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
 
 
 def _fmt(value: float | None) -> str:
