@@ -38,7 +38,7 @@ from kvroute.app.config import InstanceConfig, default_instance_id, foreign_endp
 from kvroute.app.discovery import DiscoveryError, WorkerEndpoint, discover, discover_models
 from kvroute.app.errors import LimitReached, NotAllowed
 from kvroute.app.fleet_pacing import FleetPacing
-from kvroute.app.fleet_resources import room_for
+from kvroute.app.fleet_resources import replay_channels_room, room_for
 from kvroute.app.saved_state import SavedWorker
 from kvroute.app.subscriber import Subscriber
 from kvroute.app.subscription import (
@@ -226,6 +226,7 @@ class Registry:
         await self._stop_workers(instance.workers)
         for worker in instance.workers:
             self.index.drop_worker(worker.key)
+        self._size_replay_channels(self._followed())
         return instance
 
     async def close(self) -> None:
@@ -319,10 +320,18 @@ class Registry:
         """Raise LimitReached when `adding` workers more would not fit the process's open
         files or the ZMQ context's sockets: said now, in one sentence, rather than by their
         subscribers failing to open sockets."""
-        followed = sum(len(instance.workers) for instance in self._instances.values())
-        reason = room_for(followed, adding, self._context)
+        reason = room_for(self._followed(), adding, self._context,
+                          self.pacing.replay_concurrency)
         if reason is not None:
             raise LimitReached(reason, "events")
+
+    def _followed(self) -> int:
+        return sum(len(instance.workers) for instance in self._instances.values())
+
+    def _size_replay_channels(self, workers: int) -> None:
+        """Keep as many replay channels open as the open files leave beside `workers`."""
+        self.pacing.replay_channels.resize(
+            replay_channels_room(workers, self.pacing.replay_concurrency))
 
     def _changed(self, instance: Instance, *, joined: bool) -> None:
         self.version += 1
@@ -330,6 +339,7 @@ class Registry:
             listener(instance, joined)
 
     def _start_workers(self, instance: Instance, endpoints: list[WorkerEndpoint]) -> None:
+        self._size_replay_channels(self._followed() + len(endpoints))
         for endpoint in endpoints:
             subscriber = Subscriber(endpoint, self.index, ctx=self._context,
                                     options=self._options, saved=self.claim_saved(endpoint),
