@@ -13,7 +13,7 @@ Invariants:
   loop (`turn`): a hundred instances added or removed at once start and stop in a few
   milliseconds' pieces, with routes answered between them, not in one stall.
 - The replay channels kept open between requests are bounded fleet-wide
-  (`replay_channels`, never below `replay_concurrency`).
+  (`replay_channels`).
 Made on the event loop that runs the subscribers; not thread-safe.
 """
 

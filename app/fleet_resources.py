@@ -14,7 +14,8 @@ first socket, so it is set before any); `raise_open_files` raises the soft open-
 toward what the configured workers need with every replay channel kept, up to the hard
 limit, and refuses with one sentence naming the limit and the fleet's size only when not
 even their live sides and `replay_concurrency` channels fit. `replay_channels_room` is how
-many replay channels the open files left keep (every worker's when they fit). An instance
+many replay channels the open files left keep between requests (every worker's when they
+fit), beside `replay_concurrency` more that requests may open. An instance
 known only by its URL counts as one worker (its data-parallel size is discovered later);
 `max_instances` bounds the API's additions, and `room_for` refuses (one sentence) workers
 that the open-file or the context's socket limit could not hold, before any socket is made.
@@ -40,6 +41,8 @@ SOCKETS_PER_WORKER = 6
 # The HTTP server, clients, logs and Python itself.
 BASE_FILES = 256
 ZMQ_DEFAULT_MAX_SOCKETS = 1023
+# Kept free for sockets closed and not yet released while others open (a fleet change).
+CLOSING_FILES = 512
 
 
 def configured_workers(settings: Settings) -> int:
@@ -96,13 +99,15 @@ def raise_open_files(settings: Settings) -> int:
 
 
 def replay_channels_room(workers: int, replay_concurrency: int) -> int:
-    """How many replay channels `workers` followed may keep open within the soft open-file
-    limit: every worker's when they fit, never fewer than `replay_concurrency`."""
+    """How many replay channels `workers` followed may keep open between requests within
+    the soft open-file limit: every worker's when they fit."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:
-        return max(workers, replay_concurrency)
-    spare = (soft - _files(workers, 0)) // REPLAY_CHANNEL_FILES
-    return max(replay_concurrency, min(workers, spare))
+        return workers
+    # Channels opened beyond it for requests (at most replay_concurrency at once), and the
+    # files of sockets closed but not yet released (ZMQ closes a socket in its own thread).
+    spare = (soft - _files(workers, replay_concurrency) - CLOSING_FILES) // REPLAY_CHANNEL_FILES
+    return max(0, min(workers, spare))
 
 
 def room_for(workers: int, adding: int, context: zmq.Context,

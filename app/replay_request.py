@@ -64,13 +64,11 @@ class ReplayChannel:
         return (*self._sockets, self._poller)
 
     def release(self, *, keep: bool) -> None:
-        """A request on it is over: kept for the next (the most recently used) when `keep`,
-        closed otherwise."""
+        """A request on it is over: kept for the next when `keep` and the fleet has room for
+        it, closed otherwise."""
         self.in_use = False
-        if not keep:
+        if not keep or (self._kept is not None and not self._kept.keep(self)):
             self.close()
-        elif self._kept is not None:
-            self._kept.used(self)
 
     def close(self) -> None:
         sockets, self._sockets, self._poller = self._sockets, None, None

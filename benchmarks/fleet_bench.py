@@ -177,7 +177,7 @@ def run_one(workers: int, workdir: Path) -> dict:
     try:
         port = _free_port()
         lines = [f"port = {port}", 'log_level = "warning"',
-                 f"max_instances = {max(4096, workers) + CHANGED_INSTANCES}"]
+                 f"max_instances = {workers + CHANGED_INSTANCES * RANKS}"]
         for n in range(workers // RANKS):
             ranks = [endpoints[(n * RANKS + r) % publishers_n] for r in range(RANKS)]
             lines += ["[[instances]]", f'id = "i{n:04d}"', "block_size = 16",
