@@ -11,9 +11,9 @@ and /healthz while 100 instances (800 workers) are added through the API at once
 removed at once, three times (p50/p99 beside those of the same requests on the idle fleet
 just before, how long until every added worker was live), and the time from SIGTERM to its
 exit. Then two fleets (`--compare`, 32 and 1,024 workers) run at once, their routes sent
-alternately, so the ratio of their latencies is measured under the same machine noise. The load monitor runs as configured by
-default; the simulated publishers have no HTTP server, so the instances have no `url`.
-Prints JSON and a table (benchmarks.report); writes
+alternately, so the ratio of their latencies is measured under the same machine noise.
+The load monitor runs as configured by default; the simulated publishers have no HTTP
+server, so the instances have no `url`. Prints JSON and a table (benchmarks.report); writes
 bench-out/fleet/fleet.json and, when matplotlib is installed, fleet.png.
 """
 
