@@ -12,6 +12,8 @@ Invariants:
 - At most `turns_per_pass` subscribers open or close their sockets in one pass of the event
   loop (`turn`): a hundred instances added or removed at once start and stop in a few
   milliseconds' pieces, with routes answered between them, not in one stall.
+- The replay channels kept open between requests are bounded fleet-wide
+  (`replay_channels`).
 Made on the event loop that runs the subscribers; not thread-safe.
 """
 
@@ -23,6 +25,8 @@ import random
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+
+from kvroute.app.replay_channels import KeptChannels
 
 __all__ = ["FleetPacing"]
 
@@ -45,6 +49,9 @@ class FleetPacing:
         self._turns_taken = 0  # in this pass of the loop
         self._turn_waiters: deque[asyncio.Future[None]] = deque()
         self._next_pass_scheduled = False
+        # Replay channels kept open between requests (app.replay_channels); the registry
+        # sets its capacity from the open files the fleet leaves.
+        self.replay_channels = KeptChannels()
 
     @contextlib.asynccontextmanager
     async def replay_slot(self) -> AsyncIterator[None]:

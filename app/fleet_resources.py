@@ -1,20 +1,24 @@
 """Sockets and open files sized for the fleet kvroute is configured to follow.
 
-Each worker holds up to `SOCKETS_PER_WORKER` ZMQ sockets (its live SUB and the monitor that
-watches it connect, its replay DEALER and that one's monitor; a monitor is two sockets to
-ZMQ, the one it sends on inside ZMQ and the PAIR kvroute reads) and about `FILES_PER_WORKER`
-file descriptors (a socket's mailbox, its TCP connection, the monitors' pairs). ZMQ's
-default limit of 1,023 sockets per context would stop a fleet at about 250 workers, deep
-inside a subscriber; the process's open-file limit (often 1,024 soft) sooner.
+A worker's live side holds 3 ZMQ sockets and 4 open files (its SUB socket's mailbox and TCP
+connection, and the monitor watching it connect: two sockets to ZMQ, the one it sends on
+inside ZMQ and the PAIR kvroute reads, a mailbox each). Its replay channel (a DEALER and its
+monitor) holds as many again while it is kept open between requests (`app.replay_channels`):
+8 files for a worker that keeps both (measured: 6 eventfds and 2 TCP sockets per worker).
+ZMQ's default limit of 1,023 sockets per context would stop a fleet at about 250 workers,
+deep inside a subscriber; the process's open-file limit (often 1,024 soft) sooner.
 
 Invariants: `fleet_context` is a new context whose socket limit covers `max_instances`
-workers' worth of sockets (ZMQ fixes the limit when a context opens its first socket, so
-it is set before any); `raise_open_files` raises the soft open-file limit to what the
-configured workers need, up to the hard limit, or refuses with one sentence naming the
-limit and the fleet's size. An instance known only by its URL counts as one worker (its
-data-parallel size is discovered later); `max_instances` bounds the API's additions, and
-`room_for` refuses (one sentence) workers that the open-file or the context's socket limit
-could not hold, before any of their sockets is made.
+workers' worth of sockets, live and replay (ZMQ fixes the limit when a context opens its
+first socket, so it is set before any); `raise_open_files` raises the soft open-file limit
+toward what the configured workers need with every replay channel kept, up to the hard
+limit, and refuses with one sentence naming the limit and the fleet's size only when not
+even their live sides and `replay_concurrency` channels fit. `replay_channels_room` is how
+many replay channels the open files left keep between requests (every worker's when they
+fit), beside `replay_concurrency` more that requests may open. An instance
+known only by its URL counts as one worker (its data-parallel size is discovered later);
+`max_instances` bounds the API's additions, and `room_for` refuses (one sentence) workers
+that the open-file or the context's socket limit could not hold, before any socket is made.
 """
 
 from __future__ import annotations
@@ -26,14 +30,19 @@ import zmq.asyncio
 
 from kvroute.app.config import ConfigError, Settings
 
-__all__ = ["FILES_PER_WORKER", "SOCKETS_PER_WORKER", "configured_workers", "fleet_context",
-           "raise_open_files", "room_for"]
+__all__ = ["FILES_PER_WORKER", "LIVE_FILES", "REPLAY_CHANNEL_FILES", "SOCKETS_PER_WORKER",
+           "configured_workers", "fleet_context", "raise_open_files", "replay_channels_room",
+           "room_for"]
 
+LIVE_FILES = 4  # a worker's SUB (mailbox, TCP) and its monitor's two mailboxes
+REPLAY_CHANNEL_FILES = 4  # a kept DEALER (mailbox, TCP) and its monitor's two mailboxes
+FILES_PER_WORKER = LIVE_FILES + REPLAY_CHANNEL_FILES  # with its replay channel kept
 SOCKETS_PER_WORKER = 6
-FILES_PER_WORKER = 8
 # The HTTP server, clients, logs and Python itself.
 BASE_FILES = 256
 ZMQ_DEFAULT_MAX_SOCKETS = 1023
+# Kept free for sockets closed and not yet released while others open (a fleet change).
+CLOSING_FILES = 512
 
 
 def configured_workers(settings: Settings) -> int:
@@ -49,41 +58,74 @@ def fleet_context(settings: Settings) -> zmq.asyncio.Context:
     return context
 
 
-def raise_open_files(settings: Settings) -> int:
-    """Raise the soft open-file limit to what the configured workers need; returns the
-    limit now in force. Raises ConfigError when the hard limit is below that."""
-    workers = configured_workers(settings)
-    needed = BASE_FILES + FILES_PER_WORKER * workers
+def _files(workers: int, channels: int) -> int:
+    return BASE_FILES + LIVE_FILES * workers + REPLAY_CHANNEL_FILES * channels
+
+
+def _fitting(workers: int, replay_concurrency: int) -> tuple[int, int]:
+    """(the files `workers` need at least: live sides and the replay channels that run at
+    once; the files with every worker's channel kept)."""
+    return (_files(workers, min(workers, replay_concurrency)), _files(workers, workers))
+
+
+def _raise_soft(needed: int, wanted: int) -> int | None:
+    """Raise the soft limit toward `wanted` (up to the hard one); the limit now, or None
+    when the hard limit is below `needed`."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft >= needed:
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
         return soft
     if hard != resource.RLIM_INFINITY and hard < needed:
-        raise ConfigError(f"{workers} configured workers need about {needed} open files; "
-                          f"the process may open {hard} (RLIMIT_NOFILE hard limit: raise "
-                          "`ulimit -n` or the container's nofile limit, or follow fewer "
-                          "workers)", "instances")
-    target = needed if hard == resource.RLIM_INFINITY else min(hard, max(needed, soft))
+        return None
+    target = wanted if hard == resource.RLIM_INFINITY else min(hard, wanted)
     resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     return target
 
 
-def room_for(workers: int, adding: int, context: zmq.Context) -> str | None:
+def raise_open_files(settings: Settings) -> int:
+    """Raise the soft open-file limit to what the configured workers need (all their replay
+    channels kept, when the hard limit allows); returns the limit now in force. Raises
+    ConfigError when the hard limit is below their live sides and `replay_concurrency`
+    replay channels."""
+    workers = configured_workers(settings)
+    needed, wanted = _fitting(workers, settings.replay_concurrency)
+    limit = _raise_soft(needed, wanted)
+    if limit is None:
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        raise ConfigError(f"{workers} configured workers need at least {needed} open files; "
+                          f"the process may open {hard} (RLIMIT_NOFILE hard limit: raise "
+                          "`ulimit -n` or the container's nofile limit, or follow fewer "
+                          "workers)", "instances")
+    return limit
+
+
+def replay_channels_room(workers: int, replay_concurrency: int) -> int:
+    """How many replay channels `workers` followed may keep open between requests within
+    the soft open-file limit: every worker's when they fit."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return workers
+    # Channels opened beyond it for requests (at most replay_concurrency at once), and the
+    # files of sockets closed but not yet released (ZMQ closes a socket in its own thread).
+    spare = (soft - _files(workers, replay_concurrency) - CLOSING_FILES) // REPLAY_CHANNEL_FILES
+    return max(0, min(workers, spare))
+
+
+def room_for(workers: int, adding: int, context: zmq.Context,
+             replay_concurrency: int) -> str | None:
     """None when `adding` workers more than the `workers` followed fit the open-file limit
-    (the soft limit is raised toward the hard one if that is what it takes) and the
-    context's socket limit; else why not, in one sentence."""
+    (the soft limit is raised toward the hard one if that is what it takes; fewer replay
+    channels kept if that is all there is room for) and the context's socket limit; else
+    why not, in one sentence."""
     total = workers + adding
     sockets = context.get(zmq.MAX_SOCKETS)
     if SOCKETS_PER_WORKER * total > sockets:
         return (f"following {total} workers needs about {SOCKETS_PER_WORKER * total} ZMQ "
                 f"sockets; kvroute's context holds {sockets} (sized from max_instances at "
                 "start: raise max_instances)")
-    needed = BASE_FILES + FILES_PER_WORKER * total
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft >= needed:
-        return None
-    if hard != resource.RLIM_INFINITY and hard < needed:
-        return (f"following {total} workers needs about {needed} open files; the process "
+    needed, wanted = _fitting(total, replay_concurrency)
+    if _raise_soft(needed, wanted) is None:
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        return (f"following {total} workers needs at least {needed} open files; the process "
                 f"may open {hard} (RLIMIT_NOFILE hard limit: raise `ulimit -n` or the "
                 "container's nofile limit)")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
     return None

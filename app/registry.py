@@ -14,7 +14,10 @@ Invariants:
 - At most `max_instances` are registered, counting adds still discovering.
 - `version` changes whenever the set of registered instances or their workers changes, and
   every `state_listeners` callback hears each worker's change of state, so what is derived
-  from them (`app.eligible`) can be kept between routes.
+  from them (`app.eligible`) can be kept between routes. When the change is one instance
+  joining with its workers or leaving with them, the version moves by exactly one and every
+  `instance_listeners` callback hears it at once, so that derived state can follow in
+  O(that instance) instead of being rebuilt over the fleet.
 - Every worker's endpoints are on its instance's host or an allowed one
   (`config.foreign_endpoints`), whether configured or discovered; and an instance's
   models are what its /v1/models lists whenever kvroute learnt it from there.
@@ -35,7 +38,7 @@ from kvroute.app.config import InstanceConfig, default_instance_id, foreign_endp
 from kvroute.app.discovery import DiscoveryError, WorkerEndpoint, discover, discover_models
 from kvroute.app.errors import LimitReached, NotAllowed
 from kvroute.app.fleet_pacing import FleetPacing
-from kvroute.app.fleet_resources import room_for
+from kvroute.app.fleet_resources import replay_channels_room, room_for
 from kvroute.app.saved_state import SavedWorker
 from kvroute.app.subscriber import Subscriber
 from kvroute.app.subscription import (
@@ -130,6 +133,8 @@ class Registry:
         # state is told to each of state_listeners instead (with the worker).
         self.version = 0
         self.state_listeners: list[Callable[[Worker], None]] = []
+        # (instance, joined): an instance registered with its workers, or removed.
+        self.instance_listeners: list[Callable[[Instance, bool], None]] = []
         self._hooks = _VersionHooks(self)
 
     # -- queries ---------------------------------------------------------
@@ -191,6 +196,7 @@ class Registry:
             self._check_room(len(endpoints))
             self._instances[instance_id] = instance
             self._start_workers(instance, endpoints)
+            self._changed(instance, joined=True)
             return instance
         if wait_for_discovery:
             self._adding += 1
@@ -203,9 +209,10 @@ class Registry:
             self._check_room(len(endpoints))
             self._instances[instance_id] = instance
             self._start_workers(instance, endpoints)
+            self._changed(instance, joined=True)
             return instance
         self._instances[instance_id] = instance
-        self.version += 1
+        self._changed(instance, joined=True)  # no workers yet: they come with discovery
         self._discovery_tasks[instance_id] = asyncio.create_task(
             self._discover_until_found(instance), name=f"discover {instance_id}")
         return instance
@@ -214,11 +221,12 @@ class Registry:
         """Stop an instance's subscribers and drop everything the index had of it."""
         instance = self.get(instance_id)
         del self._instances[instance_id]
-        self.version += 1
+        self._changed(instance, joined=False)
         await cancel_and_wait(self._discovery_tasks.pop(instance_id, None))
         await self._stop_workers(instance.workers)
         for worker in instance.workers:
             self.index.drop_worker(worker.key)
+        self._size_replay_channels(self._followed())
         return instance
 
     async def close(self) -> None:
@@ -296,11 +304,13 @@ class Registry:
                 endpoints = await self._discover(instance)
                 self._check_room(len(endpoints))
             except (DiscoveryError, LimitReached) as exc:
+                self.version += 1  # discovery may have learnt its models before failing
                 instance.discovery_error = str(exc)
                 log.warning("instance %s: %s; retrying in %.0f s", instance.id, exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, DISCOVERY_RETRY_MAX)
                 continue
+            self.version += 1  # its models and block size may be new
             if self._instances.get(instance.id) is instance:
                 self._start_workers(instance, endpoints)
             self._discovery_tasks.pop(instance.id, None)
@@ -310,13 +320,26 @@ class Registry:
         """Raise LimitReached when `adding` workers more would not fit the process's open
         files or the ZMQ context's sockets: said now, in one sentence, rather than by their
         subscribers failing to open sockets."""
-        followed = sum(len(instance.workers) for instance in self._instances.values())
-        reason = room_for(followed, adding, self._context)
+        reason = room_for(self._followed(), adding, self._context,
+                          self.pacing.replay_concurrency)
         if reason is not None:
             raise LimitReached(reason, "events")
 
-    def _start_workers(self, instance: Instance, endpoints: list[WorkerEndpoint]) -> None:
+    def _followed(self) -> int:
+        return sum(len(instance.workers) for instance in self._instances.values())
+
+    def _size_replay_channels(self, workers: int) -> None:
+        """Keep as many replay channels open as the open files leave beside `workers`."""
+        self.pacing.replay_channels.resize(
+            replay_channels_room(workers, self.pacing.replay_concurrency))
+
+    def _changed(self, instance: Instance, *, joined: bool) -> None:
         self.version += 1
+        for listener in self.instance_listeners:
+            listener(instance, joined)
+
+    def _start_workers(self, instance: Instance, endpoints: list[WorkerEndpoint]) -> None:
+        self._size_replay_channels(self._followed() + len(endpoints))
         for endpoint in endpoints:
             subscriber = Subscriber(endpoint, self.index, ctx=self._context,
                                     options=self._options, saved=self.claim_saved(endpoint),

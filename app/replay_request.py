@@ -10,7 +10,9 @@ that ended with its end marker (``ReplayRequest.finished``): then the ROUTER has
 everything for it and the socket holds nothing more. After a timeout, a dropped connection
 or any other end, the socket is closed, since a DEALER keeps whatever a ROUTER sent it and
 a reused one could deliver the late tail of the previous answer as if it were the next
-one's. So a quiet fleet's idle checks cost no new socket and no new connection each.
+one's. So a quiet fleet's idle checks cost no new socket and no new connection each, as
+long as the fleet's `KeptChannels` keeps the channel (every worker's, when the open-file
+limit allows).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import contextlib
 import zmq
 import zmq.asyncio
 
+from kvroute.app.replay_channels import KeptChannels
 from kvroute.app.wire import encode_seq
 
 # Replies queued before a replay connection dropped can surface up to this long after the
@@ -32,9 +35,11 @@ class ReplayChannel:
     opened on first use and kept while answers end cleanly. ``close`` releases both."""
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *,
-                 max_message_bytes: int) -> None:
+                 max_message_bytes: int, kept: KeptChannels | None = None) -> None:
         self.endpoint = endpoint
         self._ctx = ctx
+        self._kept = kept
+        self.in_use = False  # a request is open on it: never closed to make room
         self._max_message_bytes = max_message_bytes
         self._sockets: tuple[zmq.asyncio.Socket, zmq.asyncio.Socket] | None = None
         self._poller: zmq.asyncio.Poller | None = None
@@ -53,13 +58,24 @@ class ReplayChannel:
             self._poller.register(dealer, zmq.POLLIN)
             self._poller.register(dropped, zmq.POLLIN)
             self.opened += 1
+            if self._kept is not None:
+                self._kept.opened(self)
         assert self._poller is not None
         return (*self._sockets, self._poller)
+
+    def release(self, *, keep: bool) -> None:
+        """A request on it is over: kept for the next when `keep` and the fleet has room for
+        it, closed otherwise."""
+        self.in_use = False
+        if not keep or (self._kept is not None and not self._kept.keep(self)):
+            self.close()
 
     def close(self) -> None:
         sockets, self._sockets, self._poller = self._sockets, None, None
         if sockets is None:
             return
+        if self._kept is not None:
+            self._kept.closed(self)
         dealer, dropped = sockets
         with contextlib.suppress(zmq.ZMQError):
             dealer.disable_monitor()
@@ -79,6 +95,7 @@ class ReplayRequest:
         self.start = start
         self._timeout_ms = int(timeout * 1000)
         self._channel = channel
+        channel.in_use = True
         self._dealer, self._dropped, self._poller = channel.sockets()
         self._finished = False
 
@@ -89,14 +106,17 @@ class ReplayRequest:
     async def __aenter__(self) -> ReplayRequest:
         # A drop reported between two requests is over (ZMQ reconnected, or will, and
         # sends this request then): only a drop during this answer cuts it.
-        while await self._dropped.poll(0, zmq.POLLIN):
-            await self._dropped.recv_multipart()
-        await self._dealer.send_multipart([b"", encode_seq(self.start)])
+        try:
+            while await self._dropped.poll(0, zmq.POLLIN):
+                await self._dropped.recv_multipart()
+            await self._dealer.send_multipart([b"", encode_seq(self.start)])
+        except BaseException:
+            self._channel.release(keep=False)
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if not self._finished:
-            self._channel.close()
+        self._channel.release(keep=self._finished)
 
     async def next_frames(self) -> list[bytes] | None:
         """The next reply's frames; None once the connection has dropped and every reply it

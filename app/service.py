@@ -521,14 +521,13 @@ class Service:
 
     def instance_detail(self, instance: Instance) -> InstanceDetail:
         self.index.expire_unconfirmed(time.monotonic())
-        holdings = self.index.stats().holdings
         workers = [
             WorkerDetail(
                 dp_rank=worker.endpoint.dp_rank,
                 events_endpoint=worker.endpoint.endpoint,
                 replay_endpoint=worker.endpoint.replay_endpoint,
                 state=worker.state,
-                holdings=MediumCounts.of(holdings.get(worker.key, {})),
+                holdings=MediumCounts.of(self.index.held_by_medium(worker.key)),
                 unconfirmed_blocks=self.index.unconfirmed_blocks(worker.key),
                 stats=worker.subscriber.status,
             )

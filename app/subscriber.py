@@ -131,7 +131,8 @@ class Subscriber(SubscriberReplays):
         self._replay_channel = (
             None if endpoint.replay_endpoint is None else
             ReplayChannel(self._ctx, endpoint.replay_endpoint,
-                          max_message_bytes=self.options.max_message_bytes))
+                          max_message_bytes=self.options.max_message_bytes,
+                          kept=self._pacing.replay_channels))
         self._applier = BatchApplier(index, self.worker, self.options,
                                      check=self._check_connection, refused=self._store_refused)
         self._stopping = asyncio.Event()

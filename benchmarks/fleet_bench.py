@@ -7,11 +7,13 @@ publisher in eight holding a 64-block prefix; kvroute as its own process. Measur
 until every worker is live, `POST /v1/route` of a 1,040-token prompt starting with the
 prefix (p50/p99, answer bytes) beside `/healthz` of the same server in the same run (the
 floor), kvroute's CPU over 10 s idle (share of one core, from /proc), its RSS, routes
-while 100 instances (800 workers) are added through the API at once and then removed at
-once (p50/p99 beside those of the same routes before, how long until every added worker
-was live), and the time from SIGTERM to its exit. The load monitor runs as configured by
-default; the simulated publishers have no HTTP server, so the instances have no `url`.
-Prints JSON and a table (benchmarks.report); writes
+and /healthz while 100 instances (800 workers) are added through the API at once and then
+removed at once, three times (p50/p99 beside those of the same requests on the idle fleet
+just before, how long until every added worker was live), and the time from SIGTERM to its
+exit. Then two fleets (`--compare`, 32 and 1,024 workers) run at once, their routes sent
+alternately, so the ratio of their latencies is measured under the same machine noise.
+The load monitor runs as configured by default; the simulated publishers have no HTTP
+server, so the instances have no `url`. Prints JSON and a table (benchmarks.report); writes
 bench-out/fleet/fleet.json and, when matplotlib is installed, fleet.png.
 """
 
@@ -40,6 +42,10 @@ RANKS = 8
 ROUTES = 200
 IDLE_SECONDS = 10.0
 CHANGED_INSTANCES = 100  # added at once through the API, then removed at once
+CHANGE_CYCLES = 3  # of adding and removing them, routed through all along
+CHANGE_IDLE_SECONDS = 2.0  # routes on the idle fleet just before, the figures beside
+POLL = 0.2  # seconds between listings while waiting for the added instances
+INTERLEAVED_ROUTES = 1000  # to each of two fleets at once, alternately
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -82,28 +88,12 @@ def _routes_while(http: httpx.Client, prompt: list[int],
     return routes, health
 
 
-def change_fleet(base: str, endpoints: list, prompt: list[int]) -> dict:
-    """Add CHANGED_INSTANCES instances of RANKS workers at once (concurrent POSTs), wait until
-    every one is live, remove them at once (concurrent DELETEs), with routes answered all
-    along on another connection; route latencies before and during, in the same run."""
-    with httpx.Client(base_url=base, timeout=60) as http:
-        before = []
-        for _ in range(ROUTES):
-            t = time.perf_counter()
-            http.post("/v1/route", json={"token_ids": prompt, "probe": True})
-            before.append((time.perf_counter() - t) * 1000)
-    ids = [f"added{n:03d}" for n in range(CHANGED_INSTANCES)]
-    bodies = [{"id": i, "block_size": 16,
-               "events": [endpoints[(n * RANKS + r) % len(endpoints)][0] for r in range(RANKS)],
-               "replay": [endpoints[(n * RANKS + r) % len(endpoints)][1] for r in range(RANKS)]}
-              for n, i in enumerate(ids)]
-    busy = threading.Event()
-    busy.set()
-    with httpx.Client(base_url=base, timeout=60) as router, \
-            httpx.Client(base_url=base, timeout=60,
-                         limits=httpx.Limits(max_connections=32)) as admin, \
-            concurrent.futures.ThreadPoolExecutor(33) as pool:
-        routing = pool.submit(_routes_while, router, prompt, busy)
+def _add_then_remove(base: str, bodies: list[dict], pool) -> dict:
+    """One cycle: POST every body at once, wait until every added instance is live (polled
+    every POLL seconds: the listing of a thousand instances is itself work for kvroute),
+    DELETE them all at once."""
+    with httpx.Client(base_url=base, timeout=60,
+                      limits=httpx.Limits(max_connections=32)) as admin:
         started = time.monotonic()
         answers = list(pool.map(lambda body: admin.post("/v1/instances", json=body), bodies))
         added = [body["id"] for body, answer in zip(bodies, answers, strict=True)
@@ -116,25 +106,57 @@ def change_fleet(base: str, endpoints: list, prompt: list[int]) -> dict:
             if len(states) == len(added) and all(s == "live" for s in states):
                 live_after = time.monotonic() - started
                 break
-            time.sleep(0.05)
+            time.sleep(POLL)
         removing = time.monotonic()
         removed = list(pool.map(lambda i: admin.delete(f"/v1/instances/{i}").status_code,
                                 added))
-        removed_after = time.monotonic() - removing
+        assert all(status in (200, 204) for status in removed), removed
+        return {"live_after": live_after, "removed_after": time.monotonic() - removing,
+                "refused": refused}
+
+
+def change_fleet(base: str, endpoints: list, prompt: list[int]) -> dict:
+    """CHANGE_CYCLES times: add CHANGED_INSTANCES instances of RANKS workers at once
+    (concurrent POSTs), wait until every one is live, remove them at once (concurrent
+    DELETEs), with routes and /healthz answered all along on another connection. Beside
+    them, the same routes and /healthz on an idle fleet just before, in the same run."""
+    with httpx.Client(base_url=base, timeout=60) as http:
+        idle = threading.Event()
+        idle.set()
+        timer = threading.Timer(CHANGE_IDLE_SECONDS, idle.clear)
+        timer.start()
+        before, before_health = _routes_while(http, prompt, idle)
+    ids = [f"added{n:03d}" for n in range(CHANGED_INSTANCES)]
+    bodies = [{"id": i, "block_size": 16,
+               "events": [endpoints[(n * RANKS + r) % len(endpoints)][0] for r in range(RANKS)],
+               "replay": [endpoints[(n * RANKS + r) % len(endpoints)][1] for r in range(RANKS)]}
+              for n, i in enumerate(ids)]
+    busy = threading.Event()
+    busy.set()
+    with httpx.Client(base_url=base, timeout=60) as router, \
+            concurrent.futures.ThreadPoolExecutor(33) as pool:
+        routing = pool.submit(_routes_while, router, prompt, busy)
+        cycles = []
+        for _ in range(CHANGE_CYCLES):
+            cycles.append(_add_then_remove(base, bodies, pool))
         busy.clear()
         during, health = routing.result()
-    assert all(status in (200, 204) for status in removed), removed
-    return {"change_instances": CHANGED_INSTANCES,
+    lives = [c["live_after"] for c in cycles]
+    refused = [reason for c in cycles for reason in c["refused"]]
+    return {"change_instances": CHANGED_INSTANCES, "change_cycles": CHANGE_CYCLES,
             "change_route_before_p50_ms": statistics.median(before),
             "change_route_before_p99_ms": _percentile(before, 0.99),
+            "change_healthz_before_p50_ms": statistics.median(before_health),
+            "change_healthz_before_p99_ms": _percentile(before_health, 0.99),
             "change_route_during_p50_ms": statistics.median(during),
             "change_route_during_p99_ms": _percentile(during, 0.99),
             "change_healthz_during_p50_ms": statistics.median(health),
             "change_healthz_during_p99_ms": _percentile(health, 0.99),
-            "change_routes": len(during), "change_live_after_s": live_after,
+            "change_routes": len(during),
+            "change_live_after_s": None if None in lives else max(lives),
             "change_refused": len(refused), "change_refused_reason": refused[0] if refused
             else None,
-            "change_removed_after_s": removed_after}
+            "change_removed_after_s": max(c["removed_after"] for c in cycles)}
 
 
 def _echo(stream, said: list[str]) -> None:
@@ -143,7 +165,7 @@ def _echo(stream, said: list[str]) -> None:
         said.append(line)
 
 
-def run_one(workers: int, workdir: Path) -> dict:
+def _publishers(workers: int) -> tuple[list[subprocess.Popen], list]:
     publishers_n = min(MAX_PUBLISHERS, workers)
     per_process = -(-publishers_n // PUBLISHER_PROCESSES)
     procs, endpoints = [], []
@@ -154,26 +176,98 @@ def run_one(workers: int, workdir: Path) -> dict:
              "--first", str(first)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         procs.append(proc)
         endpoints += json.loads(proc.stdout.readline())
+    return procs, endpoints
+
+
+def _kvroute(workers: int, endpoints: list, workdir: Path) -> tuple[subprocess.Popen, str,
+                                                                      list[str]]:
+    """`kvroute serve --config` following `workers` workers on `endpoints`: the process, its
+    base URL, and the lines it says (echoed; its last one says why, if it exits)."""
+    port = _free_port()
+    lines = [f"port = {port}", 'log_level = "warning"',
+             f"max_instances = {workers + CHANGED_INSTANCES * RANKS}"]
+    for n in range(workers // RANKS):
+        ranks = [endpoints[(n * RANKS + r) % len(endpoints)] for r in range(RANKS)]
+        lines += ["[[instances]]", f'id = "i{n:04d}"', "block_size = 16",
+                  "events = [" + ", ".join(f'"{e}"' for e, _ in ranks) + "]",
+                  "replay = [" + ", ".join(f'"{r}"' for _, r in ranks) + "]"]
+    config = workdir / f"fleet-{workers}.toml"
+    config.write_text("\n".join(lines) + "\n")
+    kvroute = subprocess.Popen([sys.executable, "-m", "kvroute.app.cli", "serve",
+                                "--config", str(config)], stderr=subprocess.PIPE, text=True)
+    said: list[str] = []
+    threading.Thread(target=_echo, args=(kvroute.stderr, said), daemon=True).start()
+    return kvroute, f"http://127.0.0.1:{port}", said
+
+
+def _wait_live(base: str, instances: int, seconds: float) -> float | None:
+    started = time.monotonic()
+    with httpx.Client(base_url=base, timeout=30) as http:
+        while time.monotonic() - started < seconds:
+            try:
+                listed = http.get("/v1/instances").json()["instances"]
+                if len(listed) == instances and all(i["state"] == "live" for i in listed):
+                    return time.monotonic() - started
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+    return None
+
+
+def interleaved(small: int, large: int, workdir: Path) -> dict:
+    """Both fleets' kvroute servers up at once, their routes sent alternately (one to
+    each, INTERLEAVED_ROUTES times), so that whatever else the machine does slows both
+    alike: the ratio of the large fleet's route latency to the small one's."""
+    procs, servers = [], []
+    try:
+        for workers in (small, large):
+            pubs, endpoints = _publishers(workers)
+            procs += pubs
+            servers.append(_kvroute(workers, endpoints, workdir))
+        for workers, (_, base, _) in zip((small, large), servers, strict=True):
+            if _wait_live(base, workers // RANKS, 180) is None:
+                return {"error": f"the {workers}-worker fleet did not go live"}
+        prompt = list(range(1, 1041))
+        times: dict[int, list[float]] = {small: [], large: []}
+        with httpx.Client(base_url=servers[0][1], timeout=30) as a, \
+                httpx.Client(base_url=servers[1][1], timeout=30) as b:
+            for client in (a, b):  # warm both up before timing
+                for _ in range(20):
+                    client.post("/v1/route", json={"token_ids": prompt, "probe": True})
+            for n in range(INTERLEAVED_ROUTES):
+                order = ((small, a), (large, b)) if n % 2 else ((large, b), (small, a))
+                for workers, client in order:
+                    t = time.perf_counter()
+                    answer = client.post("/v1/route", json={"token_ids": prompt,
+                                                            "probe": True})
+                    times[workers].append((time.perf_counter() - t) * 1000)
+                    assert answer.status_code == 200, answer.text
+        p50 = {w: statistics.median(v) for w, v in times.items()}
+        p99 = {w: _percentile(v, 0.99) for w, v in times.items()}
+        return {"small": small, "large": large, "routes_each": INTERLEAVED_ROUTES,
+                "small_p50_ms": p50[small], "small_p99_ms": p99[small],
+                "large_p50_ms": p50[large], "large_p99_ms": p99[large],
+                "p50_ratio": p50[large] / p50[small], "p99_ratio": p99[large] / p99[small]}
+    finally:
+        for kvroute, _, _ in servers:
+            kvroute.send_signal(signal.SIGTERM)
+            try:
+                kvroute.wait(30)
+            except subprocess.TimeoutExpired:
+                kvroute.kill()
+                kvroute.wait()
+        for proc in procs:
+            proc.stdin.close()
+            proc.wait(30)
+
+
+def run_one(workers: int, workdir: Path) -> dict:
+    procs, endpoints = _publishers(workers)
+    publishers_n = len(endpoints)
     kvroute = None
     try:
-        port = _free_port()
-        lines = [f"port = {port}", 'log_level = "warning"',
-                 f"max_instances = {max(4096, workers) + CHANGED_INSTANCES}"]
-        for n in range(workers // RANKS):
-            ranks = [endpoints[(n * RANKS + r) % publishers_n] for r in range(RANKS)]
-            lines += ["[[instances]]", f'id = "i{n:04d}"', "block_size = 16",
-                      "events = [" + ", ".join(f'"{e}"' for e, _ in ranks) + "]",
-                      "replay = [" + ", ".join(f'"{r}"' for _, r in ranks) + "]"]
-        config = workdir / f"fleet-{workers}.toml"
-        config.write_text("\n".join(lines) + "\n")
         started = time.monotonic()
-        kvroute = subprocess.Popen([sys.executable, "-m", "kvroute.app.cli", "serve",
-                                    "--config", str(config)], stderr=subprocess.PIPE, text=True)
-        # kvroute's own lines (warnings) still show; its last one says why, if it exits.
-        said: list[str] = []
-        echo = threading.Thread(target=_echo, args=(kvroute.stderr, said), daemon=True)
-        echo.start()
-        base = f"http://127.0.0.1:{port}"
+        kvroute, base, said = _kvroute(workers, endpoints, workdir)
         with httpx.Client(base_url=base, timeout=30) as http:
             live_after = None
             while time.monotonic() - started < 180:
@@ -185,7 +279,7 @@ def run_one(workers: int, workdir: Path) -> dict:
                         break
                 except httpx.TransportError:
                     if kvroute.poll() is not None:  # it could not start: say why, go on
-                        echo.join(5)
+                        time.sleep(1)  # for its last line to be echoed
                         return {"workers": workers, "publishers": publishers_n,
                                 "error": said[-1].strip() if said else "kvroute exited"}
                 time.sleep(0.1)
@@ -231,11 +325,18 @@ def main() -> None:
     parser.add_argument("--sizes", default="32,256,1024",
                         help="fleet sizes, comma-separated (multiples of 8)")
     parser.add_argument("--huge", action="store_true", help="also 4,096 workers")
+    parser.add_argument("--compare", default="32,1024",
+                        help="two fleet sizes whose routes are compared interleaved, both up "
+                             "at once ('' to skip)")
     parser.add_argument("--out", type=Path, default=Path("bench-out/fleet"))
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")] + ([4096] if args.huge else [])
     with tempfile.TemporaryDirectory() as tmp:
         rows = [run_one(size, Path(tmp)) for size in sizes]
+        compared = None
+        if args.compare:
+            small, large = (int(s) for s in args.compare.split(","))
+            compared = interleaved(small, large, Path(tmp))
     ran = [r for r in rows if "error" not in r]
     base = ran[0]
     per_worker = None
@@ -254,10 +355,11 @@ def main() -> None:
             f" | {r['healthz_p50_ms']:.1f} / {r['healthz_p99_ms']:.1f} ms"
             f" | {r['answer_bytes'] / 1024:.1f} KB | {100 * r['idle_cpu_core_share']:.1f}%"
             f" | {r['rss_mb']:.0f} MB | {r['shutdown_s']:.1f} s |")
-    table += ["", f"| workers | routes before: p50 / p99 | while adding {CHANGED_INSTANCES} "
-              "instances and removing them: p50 / p99 | /healthz meanwhile | "
-              "added all live after | removed in |",
-              "|---|---|---|---|---|---|"]
+    table += ["", f"| workers | idle just before: route p50 / p99, /healthz p50 / p99 | "
+              f"while {CHANGED_INSTANCES} instances are added, then removed "
+              f"({CHANGE_CYCLES} times): route p50 / p99, /healthz p50 / p99 | "
+              "added all live after (worst) | removed in (worst) |",
+              "|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             continue
@@ -265,10 +367,12 @@ def main() -> None:
             f"{r['change_live_after_s']:.1f} s"
         table.append(
             f"| {r['workers']:,} | {r['change_route_before_p50_ms']:.1f} / "
-            f"{r['change_route_before_p99_ms']:.1f} ms | {r['change_route_during_p50_ms']:.1f}"
-            f" / {r['change_route_during_p99_ms']:.1f} ms ({r['change_routes']} routes) | "
-            f"{r['change_healthz_during_p50_ms']:.1f} / "
-            f"{r['change_healthz_during_p99_ms']:.1f} ms | "
+            f"{r['change_route_before_p99_ms']:.1f} ms, "
+            f"{r['change_healthz_before_p50_ms']:.1f} / "
+            f"{r['change_healthz_before_p99_ms']:.1f} ms | "
+            f"{r['change_route_during_p50_ms']:.1f} / {r['change_route_during_p99_ms']:.1f} ms,"
+            f" {r['change_healthz_during_p50_ms']:.1f} / "
+            f"{r['change_healthz_during_p99_ms']:.1f} ms ({r['change_routes']} routes) | "
             f"{live} | {r['change_removed_after_s']:.1f} s |")
         if r["change_refused"]:
             table.append(f"| | {r['change_refused']} of the {CHANGED_INSTANCES} refused: "
@@ -276,7 +380,17 @@ def main() -> None:
     if per_worker is not None:
         table.append(f"\nmemory per idle worker: {per_worker:.0f} KB "
                      f"(RSS from {base['workers']} to {ran[-1]['workers']} workers)")
-    result = {"benchmark": "fleet", "rows": rows, "rss_kb_per_worker": per_worker}
+    if compared is not None and "error" in compared:
+        table.append(f"\ninterleaved comparison: {compared['error']}")
+    elif compared is not None:
+        c = compared
+        table.append(
+            f"\nboth up at once, routes alternated ({c['routes_each']} to each): "
+            f"{c['small']:,} workers {c['small_p50_ms']:.2f} / {c['small_p99_ms']:.2f} ms, "
+            f"{c['large']:,} workers {c['large_p50_ms']:.2f} / {c['large_p99_ms']:.2f} ms "
+            f"(p50 / p99); ratio {c['p50_ratio']:.2f}x p50, {c['p99_ratio']:.2f}x p99")
+    result = {"benchmark": "fleet", "rows": rows, "rss_kb_per_worker": per_worker,
+              "interleaved": compared}
     emit(result, "\n".join(table), out_file=args.out / "fleet.json")
     try:
         import matplotlib

@@ -813,6 +813,13 @@ class PrefixIndex:
         w = self._workers.get(worker)
         return 0 if w is None else len(w.handles)
 
+    def held_by_medium(self, worker: WorkerKey) -> dict[str, int]:
+        """``worker``'s blocks per tier name, as ``stats().holdings`` has them (empty for a
+        worker the index does not know). O(1): one worker's counters, not every worker's
+        (an instance's detail, asked once per registration, must not cost the fleet)."""
+        w = self._workers.get(worker)
+        return {} if w is None else dict(zip(TIER_NAMES, w.held, strict=True))
+
     def holds_hash(self, worker: WorkerKey, block_hash: BlockHash) -> bool:
         """Whether ``worker`` holds ``block_hash`` (signed and unsigned spellings alike) in
         some medium: exactly when a chain naming it as parent would be placed."""

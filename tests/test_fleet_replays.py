@@ -124,6 +124,57 @@ def test_idle_checks_reuse_one_socket_and_find_dropped_tail_batches():
     run(scenario)
 
 
+def test_replay_channels_kept_open_are_bounded_fleet_wide_and_checks_still_work():
+    """More workers than the fleet may keep replay channels for (the open-file limit's
+    share): at most that many DEALERs stay open between requests (one more per request in
+    flight), the others are closed after their request, and every worker's idle checks still
+    find its dropped tail batches."""
+    pacing = FleetPacing(replay_concurrency=1)
+    pacing.replay_channels.resize(2)
+    options = dataclasses.replace(TEST_OPTIONS, idle_check=0.2)
+
+    async def scenario(ctx):
+        with EventPublisher() as pub:
+            ledger, source = Ledger(pub), EventSource(9)
+            ledger.publish(source.batch())
+            index = OpLog()
+            subs = [Subscriber(dataclasses.replace(endpoint_of(pub), dp_rank=rank), index,
+                               ctx=ctx, options=options, pacing=pacing) for rank in range(5)]
+            most_open = 0
+
+            async def watch() -> None:
+                nonlocal most_open
+                while True:
+                    most_open = max(most_open, len(pacing.replay_channels))
+                    await asyncio.sleep(0.005)
+
+            watcher = asyncio.create_task(watch())
+            runners = [Running(sub) for sub in subs]
+            try:
+                for runner in runners:
+                    await runner.__aenter__()
+                await wait_until(lambda: all(caught_up(s, ledger, SERVING) for s in subs),
+                                 "every worker rebuilt")
+                served = pub.replays_served
+                await wait_until(lambda: pub.replays_served >= served + 10,
+                                 "idle checks of every worker")
+                pub.drop_live([pub.next_seq])  # a tail batch only replays can bring
+                ledger.publish(source.batch())
+                await wait_until(lambda: all(caught_up(s, ledger, ("live",)) for s in subs),
+                                 "idle checks on reopened channels to find the batch",
+                                 detail=lambda: [s.status for s in subs])
+                assert all(index.log(s.worker) == ledger.truth(s.worker) for s in subs)
+            finally:
+                watcher.cancel()
+                await asyncio.gather(*(r.__aexit__(None, None, None) for r in runners))
+            # Two kept, and one more open for the request in flight at most: reached,
+            # never passed.
+            assert most_open == 3
+            assert pacing.replay_channels.closed_for_room > 0
+            assert len(pacing.replay_channels) == 0  # stopped workers closed theirs
+    run(scenario)
+
+
 def test_idle_checks_that_find_nothing_back_off_until_a_live_batch_arrives():
     options = dataclasses.replace(TEST_OPTIONS, idle_check=0.05)
 

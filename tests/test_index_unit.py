@@ -188,6 +188,8 @@ def test_cpu_offload_without_tokens_resolves_through_announced_hashes() -> None:
     index.apply_removed(A, [2, 3])  # evicted from GPU, still in CPU
     assert index.match(TOKENS)[A] == gpu(3, 4, cpu=2)
     assert index.stats().holdings[A] == {"GPU": 1, "CPU": 2, "STORAGE": 0}
+    assert index.held_by_medium(A) == {"GPU": 1, "CPU": 2, "STORAGE": 0}
+    assert index.held_by_medium(B) == {}  # a worker the index does not know
     index.apply_removed(A, [3], medium="CPU")
     assert index.match(TOKENS)[A] == gpu(2, 4, cpu=1)
 

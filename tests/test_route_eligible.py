@@ -6,6 +6,7 @@ registry as workers come, go and change state."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 from kvroute.app.config import InstanceConfig, Settings
@@ -117,6 +118,18 @@ def test_a_route_chooses_what_scoring_every_worker_chooses():
             publisher.close()
 
 
+def _same_as_walk(service: Service, kept, model) -> bool:
+    """Whether a kept eligible set is what walking the registry now finds."""
+    walked = eligible_among(service.registry, model)
+    return (set(kept.workers) == set(walked.workers)
+            and kept.sorted_keys == walked.sorted_keys
+            and +kept.declared_sizes == walked.declared_sizes
+            and kept.undeclared.keys() == walked.undeclared.keys()
+            and kept.instances.keys() == walked.instances.keys()
+            and sorted(kept.urls()) == sorted(walked.urls())
+            and kept.adapter == walked.adapter and kept.served == walked.served)
+
+
 def test_the_kept_eligible_set_follows_the_registry():
     publishers = [EventPublisher(dp_rank=None).start() for _ in range(2)]
     try:
@@ -136,14 +149,7 @@ def test_the_kept_eligible_set_follows_the_registry():
                     return set(eligible_among(service.registry, None).workers)
 
                 def same_as_fresh(kept) -> bool:
-                    walked = eligible_among(service.registry, None)
-                    return (set(kept.workers) == set(walked.workers)
-                            and kept.sorted_keys == walked.sorted_keys
-                            and +kept.declared_sizes == walked.declared_sizes
-                            and {i.id for i in kept.instances}
-                            == {i.id for i in walked.instances}
-                            and kept.urls() == walked.urls()
-                            and kept.adapter == walked.adapter)
+                    return _same_as_walk(service, kept, None)
 
                 await wait_until(lambda: len(service.eligible.get(None)) == 2,
                                  "both workers eligible")
@@ -169,6 +175,79 @@ def test_the_kept_eligible_set_follows_the_registry():
                 await service.close()
 
         run_async(scenario, timeout=60)
+    finally:
+        for publisher in publishers:
+            publisher.close()
+
+
+def test_instances_added_and_removed_at_once_keep_the_eligible_set_exact_in_place():
+    """Many instances registered at once (as concurrent API calls are), then removed at
+    once: after every step the kept set for each model is exactly what a walk of the registry
+    finds, it is updated in place (the same object, never rebuilt over the fleet), and a
+    route chooses what scoring every worker chooses."""
+    publishers = [EventPublisher(dp_rank=None).start() for _ in range(2)]
+    try:
+        _store(publishers[0], PREFIX, 16, 1000)
+
+        def config(n: int, model: str, block_size: int | None) -> InstanceConfig:
+            return InstanceConfig(id=f"i{n:02d}", model=model, block_size=block_size,
+                                  events=(publishers[n % 2].endpoint,
+                                          publishers[(n + 1) % 2].endpoint),
+                                  replay=(publishers[n % 2].replay_endpoint,
+                                          publishers[(n + 1) % 2].replay_endpoint))
+
+        settings = Settings(log_level="warning", load_interval=0.0,
+                            instances=(config(0, "m", 16), config(1, "m", None)))
+        models = (None, "m", "n")
+
+        async def scenario() -> None:
+            service = Service(settings)
+            await service.start()
+            try:
+                await wait_until(lambda: len(service.eligible.get(None)) == 4,
+                                 "the configured workers eligible")
+                kept = {model: service.eligible.get(model) for model in models}
+
+                def exact() -> bool:
+                    return all(service.eligible.get(model) is kept[model]
+                               and _same_as_walk(service, kept[model], model)
+                               for model in models)
+
+                async def checked(steps) -> None:
+                    tasks = [asyncio.ensure_future(step) for step in steps]
+                    while not all(task.done() for task in tasks):
+                        assert exact()
+                        await asyncio.sleep(0)
+                    for task in tasks:
+                        task.result()
+                    assert exact()
+
+                added = [config(n, "m" if n % 3 else "n", 16 if n % 4 else None)
+                         for n in range(2, 26)]
+                await checked([service.registry.add(c) for c in added])
+                await wait_until(lambda: len(kept[None]) == 2 * 26,
+                                 "every added worker eligible")
+                assert exact()
+                await wait_until(lambda: len(service.index.match(PREFIX, matched_only=True))
+                                 >= 26, "the index to learn the prefix on every holder")
+                tokens = PREFIX + [1]
+                for model in models:
+                    request = route_request_type(settings)(token_ids=tokens, probe=True,
+                                                           model=model)
+                    decision = await service.decide(request, frozenset())
+                    workers, everyone = _every_score(service, request, frozenset(), tokens)
+                    assert decision.best == best_of(everyone, TieBreaker(tokens=tokens))
+                    assert decision.eligible == len(workers)
+                    assert decision.best.matched_blocks == len(PREFIX) // 16
+                await checked([service.registry.remove(c.id) for c in added[::2]])
+                await checked([service.registry.remove(c.id) for c in added[1::2]])
+                assert set(kept[None].workers) == {(f"i{n:02d}", r) for n in (0, 1)
+                                                   for r in (0, 1)}
+                assert not kept["n"].served and not kept["n"].workers
+            finally:
+                await service.close()
+
+        run_async(scenario, timeout=90)
     finally:
         for publisher in publishers:
             publisher.close()
