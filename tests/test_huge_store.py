@@ -124,7 +124,9 @@ def test_what_the_ordinary_way_must_judge_is_not_taken(broken):
 
 
 class RouteWatchingIndex(LoopWatchingIndex):
-    """Also asks, at every turn of the loop, how much of ``prompt`` the worker holds."""
+    """Also asks, at every turn of the loop in which the worker's holding changed, how much
+    of ``prompt`` a route sees it hold. (Asked at every turn, the match of the whole prompt,
+    milliseconds of work, made most turns of the loop the watcher's own.)"""
 
     def __init__(self, prompt: list[int], block_size: int) -> None:
         super().__init__()
@@ -133,10 +135,13 @@ class RouteWatchingIndex(LoopWatchingIndex):
         self.answers: list[int] = []
 
     async def count_turns(self, stop: asyncio.Event) -> None:
+        held = None
         while not stop.is_set():
             self.turns += 1
-            match = self.match(self.prompt).get(WORKER)
-            self.answers.append(0 if match is None else match.blocks)
+            if self.blocks_held(WORKER) != held:
+                held = self.blocks_held(WORKER)
+                match = self.match(self.prompt).get(WORKER)
+                self.answers.append(0 if match is None else match.blocks)
             await asyncio.sleep(0)
 
 
