@@ -57,7 +57,12 @@ class MediumCounts(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class CostTerms(msgspec.Struct, forbid_unknown_fields=True):
+    """A worker's cost in prefill tokens, by term: the prompt's tokens it would compute
+    (`prefill`), those of them another eligible worker holds, priced again for the cache
+    space a second copy takes (`copy`), and the work queued there (`queue`)."""
+
     prefill: float
+    copy: float
     queue: float
 
 

@@ -72,7 +72,7 @@ from kvroute.app.subscription import WorkerKey
 from kvroute.index import Match
 
 __all__ = ["CostWeights", "Score", "TieBreaker", "WorkerGroup", "WorkerView", "best_of", "choose",
-           "prefill_cost", "ranked", "score_workers"]
+           "copy_cost", "idle_cost", "prefill_cost", "ranked", "score_workers"]
 
 MEDIA = ("GPU", "CPU", "STORAGE")
 # The first block's length when no scored worker's block size is known: vLLM's default.
@@ -88,6 +88,9 @@ class CostWeights:
     queued_prefill_token: float = 0.25
     # Decode pressure of one running request, in prefill tokens.
     running_request: float = 32.0
+    # A token to compute here that another eligible worker holds: on top of its miss, the
+    # cache space the second copy takes from other prefixes (see the module docstring).
+    copied_token: float = 1.0
     overload_waiting: int = 64
     overload_kv_usage: float = 0.98
 
@@ -118,6 +121,7 @@ class Score:
     by_medium: dict[str, int]
     state: str
     prefill_cost: float
+    copy_cost: float
     queue_cost: float
     queued_prefill: float
     running: float
@@ -127,7 +131,7 @@ class Score:
 
     @property
     def cost(self) -> float:
-        return self.prefill_cost + self.queue_cost
+        return self.prefill_cost + self.copy_cost + self.queue_cost
 
     def answer(self) -> WorkerScore:
         """This score as the API shows it."""
@@ -142,6 +146,7 @@ class Score:
             state=self.state,
             cost=round(self.cost, 3),
             cost_terms=CostTerms(prefill=round(self.prefill_cost, 3),
+                                 copy=round(self.copy_cost, 3),
                                  queue=round(self.queue_cost, 3)),
             queued_prefill_tokens=self.queued_prefill,
             running_requests=self.running,
@@ -152,11 +157,26 @@ class Score:
 
 def prefill_cost(weights: CostWeights, prompt_tokens: int, matched_tokens: int, cpu_blocks: int,
                  storage_blocks: int, block_size: int) -> float:
-    """The prefill term of a cost. A worker with no load costs exactly this (its queue term
-    is 0.0), so `WorkerGroup` costs made with it equal the `Score.cost` of each member."""
+    """The prefill term of a cost: the prompt's tokens to compute, by tier."""
     return (weights.miss_token * max(prompt_tokens - matched_tokens, 0)
             + weights.cpu_hit_token * cpu_blocks * block_size
             + weights.storage_hit_token * storage_blocks * block_size)
+
+
+def copy_cost(weights: CostWeights, prompt_tokens: int, matched_tokens: int,
+              held_elsewhere: int) -> float:
+    """The copy term of a cost: the prompt's tokens this worker would compute that another
+    eligible worker holds (`held_elsewhere`: the most tokens of the prompt one holds)."""
+    return weights.copied_token * max(min(held_elsewhere, prompt_tokens) - matched_tokens, 0)
+
+
+def idle_cost(weights: CostWeights, prompt_tokens: int, matched_tokens: int, cpu_blocks: int,
+              storage_blocks: int, block_size: int, held_elsewhere: int) -> float:
+    """The cost of a worker with no load (its queue term is 0.0): `WorkerGroup` costs made
+    with it equal the `Score.cost` of each member."""
+    return (prefill_cost(weights, prompt_tokens, matched_tokens, cpu_blocks, storage_blocks,
+                         block_size)
+            + copy_cost(weights, prompt_tokens, matched_tokens, held_elsewhere))
 
 
 def score_workers(
@@ -166,11 +186,13 @@ def score_workers(
     *,
     prompt_tokens: int | None = None,
     prompt_blocks: int | None = None,
+    held_elsewhere: int = 0,
 ) -> list[Score]:
     """One score per eligible worker; zero matched blocks where the index knows nothing.
 
     The prefill cost counts against `prompt_tokens`, or for a block-hash query
-    against `prompt_blocks` times each worker's block size.
+    against `prompt_blocks` times each worker's block size; `held_elsewhere` is the
+    longest match (tokens) among all the eligible workers, `workers` or not.
     """
     scores = []
     for view in workers:
@@ -197,6 +219,7 @@ def score_workers(
             instance=view.key[0], dp_rank=view.key[1], matched_blocks=blocks,
             matched_tokens=tokens, block_size=block_size, by_medium=by_medium,
             state=view.state, prefill_cost=prefill,
+            copy_cost=copy_cost(weights, total, tokens, held_elsewhere),
             queue_cost=(weights.queued_prefill_token * queued
                         + weights.running_request * running),
             queued_prefill=queued, running=running, overloaded=overloaded,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any
@@ -64,7 +64,7 @@ from kvroute.app.routing import (
     WorkerGroup,
     WorkerView,
     choose,
-    prefill_cost,
+    idle_cost,
     score_workers,
 )
 from kvroute.app.state_keeper import StateCollector, StateKeeper
@@ -149,6 +149,7 @@ class Service:
             storage_hit_token=settings.cost_storage_hit_token,
             queued_prefill_token=settings.cost_queued_prefill_token,
             running_request=settings.cost_running_request,
+            copied_token=settings.cost_copied_token,
             overload_waiting=settings.overload_waiting,
             overload_kv_usage=settings.overload_kv_usage)
         self.load = LoadMonitor(self.registry, self.client, interval=settings.load_interval,
@@ -343,11 +344,14 @@ class Service:
             matches = self.index.match(tokens[:-1], lora_name=lora_name,
                                        now=time.monotonic(), matched_only=True)
             ties = TieBreaker(tokens=tokens)
-            scored, groups, block_size = self._group(eligible, exclude, matches, len(tokens))
+            held = _longest(matches, eligible.workers, exclude)
+            scored, groups, block_size = self._group(eligible, exclude, matches, len(tokens),
+                                                     held)
         prompt_tokens = len(tokens) if tokens is not None else None
         prompt_blocks = len(request.block_hashes or ())
         scores = score_workers([self._view(w) for w in scored], matches, self.weights,
-                               prompt_tokens=prompt_tokens, prompt_blocks=prompt_blocks)
+                               prompt_tokens=prompt_tokens, prompt_blocks=prompt_blocks,
+                               held_elsewhere=_longest(matches, eligible.workers, exclude))
         best, shown = choose(scores, groups, ties,
                              keep=None if request.all_scores else TOP_SCORES,
                              block_size=block_size)
@@ -411,10 +415,11 @@ class Service:
         return busy
 
     def _group(self, eligible: Eligible, exclude: frozenset[WorkerKey],
-               matches: dict[WorkerKey, Match], prompt_tokens: int,
+               matches: dict[WorkerKey, Match], prompt_tokens: int, held: int,
                ) -> tuple[list[Worker], list[WorkerGroup], int | None]:
         """(workers to score one by one, groups of the others, smallest block size of all)
-        for a prompt of `prompt_tokens` tokens. Workers that carry load are scored; the
+        for a prompt of `prompt_tokens` tokens of which some eligible worker holds `held`
+        (`routing.copy_cost`). Workers that carry load are scored; the
         others cost only their prefill, so they are grouped by it: those matching the same
         blocks, and the idle ones. Costs the matched and loaded workers, not the fleet."""
         busy = self._busy()
@@ -430,8 +435,8 @@ class Service:
             size = match.block_size or self._block_size(workers[key])
             if size:
                 sizes.append(size)
-            cost = prefill_cost(self.weights, prompt_tokens, match.tokens,
-                                match.by_medium["CPU"], match.by_medium["STORAGE"], size or 0)
+            cost = idle_cost(self.weights, prompt_tokens, match.tokens,
+                             match.by_medium["CPU"], match.by_medium["STORAGE"], size or 0, held)
             by_cost.setdefault(cost, []).append(key)
         taken = {*(w.key for w in scored), *(k for keys in by_cost.values() for k in keys)}
         idle_count = len(workers) - len(exclude) - len(taken)
@@ -441,14 +446,15 @@ class Service:
 
         def score(key: WorkerKey) -> Score:
             return score_workers([self._view(workers[key])], matches, self.weights,
-                                 prompt_tokens=prompt_tokens)[0]
+                                 prompt_tokens=prompt_tokens, held_elsewhere=held)[0]
 
         groups = [WorkerGroup.of(keys, cost, score) for cost, keys in by_cost.items()]
         if idle_count:
             def idle(key: WorkerKey) -> bool:
                 return key in taken or key in exclude
             groups.append(WorkerGroup(
-                cost=self.weights.miss_token * prompt_tokens, count=idle_count,
+                cost=idle_cost(self.weights, prompt_tokens, 0, 0, 0, 0, held),
+                count=idle_count,
                 keys=lambda: eligible.ascending(idle),
                 first=lambda n: list(islice(eligible.ascending(idle), n)), score=score))
         return scored, groups, min(sizes, default=None)
@@ -572,5 +578,8 @@ def _state_store(settings: Settings) -> StateStore | None:
     return None
 
 
-
-
+def _longest(matches: dict[WorkerKey, Match], workers: Mapping[WorkerKey, Worker],
+             exclude: frozenset[WorkerKey]) -> int:
+    """The most tokens of the prompt that one eligible worker holds."""
+    return max((match.tokens for key, match in matches.items()
+                if key in workers and key not in exclude), default=0)

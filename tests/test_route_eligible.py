@@ -41,7 +41,8 @@ def _every_score(service: Service, request, exclude, tokens):
     matches = service.index.match(tokens[:-1], workers=[w.key for w in workers],
                                   matched_only=True)
     scores = score_workers([service._view(w) for w in workers], matches, service.weights,
-                           prompt_tokens=len(tokens))
+                           prompt_tokens=len(tokens),
+                           held_elsewhere=max((m.tokens for m in matches.values()), default=0))
     return workers, scores
 
 

@@ -25,7 +25,9 @@ def match(blocks: int, gpu: int | None = None, cpu: int = 0) -> Match:
 
 
 def pick(views, matches, prompt_tokens=1024, weights=W):
-    scores = score_workers(views, matches, weights, prompt_tokens=prompt_tokens)
+    held = max((m.tokens for m in matches.values()), default=0)  # as the service finds it
+    scores = score_workers(views, matches, weights, prompt_tokens=prompt_tokens,
+                           held_elsewhere=held)
     return best_of(scores, TieBreaker()), scores
 
 
@@ -33,8 +35,9 @@ def test_idle_fleet_prefers_the_longest_match():
     best, scores = pick([view("a"), view("b")], {("a", 0): match(10), ("b", 0): match(20)})
     assert best.instance == "b"
     costs = {s.instance: msgspec.to_builtins(s.answer())["cost_terms"] for s in scores}
-    assert costs == {"a": {"prefill": 1024 - 160, "queue": 0.0},
-                     "b": {"prefill": 1024 - 320, "queue": 0.0}}
+    # a would copy the 160 tokens b holds beyond its own: priced again.
+    assert costs == {"a": {"prefill": 1024 - 160, "copy": 160.0, "queue": 0.0},
+                     "b": {"prefill": 1024 - 320, "copy": 0.0, "queue": 0.0}}
 
 
 def test_a_cpu_hit_costs_more_than_a_gpu_hit_and_less_than_a_miss():
@@ -61,24 +64,29 @@ def test_queued_work_outweighs_a_small_hit():
 
 def test_a_cached_prefix_on_a_busy_worker_and_an_idle_worker_compare_in_prefill_tokens():
     """480 cached tokens of a 540-token prompt: the holder keeps it while the prefill queued
-    ahead of it, at a quarter per token, costs less than the 480 tokens it saves, and the
-    prompt spreads once the holder is saturated."""
+    ahead of it, at a quarter per token, costs less than what a copy on the idle worker
+    costs (the 480 tokens to compute, and as much again for the cache space the copy takes
+    from other prefixes), and the prompt spreads once the holder is saturated."""
     hit = {("holder", 0): Match(blocks=30, tokens=480, block_size=16,
                                 by_medium={"GPU": 30, "CPU": 0, "STORAGE": 0})}
     holder = view("holder", inflight=2, queued_prefill=60)
     best, scores = pick([holder, view("idle")], hit, prompt_tokens=540)
     cost = {s.instance: msgspec.to_builtins(s.answer())["cost_terms"] for s in scores}
-    assert cost == {"holder": {"prefill": 60.0,
+    assert cost == {"holder": {"prefill": 60.0, "copy": 0.0,
                                "queue": W.queued_prefill_token * 60 + 2 * W.running_request},
-                    "idle": {"prefill": 540.0, "queue": 0.0}}
+                    "idle": {"prefill": 540.0, "copy": 480.0, "queue": 0.0}}
     assert best.instance == "holder"
-    # Two cold 540-token prompts queued ahead (1,080 tokens, twice the saving): kept.
-    busy = view("holder", inflight=2, queued_prefill=2 * 540)
+    # Four cold 540-token prompts queued ahead (2,160 tokens, 4.5 times the saving): kept.
+    busy = view("holder", inflight=4, queued_prefill=4 * 540)
     best, _ = pick([busy, view("idle")], hit, prompt_tokens=540)
     assert best.instance == "holder"
-    # Four of them: the idle worker computes the prompt much sooner, a copy is worth it.
-    saturated = view("holder", inflight=4, queued_prefill=4 * 540)
+    # Eight of them: the idle worker computes the prompt much sooner, a copy is worth it.
+    saturated = view("holder", inflight=8, queued_prefill=8 * 540)
     best, _ = pick([saturated, view("idle")], hit, prompt_tokens=540)
+    assert best.instance == "idle"
+    # Without the copy's price the holder gave way at four.
+    no_copy = CostWeights(copied_token=0.0)
+    best, _ = pick([busy, view("idle")], hit, prompt_tokens=540, weights=no_copy)
     assert best.instance == "idle"
 
 
@@ -99,7 +107,7 @@ def test_waiting_requests_are_priced_like_the_answers_kvroute_sent_there():
     assert next(s for s in scores if s.instance == "holder").queued_prefill == 7 * 90
     assert best.instance == "holder"
     # The holder's queue still counts: saturated, the prompt spreads.
-    saturated = view("holder", running=1, waiting=40, waiting_prefill=90.0)
+    saturated = view("holder", running=1, waiting=60, waiting_prefill=90.0)
     best, _ = pick([saturated, other], hit, prompt_tokens=570)
     assert best.instance == "other"
 
