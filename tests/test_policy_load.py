@@ -82,7 +82,10 @@ def test_hot_prefix_spreads_when_its_holder_is_busy_and_returns_when_load_falls(
 
                 def spread() -> dict | None:
                     last[0] = best()
-                    return last[0] if last[0]["instance"] == other else None
+                    costs = {s["instance"]: s["cost"] for s in last[0]["scores"]}
+                    # Strictly: at equal costs a tie's pick may go either way.
+                    return last[0] if (last[0]["instance"] == other
+                                       and costs[holder] > costs[other]) else None
 
                 busy = wait_for(spread, "the hot prefix to spread away from its busy holder",
                                 timeout=30.0, detail=lambda: last[0].get("scores"))
