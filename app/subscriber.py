@@ -53,7 +53,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Iterable
+import weakref
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
 import zmq
@@ -100,6 +101,19 @@ IDLE_CHECK_BACKOFF = 8
 _MAX_REPLAYED_FINGERPRINTS = 20_000
 
 
+def _weakly(method: Callable[..., None]) -> Callable[..., None]:
+    """`method` (bound), called only while its object lives: a callback that does not keep
+    its owner alive, so owner and part make no reference cycle."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: object) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
+
+
 def _fingerprint(payload: bytes) -> int:
     # Payloads carry the step's timestamp, so two engines' batches never share bytes.
     return hash(payload)
@@ -133,15 +147,21 @@ class Subscriber(SubscriberReplays):
             ReplayChannel(self._ctx, endpoint.replay_endpoint,
                           max_message_bytes=self.options.max_message_bytes,
                           kept=self._pacing.replay_channels))
+        # The parts it owns call it back through weak references: a removed worker's
+        # subscriber and sockets are freed by reference counting as its task ends, not left
+        # in cycles for the garbage collector, whose passes over a hundred instances'
+        # leftovers stalled every route (tens of milliseconds each).
         self._applier = BatchApplier(index, self.worker, self.options,
-                                     check=self._check_connection, refused=self._store_refused)
+                                     check=_weakly(self._check_connection),
+                                     refused=_weakly(self._store_refused))
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()
         self._live = LiveConnection(
             self._ctx, endpoint.endpoint, endpoint.topic, rcvhwm=self.options.rcvhwm,
             max_message_bytes=self.options.max_message_bytes,
             reconnect_ivl_ms=self.options.reconnect_ivl_ms,
-            reconnect_ivl_max_ms=self.options.reconnect_ivl_max_ms, went_down=self._went_down)
+            reconnect_ivl_max_ms=self.options.reconnect_ivl_max_ms,
+            went_down=_weakly(self._went_down))
         self._needs_rebuild = True      # first connection: learn what is already cached
         # Degraded only because the rebuild's replay did not finish: idle checks retry it.
         self._unfinished_rebuild = False
