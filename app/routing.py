@@ -352,9 +352,17 @@ def choose(scores: list[Score], groups: Sequence[WorkerGroup], ties: TieBreaker,
     if keep is None:
         shown = ranked([*scores, *(g.score(key) for g in groups for key in g.keys())])
     else:
-        # Each group ranks its workers by key among themselves: only its first `keep` can show.
-        shown = ranked([*scores, *(g.score(key) for g in groups for key in g.first(keep))])
-        shown = shown[:keep]
+        # Each group ranks its workers by key among themselves: only its first `keep` can
+        # show; and as a group's workers cost exactly its cost and are never overloaded,
+        # their places in `ranked` are known from their keys: only those shown are scored.
+        candidates: list[tuple[tuple[bool, float, str, int], Score | None,
+                               WorkerGroup | None]] = [  # (place, score, or its group)
+            ((s.overloaded, s.cost, s.instance, s.dp_rank), s, None) for s in scores]
+        candidates += [((False, g.cost, key[0], key[1]), None, g)
+                       for g in groups for key in g.first(keep)]
+        shown = ranked([score if group is None else group.score((order[2], order[3]))
+                        for order, score, group in heapq.nsmallest(
+                            keep, candidates, key=lambda c: c[0])])
         chosen = (best.instance, best.dp_rank)
         if keep and all((s.instance, s.dp_rank) != chosen for s in shown):
             # A tie's pick need not rank first: the answer always shows the chosen worker.

@@ -28,6 +28,7 @@ from kvroute.app.answers import Error, encode
 from kvroute.app.api import create_app
 from kvroute.app.config import Settings
 from kvroute.app.fleet import Resolver
+from kvroute.app.loop_budget import shared_budget
 from kvroute.app.service import Service
 
 if TYPE_CHECKING:
@@ -72,6 +73,11 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._in_headers = False
         self._requests_begun = 0
         self._header_bytes = 0
+        # Requests of this connection begun and not yet answered, counted in the loop's
+        # ingest budget (app.loop_budget): from a request's first byte, ingest takes a
+        # smaller share of each turn, so the turns that read, run and answer it come sooner.
+        self._budget = shared_budget()
+        self._serving = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -79,6 +85,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_deadline()
+        self._budget.serving -= self._serving  # requests cut off will not complete
+        self._serving = 0
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -96,6 +104,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._in_headers = True
         self._requests_begun += 1
         self._header_bytes = 0
+        self._serving += 1
+        self._budget.serving += 1
 
     def on_headers_complete(self) -> None:
         self._in_headers = self._awaiting_request = False
@@ -104,6 +114,9 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         pipelined = bool(self.pipeline)  # that request's headers are complete already
+        if self._serving:
+            self._serving -= 1
+            self._budget.serving -= 1
         super().on_response_complete()
         if not pipelined and not self.transport.is_closing():
             self._awaiting_request = True

@@ -73,6 +73,7 @@ from kvroute.app.subscription import SubscriberOptions, WorkerKey, WorkerState
 from kvroute.app.tokenizer import Tokenizer, make_tokenizer
 from kvroute.app.valkey import NO_LOAD, PeerLoad, Peers, PeersCollector, ValkeyStore
 from kvroute.index import Match, PrefixIndex
+from kvroute.index.keys import TOKEN_BYTES, token_bytes
 from kvroute.index.prefix_index import COMPILED_AVAILABLE
 
 __all__ = ["Decision", "Service", "route_request_decoder"]
@@ -312,6 +313,7 @@ class Service:
                 + (" that has not failed already" if exclude else ""))
             raise NoEligibleWorker(f"no eligible worker: {reason}")
         tokens: list[int] | None = None
+        prompt_bytes: bytes | None = None  # the tokens as the index hashes them
         lora_name = request.lora_name
         groups: list[WorkerGroup] = []
         if request.block_hashes is not None:
@@ -341,7 +343,9 @@ class Service:
                 lora_name = request.model  # vLLM caches an adapter's blocks under its name
             # Every worker the index knows is walked (its bit masks cost the same whatever
             # the selection), and the matches of workers that may not take the route left.
-            matches = self.index.match(tokens[:-1], lora_name=lora_name,
+            # Converted once: the walk and the placement guess hash the same bytes.
+            prompt_bytes = token_bytes(tokens)
+            matches = self.index.match(prompt_bytes[:-TOKEN_BYTES], lora_name=lora_name,
                                        now=time.monotonic(), matched_only=True)
             ties = TieBreaker(tokens=tokens)
             held = _longest(matches, eligible.workers, exclude)
@@ -365,7 +369,8 @@ class Service:
             # Until its events arrive, the chosen worker counts as holding this prompt, so
             # a burst sharing a new prefix follows the first request instead of spreading.
             guess_expires = time.monotonic() + self.settings.placement_ttl
-            self._guess(worker, tokens, lora_name, guess_expires, self.settings.placement_ttl)
+            self._guess(worker, tokens, lora_name, guess_expires, self.settings.placement_ttl,
+                        prompt=prompt_bytes)
         if tokens:
             self.metrics.match_ratio.observe(best.matched_tokens / len(tokens))
         self.activity.decided(worker.key, time.perf_counter() - started, request.probe)
@@ -394,10 +399,12 @@ class Service:
         self._guess(served, decision.tokens, decision.lora_name, expires, left)
 
     def _guess(self, worker: Worker, tokens: list[int], lora_name: str | None,
-               expires: float, ttl: float) -> None:
+               expires: float, ttl: float, *, prompt: bytes | None = None) -> None:
         """Place the guess that `worker` will hold `tokens` until `expires` (`ttl` seconds
-        from now), here and, through Valkey, on the other replicas."""
-        self.index.place(worker.key, tokens, block_size=worker.instance.block_size,
+        from now), here and, through Valkey, on the other replicas. `prompt`: the tokens'
+        `token_bytes`, when the caller has them already."""
+        self.index.place(worker.key, tokens if prompt is None else prompt,
+                         block_size=worker.instance.block_size,
                          lora_name=lora_name, expires=expires)
         if self.peers is not None:
             self.peers.publish_guess(worker.key, tokens, block_size=worker.instance.block_size,

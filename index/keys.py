@@ -61,9 +61,12 @@ def block_splitter(block_bytes: int) -> Callable[[bytes], Iterator[tuple[bytes]]
     return struct.Struct(f"{block_bytes}s").iter_unpack
 
 
-def token_bytes(token_ids: Sequence[int]) -> bytes:
+def token_bytes(token_ids: Sequence[int] | bytes) -> bytes:
     """Token ids as uint32 bytes (native order: keys never leave the process); block k of
-    size bs is ``[k*4*bs:(k+1)*4*bs]``."""
+    size bs is ``[k*4*bs:(k+1)*4*bs]``. Bytes are taken as such bytes already (a caller
+    that walks and guesses one prompt converts it once)."""
+    if isinstance(token_ids, bytes):
+        return token_ids
     try:
         return array(TOKEN_TYPECODE, token_ids).tobytes()
     except OverflowError:

@@ -840,7 +840,7 @@ class PrefixIndex:
 
     def match(
         self,
-        token_ids: Sequence[int],
+        token_ids: Sequence[int] | bytes,
         *,
         lora_name: str | None = None,
         workers: Iterable[WorkerKey] | None = None,
@@ -856,6 +856,8 @@ class PrefixIndex:
         Each worker is matched at its own block size; the trailing partial block never
         matches. Blocks stored with extra keys (multimodal, cache salt) cannot be matched
         by tokens alone. Raises ``ValueError`` for token ids outside ``[0, 2**32)``.
+        ``token_ids`` may be given as their ``keys.token_bytes`` (converted once by a caller
+        that also ``place``s them).
         Placement guesses count as held (``Match.pending``); with ``now`` given, those
         expired by then are removed first.
         """
@@ -909,7 +911,8 @@ class PrefixIndex:
                     holders.append(w)
         return holders
 
-    def place(self, worker: WorkerKey, token_ids: Sequence[int], *, block_size: int | None = None,
+    def place(self, worker: WorkerKey, token_ids: Sequence[int] | bytes, *,
+              block_size: int | None = None,
               lora_name: str | None = None, expires: float) -> int:
         """Guess that ``worker`` will hold the full blocks of ``token_ids`` until
         ``expires`` (see ``index.placement``); blocks it already holds are not guessed.

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from kvroute.index import IndexStats, Match, PrefixIndex
+from kvroute.index.keys import token_bytes
 from tests.support.index_state import assert_empty
 
 # Every test here runs with the compiled loops, then with the pure ones (the reference).
@@ -36,6 +37,15 @@ def test_instances_with_different_hash_seeds_match_the_same_tokens() -> None:
     store(index, B, [2**63 + 5, 7, 9], None, TOKENS[:12])  # other seed, other values
     assert index.match(TOKENS) == {A: gpu(3, 4), B: gpu(3, 4)}
     assert index.stats().nodes == 3  # one node per content block, two holders each
+
+
+def test_tokens_given_as_their_bytes_match_and_guess_as_the_ids_do() -> None:
+    index = PrefixIndex()
+    store(index, A, [11, 12], None, TOKENS[:8])
+    as_bytes = token_bytes(TOKENS)
+    assert index.match(as_bytes) == index.match(TOKENS) == {A: gpu(2, 4)}
+    assert index.place(B, as_bytes, block_size=4, expires=1e9) == 4
+    assert index.match(TOKENS, workers=[B])[B].pending == 4
 
 
 def test_chains_hang_off_their_parent_hash() -> None:

@@ -63,3 +63,14 @@ def test_a_blocked_loop_shows_as_lag() -> None:
     text = generate_latest(registry).decode()
     assert "kvroute_event_loop_lag_seconds_bucket" in text
     assert "kvroute_event_loop_lag_worst_seconds" in text
+
+
+def test_requests_being_answered_shrink_the_share_of_a_turn() -> None:
+    budget = LoopBudget(seconds=60.0, serving_seconds=0.0)
+    assert not budget.exhausted()  # starts this turn's clock
+    assert not budget.exhausted()  # a minute's share: far from used up
+    budget.serving += 1
+    assert budget.exhausted()  # the share while serving is used up at once
+    budget.serving -= 1
+    assert not budget.exhausted()
+    assert LoopBudget(seconds=0.002, serving_seconds=0.5).serving_seconds == 0.002  # never more

@@ -12,6 +12,7 @@ import pytest
 from kvroute.app.config import Settings
 from kvroute.app.routing import (
     CostWeights,
+    Score,
     TieBreaker,
     WorkerGroup,
     WorkerView,
@@ -109,6 +110,26 @@ def test_a_cold_prompt_on_an_idle_fleet_ties_every_worker_as_before():
             [by_key[k]], {}, W, prompt_tokens=64)[0])
         best, shown = choose([], [idle], TieBreaker(tokens=tokens), keep=4, block_size=BLOCK)
         assert best == expected and best in shown and len(shown) == 4
+
+
+def test_an_answer_scores_only_the_grouped_workers_it_shows():
+    """Each group's workers cost its cost: their places among the shown ones follow from
+    their keys, so a route scores at most the `keep` shown ones (and a tie's pick)."""
+    views = [WorkerView(key=(f"i{n:02d}", 0), block_size=BLOCK, state="live") for n in range(40)]
+    by_key = {v.key: v for v in views}
+    scored: list[tuple[str, int]] = []
+
+    def score(key: tuple[str, int]) -> Score:
+        scored.append(key)
+        return score_workers([by_key[key]], {}, W, prompt_tokens=64)[0]
+
+    keys = list(by_key)
+    groups = [WorkerGroup.of(keys[:20], 64.0, score), WorkerGroup.of(keys[20:], 64.0, score)]
+    best, shown = choose([], groups, TieBreaker(tokens=unique_tokens(7, 64)), keep=4,
+                         block_size=BLOCK)
+    assert len(shown) == 4 and best in shown
+    assert len(scored) <= 4 + 1  # the shown ones and the tie's pick, not 4 per group
+    assert [s.instance for s in shown[:3]] == ["i00", "i01", "i02"]
 
 
 @pytest.fixture(scope="module")

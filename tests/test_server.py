@@ -3,11 +3,14 @@ Nagle delays."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import time
 
 import httpx
 
 from kvroute.app.config import Settings
+from kvroute.app.loop_budget import shared_budget
 from kvroute.app.server import BackgroundServer
 from tests.conftest import HTTP_TIMEOUT
 
@@ -41,3 +44,40 @@ def test_the_listening_socket_says_tcp_so_asyncio_disables_nagle():
         assert server._socket.proto == socket.IPPROTO_TCP
     finally:
         server.stop()
+
+
+def _serving(server: BackgroundServer) -> int:
+    """The server loop's count of requests being answered (app.loop_budget), read there."""
+    loop = server._server.servers[0].get_loop()
+
+    async def read() -> int:
+        return shared_budget().serving
+
+    return asyncio.run_coroutine_threadsafe(read(), loop).result(HTTP_TIMEOUT)
+
+
+def _serving_becomes(server: BackgroundServer, want: int) -> int:
+    deadline = time.monotonic() + HTTP_TIMEOUT
+    while (got := _serving(server)) != want and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return got
+
+
+def test_a_request_counts_as_served_from_its_first_byte_until_answered_or_cut_off():
+    """Ingest takes a smaller share of the loop while requests are being answered: the
+    count starts with a request's first bytes and ends with its answer or its connection."""
+    with BackgroundServer(Settings(host="127.0.0.1", port=0, log_level="warning")) as server:
+        assert _serving(server) == 0
+        client = socket.create_connection(("127.0.0.1", server.port), timeout=HTTP_TIMEOUT)
+        try:  # headers and a body that never finishes arriving
+            client.sendall(b"POST /v1/route HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                           b"content-type: application/json\r\ncontent-length: 100\r\n\r\n{")
+            assert _serving_becomes(server, 1) == 1
+        finally:
+            client.close()
+        assert _serving_becomes(server, 0) == 0  # cut off: it will never be answered
+        with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as http:
+            for _ in range(3):  # one kept-alive connection, answered requests
+                assert http.get("/healthz").status_code == 200
+                assert http.post("/v1/route", json={"token_ids": [1, 2]}).status_code == 503
+            assert _serving(server) == 0
