@@ -14,12 +14,11 @@ Ownership and invariants:
   so the prefill is done; a non-streamed answer arrives whole, so its prefill counts until
   the end. After that the request counts only as *running* (decode pressure).
 - In route mode kvroute never sees a request end. `RecentAnswers` counts each answer as a
-  ticket until a reading of the instance's /metrics shows the request itself (see
-  `app.load`: one taken after it need not) or `max_age` has passed, whichever comes
-  first. It also keeps, per worker, a moving mean of the uncached prefill its answers
-  named (`typical_prefill`): what a request the metrics show waiting there is likely to
-  cost. At most `TYPICAL_WORKERS` workers are kept, the least recently answered
-  forgotten first.
+  ticket until a reading of the instance's /metrics taken after it (which then shows the
+  request itself) or `max_age` has passed, whichever comes first. It also keeps, per
+  worker, a moving mean of the uncached prefill its answers named (`typical_prefill`):
+  what a request the metrics show waiting there is likely to cost. At most
+  `TYPICAL_WORKERS` workers are kept, the least recently answered forgotten first.
 - Nothing here reads a clock or does I/O: times are passed in.
 """
 
@@ -172,13 +171,12 @@ class RecentAnswers:
         if len(self._typical) > TYPICAL_WORKERS:
             self._typical.popitem(last=False)
 
-    def settle(self, now: float, covered: Callable[[WorkerKey], float | None]) -> None:
-        """Close the answers that the worker's metrics reading covers or that are too old;
-        `covered(key)`: a request sent before that time shows in the worker's current
-        reading (None: no reading)."""
+    def settle(self, now: float, reading_taken: Callable[[WorkerKey], float | None]) -> None:
+        """Close the answers that a later metrics reading covers or that are too old;
+        `reading_taken(key)` is when the worker's current reading was taken, if any."""
         for key in list(self._open):
             answers = self._open[key]
-            taken = covered(key)
+            taken = reading_taken(key)
             while answers and (now - answers[0][0] >= self._max_age or (
                     taken is not None and taken >= answers[0][0] + self._margin)):
                 answers.popleft()[1].close()

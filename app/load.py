@@ -83,10 +83,6 @@ class Load:
     read_at: float = 0.0  # time.monotonic() when the scrape was sent
     work: float | None = None  # tokens the engine has processed; None: not exported
     work_since: float = 0.0  # read_at of the first reading with this `work`
-    # Requests that reached the engine before this time show in the gauges (`covers`).
-    covers_until: float = 0.0
-    # read_at of the reading before the last one that saw `work` move.
-    moved_after: float = 0.0
 
 
 def parse_load(text: str, read_at: float) -> dict[int, Load]:
@@ -225,8 +221,11 @@ class LoadMonitor:
             if reading is None:
                 self._loads.pop(worker.key, None)
                 continue
-            reading = _covering(reading, self._loads.get(worker.key))
-            since = reading.work_since
+            previous = self._loads.get(worker.key)
+            since = reading.read_at
+            if previous is not None and reading.work is not None and reading.work == previous.work:
+                since = previous.work_since
+            reading = replace(reading, work_since=since)
             if reading.read_at - since >= 2 * self.interval:
                 # No step for that long: the gauges are the last step's leftovers. KV usage
                 # counts the blocks of running requests, so none are used now; a leftover
@@ -252,29 +251,6 @@ class LoadMonitor:
         self._retry[instance.id] = (time.monotonic() + delay, delay)
         for worker in instance.workers:
             self._loads.pop(worker.key, None)
-
-
-def _covering(reading: Load, previous: Load | None) -> Load:
-    """`reading` with what it can vouch for, given the worker's previous reading.
-
-    vLLM sets the gauges from the scheduler's state at the start of a step, and publishes
-    them when the step ends: a request that arrived during a step shows only once the
-    *next* step has ended. So a reading covers the requests that arrived before the
-    previous reading of the step *before* the last one seen ending, that is before the
-    reading preceding the last-but-one move of the engine's token counters (on a CPU
-    engine one step can take seconds; counting a request as shown by the first reading
-    after it dropped it from the load while it waited). Without counters, a reading is
-    taken to show everything sent before it."""
-    if reading.work is None:
-        return replace(reading, work_since=reading.read_at, covers_until=reading.read_at,
-                       moved_after=reading.read_at)
-    if previous is None or previous.work is None:
-        return replace(reading, work_since=reading.read_at)
-    if reading.work == previous.work:
-        return replace(reading, work_since=previous.work_since,
-                       covers_until=previous.covers_until, moved_after=previous.moved_after)
-    return replace(reading, work_since=reading.read_at, covers_until=previous.moved_after,
-                   moved_after=previous.read_at)
 
 
 def _read_page(body: bytes, read_at: float) -> dict[int, Load]:

@@ -533,11 +533,11 @@ def test_a_followed_answer_counts_as_load_until_the_instances_metrics_do_and_a_p
             assert chosen["load"]["queued_prefill"] == len(prompt)
             assert chosen["queued_prefill_tokens"] == 1
             assert after["instance"] == followed["instance"]
-            # Nothing was sent: the answer stops counting once the instance's metrics could
-            # show it (app.load), or once it is too old for that (an idle engine).
+            # Nothing was sent, so the instance's next reading shows nothing: the answer
+            # stops counting once a reading taken after it arrives.
             wait_for(lambda: all(s["load"]["answered"] == 0 for s in
                                  route(client, token_ids=prompt).json()["scores"]),
-                     "the answer to stop counting")
+                     "the answer to stop counting once the instance's metrics are read")
     finally:
         server.stop()
 
