@@ -322,6 +322,7 @@ class Service:
             # shared cost for idle workers, so every worker is scored.
             scored = [w for w in eligible.workers.values() if w.key not in exclude]
             matches = self.index.match_hashes(hashes, workers=[w.key for w in scored])
+            held = _longest(matches, eligible.workers, exclude)
             ties = TieBreaker(first_hash=hashes[0] if hashes else None)
             block_size = None  # best_of finds it among the scores
         else:
@@ -355,7 +356,7 @@ class Service:
         prompt_blocks = len(request.block_hashes or ())
         scores = score_workers([self._view(w) for w in scored], matches, self.weights,
                                prompt_tokens=prompt_tokens, prompt_blocks=prompt_blocks,
-                               held_elsewhere=_longest(matches, eligible.workers, exclude))
+                               held_elsewhere=held)
         best, shown = choose(scores, groups, ties,
                              keep=None if request.all_scores else TOP_SCORES,
                              block_size=block_size)
