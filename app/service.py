@@ -481,16 +481,10 @@ class Service:
         queue = load if load and not self.settings.proxy else None
         # The other replicas' own requests and answers, as they last said (app.valkey).
         peers = self.peers.load(worker.key) if self.peers is not None else NO_LOAD
-        # KV usage counts the blocks of running requests. A proxy with none in flight there
-        # (nor its peers) reads the usage its last requests left: the gauge is the last
-        # step's until the next scrape shows the engine idle, and at the overload limit it
-        # kept an idle holder skipped while its prefixes were copied elsewhere.
-        kv_usage = load.kv_usage if load and (
-            not self.settings.proxy or forwarded.requests or peers.inflight) else None
         return WorkerView(
             key=worker.key, block_size=self._block_size(worker), state=worker.state,
             running=queue.running if queue else None, waiting=queue.waiting if queue else None,
-            kv_usage=kv_usage,
+            kv_usage=load.kv_usage if load else None,
             inflight=forwarded.requests + peers.inflight,
             answered=answered.requests + peers.answered,
             queued_prefill=(forwarded.queued_prefill_tokens + answered.queued_prefill_tokens

@@ -157,35 +157,3 @@ async def _streamed_then_cancelled(app, body: bytes, cancel: str) -> None:
             await asyncio.sleep(0)
             task.cancel()  # and again, while it cleans up
             await asyncio.gather(task, return_exceptions=True)
-
-
-def test_the_proxy_reads_kv_usage_only_where_it_has_requests_in_flight(cluster: SimCluster):
-    """KV usage counts the blocks of running requests: with one streaming through the proxy
-    the instance's usage counts (here over an overload limit set low); once it ended, the
-    usage its gauge still shows (the last step's) does not, so the worker is not skipped."""
-    # Scraped every second: the simulator's token counters move only as requests end, so
-    # after two intervals of one long stream its gauges would read as an idle engine's.
-    settings = Settings(host="127.0.0.1", port=0, log_level="warning", proxy=True,
-                        placement_ttl=0.0, load_interval=1.0, overload_kv_usage=0.01)
-    with BackgroundServer(settings) as server, \
-            httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as http:
-        instance = http.post("/v1/instances", json={"url": cluster.urls[0]}).json()["id"]
-        wait_for(lambda: http.get(f"/v1/instances/{instance}").json()["state"] == "live",
-                 "the instance live")
-
-        def score() -> dict:
-            answer = http.post("/v1/route", json={"token_ids": [1, 2, 3], "probe": True})
-            return answer.json()["scores"][0]
-
-        body = {"model": "sim-model", "prompt": unique_tokens(300, 8 * BLOCK),
-                "max_tokens": 400, "stream": True}
-        with http.stream("POST", "/v1/completions", json=body) as streaming:
-            assert streaming.status_code == 200, streaming.read()
-            next(streaming.iter_bytes())  # the first token: the request runs there
-            busy = wait_for(lambda: (s := score())["load"]["kv_usage"] and s,
-                            "its KV usage read while a request runs", detail=score)
-            assert busy["load"]["inflight"] == 1 and busy["overloaded"]
-        wait_for(lambda: score()["load"]["inflight"] == 0, "the request released",
-                 detail=score)
-        idle = score()
-        assert idle["load"]["kv_usage"] is None and not idle["overloaded"]
