@@ -49,10 +49,16 @@ Queued prefill that computes this prompt's own prefix
 is not counted against it: that work is done once, and this request reuses it. So a burst
 of a cold prefix follows the first answer instead of spreading over the fleet.
 
-A worker is *overloaded* when its waiting queue or its KV-cache usage reaches the
-configured limit; overloaded workers are skipped unless every worker is. The lowest
-cost wins. With an idle fleet the lowest cost is simply the most matched tokens (block
-sizes differ between instances; blocks are not comparable).
+A worker is *overloaded* when its waiting queue reaches `overload_waiting`; overloaded
+workers are skipped unless every worker is. A KV cache at `overload_kv_usage` makes a
+worker *saturated*, which only shedding reads (the Endpoint Picker's 429 when every
+eligible worker is saturated), never the choice: vLLM fills its cache with running requests
+and queues the rest, so a full cache is a busy engine, priced by its queue like any other.
+(Skipped outright, a holder whose cache filled under a burst sent its own prefixes to a
+worker that had to compute and cache them again; on two real engines at 16 clients that
+cost 3-5 points of hit rate against a static partition.) The lowest cost wins. With an
+idle fleet the lowest cost is simply the most matched tokens (block sizes differ between
+instances; blocks are not comparable).
 
 Equal costs are broken by rendezvous (highest-random-weight) hashing: each tied worker
 weighs xxh3(the prompt's first block, the worker's key), and the heaviest wins. So a cold
@@ -134,9 +140,10 @@ class Score:
     queue_cost: float
     queued_prefill: float
     running: float
-    overloaded: bool
+    overloaded: bool  # skipped unless every worker is
     load: LoadReadings
     pending_blocks: int = 0
+    saturated: bool = False  # overloaded, or its KV cache at the limit: only shedding reads it
 
     @property
     def cost(self) -> float:
@@ -222,8 +229,7 @@ def score_workers(
         queued = max(float(view.queued_prefill), (view.waiting or 0.0) * per_waiting)
         queued = max(0.0, queued - pending * size)  # the prefix being computed for us
         running = max(float(view.inflight + view.answered), view.running or 0.0)
-        overloaded = ((view.waiting or 0.0) >= weights.overload_waiting
-                      or (view.kv_usage or 0.0) >= weights.overload_kv_usage)
+        overloaded = (view.waiting or 0.0) >= weights.overload_waiting
         scores.append(Score(
             instance=view.key[0], dp_rank=view.key[1], matched_blocks=blocks,
             matched_tokens=tokens, block_size=block_size, by_medium=by_medium,
@@ -236,6 +242,7 @@ def score_workers(
                               kv_usage=view.kv_usage, inflight=view.inflight,
                               answered=view.answered, queued_prefill=view.queued_prefill),
             pending_blocks=pending,
+            saturated=overloaded or (view.kv_usage or 0.0) >= weights.overload_kv_usage,
         ))
     return scores
 
@@ -299,9 +306,9 @@ def best_of(scores: list[Score], ties: TieBreaker) -> Score:
 class WorkerGroup:
     """Eligible workers that carry no load and cost the same: those that match the same
     blocks, or none (the idle ones: the whole prompt to compute). None of them is
-    overloaded and each one's `Score.cost` is exactly `cost`. They are kept as keys, so a
-    route costs the workers whose scores differ, not the fleet; a `Score` is made only for
-    the ones an answer shows (`score`).
+    overloaded or saturated, and each one's `Score.cost` is exactly `cost`. They are kept
+    as keys, so a route costs the workers whose scores differ, not the fleet; a `Score` is
+    made only for the ones an answer shows (`score`).
 
     `count` keys in all; `keys()` yields every one (asked for only when the group ties for
     the lowest cost, or for every score), `first(n)` the n smallest, ascending."""

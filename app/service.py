@@ -286,7 +286,8 @@ class Service:
                      exclude: frozenset[WorkerKey] = frozenset(), *,
                      shed_when_overloaded: bool = False) -> Decision:
         """Weigh every eligible worker (minus `exclude`) and choose one; raises a RequestError.
-        With `shed_when_overloaded`, a request that finds every eligible worker overloaded is
+        With `shed_when_overloaded`, a request that finds every eligible worker saturated
+        (`routing.Score.saturated`: its waiting queue or its KV cache at the limit) is
         refused (Busy) instead of sent to the least bad one, and leaves nothing behind.
 
         Only workers that carry load get a full score; the others cost their prefill alone
@@ -360,7 +361,8 @@ class Service:
         best, shown = choose(scores, groups, ties,
                              keep=None if request.all_scores else TOP_SCORES,
                              block_size=block_size)
-        if shed_when_overloaded and best.overloaded:  # best_of skips overloaded ones if it can
+        if (shed_when_overloaded and all(score.saturated for score in scores)
+                and not any(group.count for group in groups)):  # grouped: never saturated
             raise Busy(f"every eligible worker is overloaded ({count} scored: waiting "
                        f"queue at {self.weights.overload_waiting} or KV-cache usage at "
                        f"{self.weights.overload_kv_usage}); retry later")

@@ -39,7 +39,7 @@ from e2e.envoy_client import (
     pick,
 )
 from kvroute.app.server import BackgroundServer
-from tests.conftest import HTTP_TIMEOUT, wait_until
+from tests.conftest import HTTP_TIMEOUT, wait_for, wait_until
 from tests.support.epp import (
     BLOCK,
     DESTINATION,
@@ -255,12 +255,16 @@ def test_no_eligible_endpoint_is_an_immediate_503() -> None:
 
 
 def test_overload_is_shed_with_an_immediate_429(fleet: Fleet) -> None:
-    # A KV-cache usage limit of 0 makes every worker overloaded; one stream routed at a time.
-    settings = epp_settings(overload_kv_usage=0.0, max_concurrent_requests=1)
+    # A KV-cache usage limit of 0 makes every worker whose load was read saturated; one
+    # stream routed at a time.
+    settings = epp_settings(overload_kv_usage=0.0, max_concurrent_requests=1,
+                            load_interval=0.1)
     with BackgroundServer(settings) as server, \
             httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as http:
         other = Fleet(server, http)
         other.register(fleet.cluster.urls[0])
+        wait_for(lambda: all(s["load"]["kv_usage"] is not None for s in other.scores(
+            token_ids=[5, 6, 7], all_scores=True).values()), "every worker's load to be read")
 
         async def run() -> None:
             async with streams_to(server) as open_stream:
