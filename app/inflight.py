@@ -15,7 +15,11 @@ Ownership and invariants:
   the end. After that the request counts only as *running* (decode pressure).
 - In route mode kvroute never sees a request end. `RecentAnswers` counts each answer as a
   ticket until a reading of the instance's /metrics taken after it (which then shows the
-  request itself) or `max_age` has passed, whichever comes first. It also keeps, per
+  request itself), until the engine's recent mean request time has passed (it has most
+  likely ended), or until `max_age`, whichever comes first; its prefill counts as queued
+  until the engine's recent mean time to first token has passed. Without those means,
+  answers to engines that finish a request in 30 ms counted for a whole scrape interval:
+  at one client, 16 answers each on two workers that each ran one request. It also keeps, per
   worker, a moving mean of the uncached prefill its answers named (`typical_prefill`):
   what a request the metrics show waiting there is likely to cost. At most
   `TYPICAL_WORKERS` workers are kept, the least recently answered forgotten first.
@@ -27,6 +31,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvroute.app.subscription import WorkerKey
 
@@ -135,9 +140,24 @@ class InFlight:
             self._queued.pop(key, None)
 
 
+class Reading(Protocol):
+    """What `RecentAnswers` reads of a worker's last /metrics reading (app.load.Load)."""
+
+    @property
+    def read_at(self) -> float: ...  # when it was taken
+    @property
+    def ttft_seconds(self) -> float | None: ...  # the engine's recent means; None: unknown
+    @property
+    def request_seconds(self) -> float | None: ...
+
+
 class RecentAnswers:
     """Route-mode answers as tickets of their own ledger, until the instance's metrics cover
-    them. Kept apart from the proxy's tickets: an answer may never be followed."""
+    them or they have most likely ended. Kept apart from the proxy's tickets: an answer may
+    never be followed.
+
+    Per worker, the open answers are in two queues, each oldest first: those whose prefill
+    still counts, and before them (all older) those whose prefill has started."""
 
     __slots__ = ("_ledger", "_max_age", "_margin", "_open", "_typical")
 
@@ -147,7 +167,9 @@ class RecentAnswers:
         # A caller forwards the request a moment after the answer; a reading taken within
         # this margin of the answer may not show it yet.
         self._margin = margin
-        self._open: dict[WorkerKey, deque[tuple[float, Ticket]]] = {}
+        # worker -> (answers whose prefill started, answers whose prefill counts)
+        self._open: dict[WorkerKey, tuple[deque[tuple[float, Ticket]],
+                                          deque[tuple[float, Ticket]]]] = {}
         self._typical: OrderedDict[WorkerKey, float] = OrderedDict()
 
     def get(self, key: WorkerKey) -> WorkerLoad:
@@ -164,21 +186,37 @@ class RecentAnswers:
 
     def add(self, key: WorkerKey, prefill_tokens: int, now: float) -> None:
         ticket = self._ledger.open(key, prefill_tokens)
-        self._open.setdefault(key, deque()).append((now, ticket))
+        self._open.setdefault(key, (deque(), deque()))[1].append((now, ticket))
         mean = self._typical.pop(key, None)
         self._typical[key] = (ticket.prefill_tokens if mean is None
                               else mean + TYPICAL_WEIGHT * (ticket.prefill_tokens - mean))
         if len(self._typical) > TYPICAL_WORKERS:
             self._typical.popitem(last=False)
 
-    def settle(self, now: float, reading_taken: Callable[[WorkerKey], float | None]) -> None:
-        """Close the answers that a later metrics reading covers or that are too old;
-        `reading_taken(key)` is when the worker's current reading was taken, if any."""
+    def settle(self, now: float, reading_of: Callable[[WorkerKey], Reading | None]) -> None:
+        """Close the answers that a later metrics reading covers, that lasted the engine's
+        recent mean request time or that are too old, and stop counting the prefill of
+        those that lasted its mean time to first token; `reading_of(key)` is the worker's
+        current reading, if any."""
+        margin = self._margin
         for key in list(self._open):
-            answers = self._open[key]
-            taken = reading_taken(key)
-            while answers and (now - answers[0][0] >= self._max_age or (
-                    taken is not None and taken >= answers[0][0] + self._margin)):
-                answers.popleft()[1].close()
-            if not answers:
+            started, prefilling = self._open[key]
+            reading = reading_of(key)
+            # an answer at or before `ended` has ended, or shows in the reading
+            ended = now - self._max_age
+            first_token = None
+            if reading is not None:
+                ended = max(ended, reading.read_at - margin)
+                if reading.request_seconds is not None:
+                    ended = max(ended, now - margin - reading.request_seconds)
+                if reading.ttft_seconds is not None:
+                    first_token = now - margin - reading.ttft_seconds
+            for answers in (started, prefilling):  # oldest first
+                while answers and answers[0][0] <= ended:
+                    answers.popleft()[1].close()
+            while first_token is not None and prefilling and prefilling[0][0] <= first_token:
+                answer = prefilling.popleft()
+                answer[1].started()
+                started.append(answer)
+            if not started and not prefilling:
                 del self._open[key]

@@ -13,6 +13,12 @@ step that does work: when neither moved for two scrape intervals (longer than an
 step), the engine is idle, and the reading says nothing runs or waits there and no KV
 block is in use.
 
+Its `vllm:time_to_first_token_seconds` and `vllm:e2e_request_latency_seconds` histograms
+say how long its requests have lately taken: each reading keeps the mean of those that
+ended since the previous one (`ttft_seconds`, `request_seconds`). In route mode kvroute
+never sees a request end, and counts an answer sent there for about that long
+(app.inflight).
+
 Invariants:
 - A reading older than `stale_after` intervals is not trusted: `get` returns None
   for it, and the policy then uses only what kvroute itself knows (its in-flight
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 from collections.abc import Iterator
@@ -59,6 +66,11 @@ _SAMPLES = {
     "vllm:kv_cache_usage_perc": "kv_usage",
     "vllm:prompt_tokens_total": "work",  # counters: prefill and generated tokens, summed
     "vllm:generation_tokens_total": "work",
+    # histograms' sums and counts: how long the engine's requests took, lately
+    "vllm:time_to_first_token_seconds_sum": "ttft_sum",
+    "vllm:time_to_first_token_seconds_count": "ttft_count",
+    "vllm:e2e_request_latency_seconds_sum": "e2e_sum",
+    "vllm:e2e_request_latency_seconds_count": "e2e_count",
 }
 _PREFIXES = tuple(_SAMPLES)
 # The longest wait before scraping again an instance whose scrapes fail, in seconds.
@@ -83,6 +95,33 @@ class Load:
     read_at: float = 0.0  # time.monotonic() when the scrape was sent
     work: float | None = None  # tokens the engine has processed; None: not exported
     work_since: float = 0.0  # read_at of the first reading with this `work`
+    # Totals of the engine's time-to-first-token and end-to-end request histograms (seconds
+    # and requests since it started); None: not exported.
+    ttft_sum: float | None = None
+    ttft_count: float | None = None
+    e2e_sum: float | None = None
+    e2e_count: float | None = None
+    # The mean of the requests that ended between the previous reading and this one (the
+    # previous mean when none did; every request's when there is no previous reading);
+    # None: not known. app.inflight reads them as how long a request sent there lasts.
+    ttft_seconds: float | None = None
+    request_seconds: float | None = None
+
+
+def _recent_mean(total: float | None, count: float | None, previous_total: float | None,
+                 previous_count: float | None, previous_mean: float | None) -> float | None:
+    """The mean of the observations a histogram gained since the previous reading; None
+    for what no engine exports (a negative, infinite or NaN mean)."""
+    if total is None or count is None:
+        return None
+    if previous_total is None or previous_count is None or count < previous_count:
+        # first reading, or the engine restarted: its whole life so far
+        mean = total / count if count > 0 else None
+    elif count > previous_count:
+        mean = (total - previous_total) / (count - previous_count)
+    else:
+        mean = previous_mean
+    return mean if mean is not None and 0.0 <= mean < math.inf else None
 
 
 def parse_load(text: str, read_at: float) -> dict[int, Load]:
@@ -225,7 +264,17 @@ class LoadMonitor:
             since = reading.read_at
             if previous is not None and reading.work is not None and reading.work == previous.work:
                 since = previous.work_since
-            reading = replace(reading, work_since=since)
+            reading = replace(reading, work_since=since, ttft_seconds=_recent_mean(
+                reading.ttft_sum, reading.ttft_count,
+                previous.ttft_sum if previous else None,
+                previous.ttft_count if previous else None,
+                previous.ttft_seconds if previous else None,
+            ), request_seconds=_recent_mean(
+                reading.e2e_sum, reading.e2e_count,
+                previous.e2e_sum if previous else None,
+                previous.e2e_count if previous else None,
+                previous.request_seconds if previous else None,
+            ))
             if reading.read_at - since >= 2 * self.interval:
                 # No step for that long: the gauges are the last step's leftovers. KV usage
                 # counts the blocks of running requests, so none are used now; a leftover

@@ -303,7 +303,7 @@ class Service:
                                  given[1] if len(given) > 1 else "token_ids")
         if request.messages is not None:
             check_messages(request.messages, self.settings.max_prompt_chars)
-        self.answers.settle(time.monotonic(), self._reading_taken)
+        self.answers.settle(time.monotonic(), self.load.get)
         eligible = self._eligible(request)
         exclude = frozenset(key for key in exclude if key in eligible)
         count = len(eligible) - len(exclude)
@@ -413,10 +413,6 @@ class Service:
             self.peers.publish_guess(worker.key, tokens, block_size=worker.instance.block_size,
                                      lora_name=lora_name, ttl=ttl)
 
-    def _reading_taken(self, key: WorkerKey) -> float | None:
-        load = self.load.get(key)
-        return load.read_at if load else None
-
     def _busy(self) -> set[WorkerKey]:
         """A superset of the workers whose load adds to their cost or overloads them."""
         busy = {*self.inflight.workers(), *self.answers.workers(), *self.load.busy()}
@@ -523,7 +519,7 @@ class Service:
 
     def _own_load(self) -> dict[WorkerKey, PeerLoad]:
         """This replica's own requests and answers per worker, for the other replicas."""
-        self.answers.settle(time.monotonic(), self._reading_taken)
+        self.answers.settle(time.monotonic(), self.load.get)
         loads = {}
         for key in {*self.inflight.workers(), *self.answers.workers()}:
             forwarded, answered = self.inflight.get(key), self.answers.get(key)

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from kvroute.sim.engine import EngineError, RequestOutcome
 from kvroute.sim.openai import chat_request_prompt, completion_body, sse_events
@@ -361,6 +361,10 @@ class _MetricsCollector:
                                      labels=labels)
         generation = CounterMetricFamily("vllm:generation_tokens", "Generated tokens",
                                          labels=labels)
+        ttft = HistogramMetricFamily("vllm:time_to_first_token_seconds",
+                                     "Time to first token", labels=labels)
+        e2e = HistogramMetricFamily("vllm:e2e_request_latency_seconds",
+                                    "End-to-end request latency", labels=labels)
         info = GaugeMetricFamily(
             "vllm:cache_config_info", "Cache configuration",
             labels=["block_size", "num_gpu_blocks", "enable_prefix_caching", "engine"],
@@ -376,5 +380,8 @@ class _MetricsCollector:
                 queries.add_metric(key, eng.prefix_cache_queries)
                 prompt.add_metric(key, eng.prompt_tokens_computed)
                 generation.add_metric(key, eng.generation_tokens)
+                # one bucket: kvroute reads only the sums and counts
+                ttft.add_metric(key, [("+Inf", eng.requests_ended)], eng.ttft_seconds)
+                e2e.add_metric(key, [("+Inf", eng.requests_ended)], eng.e2e_seconds)
             info.add_metric([str(cfg.block_size), str(cfg.num_blocks), "True", str(rank.rank)], 1)
-        yield from (running, waiting, usage, hits, queries, prompt, generation, info)
+        yield from (running, waiting, usage, hits, queries, prompt, generation, ttft, e2e, info)

@@ -182,6 +182,11 @@ class Engine:
         # step that does work, and only then.
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
+        # vLLM's vllm:time_to_first_token_seconds and vllm:e2e_request_latency_seconds
+        # histograms, their sums and count (kept here when a request ends).
+        self.ttft_seconds = 0.0
+        self.e2e_seconds = 0.0
+        self.requests_ended = 0
         # vLLM's gauges: the scheduler's counts at the last step, kept while the engine idles.
         self.reported_running = 0
         self.reported_waiting = 0
@@ -354,6 +359,9 @@ class Engine:
         self._ids.discard(req.request_id)
         self._free_request_blocks(req)
         assert req.first_token_time is not None
+        self.ttft_seconds += req.first_token_time - req.arrival_time
+        self.e2e_seconds += end - req.arrival_time
+        self.requests_ended += 1
         return RequestOutcome(
             req.request_id,
             len(req.prompt),

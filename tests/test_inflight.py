@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvroute.app.inflight import InFlight, RecentAnswers, WorkerLoad
+from kvroute.app.load import Load
 
 A, B = ("a", 0), ("b", 1)
 
@@ -68,18 +69,41 @@ def test_route_answers_count_until_a_later_metrics_reading_or_their_age_says_oth
     answers.add(A, 500, now=10.0)
     answers.add(A, 100, now=10.5)
     answers.add(B, 70, now=10.0)
-    readings = {A: 10.2}  # A's metrics were read after the first answer only; B's never
+    # A's metrics were read after the first answer only; B's never
+    readings = {A: Load(read_at=10.2)}
     answers.settle(11.0, readings.get)
     assert answers.get(A) == WorkerLoad(requests=1, queued_prefill_tokens=100)
     assert answers.get(B) == WorkerLoad(requests=1, queued_prefill_tokens=70)
     answers.settle(13.0, readings.get)  # B's answer is 3 s old: no longer trusted
     assert answers.get(B) == WorkerLoad()
-    readings[A] = 10.52  # within the margin: the request may not have arrived yet
+    readings[A] = Load(read_at=10.52)  # within the margin: the request may not be there yet
     answers.settle(13.0, readings.get)
     assert answers.get(A).requests == 1
-    readings[A] = 10.6
+    readings[A] = Load(read_at=10.6)
     answers.settle(13.0, readings.get)
     assert answers.get(A) == WorkerLoad()
+
+
+def test_route_answers_last_as_long_as_the_engines_requests_lately_did():
+    """An engine that answers in 30 ms ran one request at a time for a single client; the
+    answers of a whole scrape interval counted as 16 requests queued there."""
+    answers = RecentAnswers(max_age=3.0, margin=0.05)
+    reading = Load(read_at=9.0, ttft_seconds=0.2, request_seconds=0.5)
+    for at in (10.0, 10.2, 10.4):
+        answers.add(A, 100, now=at)
+    answers.add(B, 70, now=10.0)  # B's engine exports no request times
+    readings = {A: reading, B: Load(read_at=9.0)}
+    answers.settle(10.3, readings.get)  # the first one's first token is most likely out
+    assert answers.get(A) == WorkerLoad(requests=3, queued_prefill_tokens=200)
+    answers.settle(10.56, readings.get)  # the first one has most likely ended
+    assert answers.get(A) == WorkerLoad(requests=2, queued_prefill_tokens=100)
+    answers.settle(10.7, readings.get)  # the last one's first token: none queued
+    assert answers.get(A) == WorkerLoad(requests=2, queued_prefill_tokens=0)
+    answers.settle(10.96, readings.get)
+    assert answers.get(A) == WorkerLoad()
+    assert answers.get(B) == WorkerLoad(requests=1, queued_prefill_tokens=70)  # max_age only
+    answers.settle(13.0, readings.get)
+    assert answers.get(B) == WorkerLoad()
 
 
 def test_the_typical_prefill_of_a_worker_outlives_its_answers_and_is_bounded(monkeypatch):

@@ -14,7 +14,11 @@ from kvroute.app.load import Load, parse_load
 PAGE = Path(__file__).parent / "fixtures" / "vllm-0.32.0-metrics.txt"
 FIELDS = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
           "vllm:kv_cache_usage_perc": "kv_usage", "vllm:prompt_tokens_total": "work",
-          "vllm:generation_tokens_total": "work"}
+          "vllm:generation_tokens_total": "work",
+          "vllm:time_to_first_token_seconds_sum": "ttft_sum",
+          "vllm:time_to_first_token_seconds_count": "ttft_count",
+          "vllm:e2e_request_latency_seconds_sum": "e2e_sum",
+          "vllm:e2e_request_latency_seconds_count": "e2e_count"}
 
 
 def reference(text: str) -> dict[int, Load]:
@@ -37,7 +41,9 @@ def test_a_real_vllm_page_reads_like_the_full_parse():
     loads = parse_load(text, read_at=0.0)
     assert loads == reference(text)
     # 20 requests of 300 prompt tokens and 8 generated tokens each, then idle
-    assert loads == {0: Load(running=0.0, waiting=0.0, kv_usage=0.0, work=6000.0 + 160.0)}
+    assert loads == {0: Load(running=0.0, waiting=0.0, kv_usage=0.0, work=6000.0 + 160.0,
+                             ttft_sum=0.21129584312438965, ttft_count=20.0,
+                             e2e_sum=0.6576478481292725, e2e_count=20.0)}
 
 
 def _escape(value: str) -> str:
@@ -47,7 +53,8 @@ def _escape(value: str) -> str:
 model_names = st.text(alphabet='ab,={}" \\\n/engine09', max_size=16)
 names = st.sampled_from([*FIELDS, "vllm:num_requests_waiting_by_reason",
                          "vllm:prompt_tokens_cached_total", "vllm:prompt_tokens_created",
-                         "vllm:generation_tokens_created"])
+                         "vllm:generation_tokens_created",
+                         "vllm:e2e_request_latency_seconds_bucket"])
 samples = st.lists(st.tuples(names, st.integers(0, 3), model_names,
                              st.floats(0, 1e6, allow_nan=False), st.booleans(),
                              st.booleans()), max_size=12)

@@ -1,0 +1,64 @@
+"""How long an engine's requests lately took, from its /metrics histograms: the mean of the
+requests that ended since the previous reading. A real HTTP server on 127.0.0.1 serves the
+pages; the monitor scrapes it as it scrapes vLLM."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from kvroute.app.config import InstanceConfig
+from kvroute.app.load import LoadMonitor
+from kvroute.app.registry import Registry
+from kvroute.index import PrefixIndex
+from kvroute.sim.publisher import EventPublisher
+from tests.conftest import run_async
+from tests.support.canned_http import canned_http
+
+
+def approx(value: float | None) -> object:
+    return None if value is None else pytest.approx(value)
+
+
+def page(ttft_sum: float, e2e_sum: float, count: float) -> str:
+    labels = '{engine="0",model_name="m"}'
+    return (f"vllm:num_requests_running{labels} 1\n"
+            f"vllm:time_to_first_token_seconds_bucket{{engine=\"0\",le=\"+Inf\"}} {count}\n"
+            f"vllm:time_to_first_token_seconds_count{labels} {count}\n"
+            f"vllm:time_to_first_token_seconds_sum{labels} {ttft_sum}\n"
+            f"vllm:e2e_request_latency_seconds_count{labels} {count}\n"
+            f"vllm:e2e_request_latency_seconds_sum{labels} {e2e_sum}\n")
+
+
+# (page, then the reading's ttft_seconds and request_seconds)
+STEPS = [
+    (page(2.0, 5.0, 10), 0.2, 0.5),  # first reading: every request so far
+    (page(2.6, 7.0, 12), 0.3, 1.0),  # two ended since: their mean
+    (page(2.6, 7.0, 12), 0.3, 1.0),  # none ended since: the previous mean stands
+    (page(0.1, 0.4, 1), 0.1, 0.4),  # fewer than before: the engine restarted
+    (page(-1.0, -9.0, 2), None, None),  # negative times: no engine exports these
+    ('vllm:num_requests_running{engine="0"} 1\n', None, None),  # not exported
+]
+
+
+def test_a_reading_keeps_the_mean_times_of_the_requests_that_ended_since_the_last():
+    routes = {"/metrics": (200, STEPS[0][0])}
+    with EventPublisher() as pub, canned_http(routes) as url:
+        async def scenario() -> None:
+            async with httpx.AsyncClient() as client:
+                registry = Registry(PrefixIndex(), client, max_instances=4)
+                await registry.add(InstanceConfig(id="e", url=url, events=(pub.endpoint,)),
+                                   wait_for_discovery=False)
+                monitor = LoadMonitor(registry, client, interval=60.0)
+                try:
+                    for text, ttft, request in STEPS:
+                        routes["/metrics"] = (200, text)
+                        await monitor.scrape_once()
+                        reading = monitor.get(("e", 0))
+                        assert reading is not None and reading.running == 1.0
+                        assert (reading.ttft_seconds, reading.request_seconds) == (
+                            approx(ttft), approx(request)), text
+                finally:
+                    await registry.close()
+
+        run_async(scenario, timeout=60)
