@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.real_fleet import Fleet, inflight_check, start_kvroute
 from benchmarks.real_parts import (
@@ -294,6 +295,10 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
             else:
                 clock.say(f"  inflight after the run: {inflight['after_run']} -> "
                           f"{inflight['settled']} (ok)")
+            own = own_timings(kv)
+            if own:
+                notes.append(own)
+                clock.say(f"  {own}")
     finally:
         if balancer is not None:
             balancer.stop()
@@ -319,6 +324,31 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
               f"{row['errors']} errors, {row['fallbacks']} not routed, {wall:.0f}s, "
               f"prompt tokens {row['engine_prompt_tokens']}")
     return record
+
+
+def own_timings(kv: Kvroute) -> str | None:
+    """kvroute's own view of the run, beside what the clients measured: its mean time to
+    answer a route (server side) and its event loop's worst lag."""
+    try:
+        text = kv.http.get("/metrics").text
+    except httpx.HTTPError:
+        return None
+    samples = {s.name: s.value for family in text_string_to_metric_families(text)
+               for s in family.samples if s.name.startswith(
+                   ("kvroute_route_latency_seconds_", "kvroute_event_loop_lag_"))}
+    count = samples.get("kvroute_route_latency_seconds_count", 0.0)
+    parts = []
+    if count:
+        mean = 1000 * samples.get("kvroute_route_latency_seconds_sum", 0.0) / count
+        parts.append(f"route answered in {mean:.1f} ms on average (server side, {count:.0f})")
+    wakeups = samples.get("kvroute_event_loop_lag_seconds_count", 0.0)
+    if wakeups:
+        mean = 1000 * samples.get("kvroute_event_loop_lag_seconds_sum", 0.0) / wakeups
+        parts.append(f"event-loop lag {mean:.1f} ms on average")
+    worst = samples.get("kvroute_event_loop_lag_worst_seconds")
+    if worst is not None:
+        parts.append(f"worst {1000 * worst:.0f} ms")
+    return "kvroute's own: " + ", ".join(parts) if parts else None
 
 
 def _count(value: float | None) -> str:
