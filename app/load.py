@@ -22,7 +22,8 @@ never sees a request end, and counts an answer sent there for about that long
 Invariants:
 - A reading older than `stale_after` intervals is not trusted: `get` returns None
   for it, and the policy then uses only what kvroute itself knows (its in-flight
-  count). An instance whose /metrics fails keeps no reading at all.
+  count). An instance whose /metrics fails has no current reading (`get`); its
+  workers' last readings stay for what they say of the past (`last`), until they leave.
 - Scrapes of one round run concurrently, each bounded by one deadline for the whole
   exchange (`max(0.2, interval)`) and a page of at most `METRICS_MAX_BYTES`
   (`app.upstream`), so one slow, dripping or huge instance cannot delay the readings of
@@ -184,6 +185,8 @@ class LoadMonitor:
         self.interval = interval
         self._max_age = interval * stale_after
         self._loads: dict[WorkerKey, Load] = {}
+        # The last reading of each worker, kept through failed scrapes (`last`).
+        self._last: dict[WorkerKey, Load] = {}
         # Workers whose reading shows work (running or waiting) or a KV cache at the
         # overload limit: every other worker's reading costs it nothing (`busy`).
         self._overload_kv_usage = overload_kv_usage
@@ -198,6 +201,14 @@ class LoadMonitor:
         if load is None or time.monotonic() - load.read_at > self._max_age:
             return None
         return load
+
+    def last(self, worker_key: WorkerKey) -> Load | None:
+        """The worker's last reading however old, kept after failed scrapes until the worker
+        leaves: what it says of the past (when it was taken, how long requests took) stays
+        true when its gauges are no longer current. A busy engine can miss the scrape's
+        deadline; answers sent to it then still end when its requests typically do, rather
+        than count for `stale_after` intervals and send everything elsewhere."""
+        return self._last.get(worker_key)
 
     def busy(self) -> set[WorkerKey]:
         """A superset of the workers whose reading adds to their cost or overloads them
@@ -224,6 +235,8 @@ class LoadMonitor:
         known = {worker.key for worker in self._registry.workers()}
         for key in [key for key in self._loads if key not in known]:
             del self._loads[key]
+        for key in [key for key in self._last if key not in known]:
+            del self._last[key]
         self._busy.intersection_update(self._loads)
         for instance_id in [i for i in self._failures if i not in self._registry]:
             del self._failures[instance_id]
@@ -259,8 +272,9 @@ class LoadMonitor:
             reading = readings.get(worker.endpoint.dp_rank)
             if reading is None:
                 self._loads.pop(worker.key, None)
+                self._last.pop(worker.key, None)
                 continue
-            previous = self._loads.get(worker.key)
+            previous = self._last.get(worker.key)
             since = reading.read_at
             if previous is not None and reading.work is not None and reading.work == previous.work:
                 since = previous.work_since
@@ -281,7 +295,7 @@ class LoadMonitor:
                 # usage at the overload limit would keep the idle worker skipped until
                 # some other worker overloads too.
                 reading = replace(reading, running=0.0, waiting=0.0, kv_usage=0.0)
-            self._loads[worker.key] = reading
+            self._loads[worker.key] = self._last[worker.key] = reading
             if (reading.running or reading.waiting
                     or reading.kv_usage >= self._overload_kv_usage):
                 self._busy.add(worker.key)

@@ -62,3 +62,33 @@ def test_a_reading_keeps_the_mean_times_of_the_requests_that_ended_since_the_las
                     await registry.close()
 
         run_async(scenario, timeout=60)
+
+
+def test_a_failed_scrape_leaves_the_last_reading_for_what_it_says_of_the_past():
+    """A busy engine can miss the scrape's deadline. Its gauges are then not current, but
+    how long its requests took still is: answers sent to it end when its requests
+    typically do, instead of counting for `stale_after` intervals."""
+    routes = {"/metrics": (200, page(2.0, 5.0, 10))}
+    with EventPublisher() as pub, canned_http(routes) as url:
+        async def scenario() -> None:
+            async with httpx.AsyncClient() as client:
+                registry = Registry(PrefixIndex(), client, max_instances=4)
+                await registry.add(InstanceConfig(id="e", url=url, events=(pub.endpoint,)),
+                                   wait_for_discovery=False)
+                monitor = LoadMonitor(registry, client, interval=60.0)
+                try:
+                    await monitor.scrape_once()
+                    first = monitor.get(("e", 0))
+                    assert first is not None and monitor.last(("e", 0)) == first
+                    routes["/metrics"] = (503, "busy")
+                    await monitor.scrape_once()
+                    assert monitor.failure("e") and monitor.get(("e", 0)) is None
+                    assert monitor.last(("e", 0)) == first
+                    assert first.request_seconds == pytest.approx(0.5)
+                    await registry.remove("e")
+                    await monitor.scrape_once()
+                    assert monitor.last(("e", 0)) is None  # gone with its worker
+                finally:
+                    await registry.close()
+
+        run_async(scenario, timeout=60)
