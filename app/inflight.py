@@ -193,24 +193,29 @@ class RecentAnswers:
         if len(self._typical) > TYPICAL_WORKERS:
             self._typical.popitem(last=False)
 
-    def settle(self, now: float, reading_of: Callable[[WorkerKey], Reading | None]) -> None:
+    def settle(self, now: float, reading_of: Callable[[WorkerKey], Reading | None],
+               typical: tuple[float | None, float | None] = (None, None)) -> None:
         """Close the answers that a later metrics reading covers, that lasted the engine's
         recent mean request time or that are too old, and stop counting the prefill of
         those that lasted its mean time to first token; `reading_of(key)` is the worker's
-        current reading, if any."""
+        last reading, if any. A worker whose reading says neither time uses `typical`
+        (time to first token, request time) of the fleet's engines instead: an engine
+        whose first scrapes failed under load had its answers counted for `max_age` while
+        the others' ended, and lost every prefix it held."""
         margin = self._margin
         for key in list(self._open):
             started, prefilling = self._open[key]
             reading = reading_of(key)
             # an answer at or before `ended` has ended, or shows in the reading
             ended = now - self._max_age
-            first_token = None
+            ttft, request = typical
             if reading is not None:
                 ended = max(ended, reading.read_at - margin)
                 if reading.request_seconds is not None:
-                    ended = max(ended, now - margin - reading.request_seconds)
-                if reading.ttft_seconds is not None:
-                    first_token = now - margin - reading.ttft_seconds
+                    ttft, request = reading.ttft_seconds, reading.request_seconds
+            if request is not None:
+                ended = max(ended, now - margin - request)
+            first_token = None if ttft is None else now - margin - ttft
             for answers in (started, prefilling):  # oldest first
                 while answers and answers[0][0] <= ended:
                     answers.popleft()[1].close()

@@ -46,6 +46,7 @@ import asyncio
 import logging
 import math
 import re
+import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -107,6 +108,10 @@ class Load:
     # None: not known. app.inflight reads them as how long a request sent there lasts.
     ttft_seconds: float | None = None
     request_seconds: float | None = None
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def _recent_mean(total: float | None, count: float | None, previous_total: float | None,
@@ -187,6 +192,7 @@ class LoadMonitor:
         self._loads: dict[WorkerKey, Load] = {}
         # The last reading of each worker, kept through failed scrapes (`last`).
         self._last: dict[WorkerKey, Load] = {}
+        self._typical: tuple[float | None, float | None] = (None, None)
         # Workers whose reading shows work (running or waiting) or a KV cache at the
         # overload limit: every other worker's reading costs it nothing (`busy`).
         self._overload_kv_usage = overload_kv_usage
@@ -209,6 +215,11 @@ class LoadMonitor:
         deadline; answers sent to it then still end when its requests typically do, rather
         than count for `stale_after` intervals and send everything elsewhere."""
         return self._last.get(worker_key)
+
+    def typical(self) -> tuple[float | None, float | None]:
+        """The median over the workers' last readings of (`ttft_seconds`,
+        `request_seconds`), each None when no reading says it; renewed every round."""
+        return self._typical
 
     def busy(self) -> set[WorkerKey]:
         """A superset of the workers whose reading adds to their cost or overloads them
@@ -237,6 +248,10 @@ class LoadMonitor:
             del self._loads[key]
         for key in [key for key in self._last if key not in known]:
             del self._last[key]
+        self._typical = (
+            _median([r.ttft_seconds for r in self._last.values() if r.ttft_seconds is not None]),
+            _median([r.request_seconds for r in self._last.values()
+                     if r.request_seconds is not None]))
         self._busy.intersection_update(self._loads)
         for instance_id in [i for i in self._failures if i not in self._registry]:
             del self._failures[instance_id]

@@ -303,7 +303,7 @@ class Service:
                                  given[1] if len(given) > 1 else "token_ids")
         if request.messages is not None:
             check_messages(request.messages, self.settings.max_prompt_chars)
-        self.answers.settle(time.monotonic(), self.load.last)
+        self.answers.settle(time.monotonic(), self.load.last, self.load.typical())
         eligible = self._eligible(request)
         exclude = frozenset(key for key in exclude if key in eligible)
         count = len(eligible) - len(exclude)
@@ -519,7 +519,7 @@ class Service:
 
     def _own_load(self) -> dict[WorkerKey, PeerLoad]:
         """This replica's own requests and answers per worker, for the other replicas."""
-        self.answers.settle(time.monotonic(), self.load.last)
+        self.answers.settle(time.monotonic(), self.load.last, self.load.typical())
         loads = {}
         for key in {*self.inflight.workers(), *self.answers.workers()}:
             forwarded, answered = self.inflight.get(key), self.answers.get(key)

@@ -106,6 +106,19 @@ def test_route_answers_last_as_long_as_the_engines_requests_lately_did():
     assert answers.get(B) == WorkerLoad()
 
 
+def test_a_worker_whose_engine_says_no_request_time_uses_the_fleets():
+    """An engine whose first scrapes fail under load has no reading: its answers counted
+    for max_age while the others' ended, so it looked the busiest and lost its prefixes."""
+    answers = RecentAnswers(max_age=3.0, margin=0.05)
+    answers.add(A, 100, now=10.0)
+    answers.add(B, 100, now=10.0)
+    readings = {B: Load(read_at=9.0)}  # A: never read; B: read, without the histograms
+    answers.settle(10.3, readings.get, typical=(0.2, 0.5))
+    assert answers.get(A) == answers.get(B) == WorkerLoad(requests=1, queued_prefill_tokens=0)
+    answers.settle(10.56, readings.get, typical=(0.2, 0.5))
+    assert answers.get(A) == answers.get(B) == WorkerLoad()
+
+
 def test_the_typical_prefill_of_a_worker_outlives_its_answers_and_is_bounded(monkeypatch):
     answers = RecentAnswers(max_age=3.0)
     assert answers.typical_prefill(A) is None

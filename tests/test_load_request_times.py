@@ -77,9 +77,11 @@ def test_a_failed_scrape_leaves_the_last_reading_for_what_it_says_of_the_past():
                                    wait_for_discovery=False)
                 monitor = LoadMonitor(registry, client, interval=60.0)
                 try:
+                    assert monitor.typical() == (None, None)
                     await monitor.scrape_once()
                     first = monitor.get(("e", 0))
                     assert first is not None and monitor.last(("e", 0)) == first
+                    assert monitor.typical() == (pytest.approx(0.2), pytest.approx(0.5))
                     routes["/metrics"] = (503, "busy")
                     await monitor.scrape_once()
                     assert monitor.failure("e") and monitor.get(("e", 0)) is None
@@ -88,6 +90,7 @@ def test_a_failed_scrape_leaves_the_last_reading_for_what_it_says_of_the_past():
                     await registry.remove("e")
                     await monitor.scrape_once()
                     assert monitor.last(("e", 0)) is None  # gone with its worker
+                    assert monitor.typical() == (None, None)
                 finally:
                     await registry.close()
 
