@@ -15,9 +15,9 @@ to the reference decoder:
   there (or in the JSON itself) is left to the reference, which reports it as it always has;
 - the ids must be plain unsigned decimal integers below 2**32, at most `max_prompt_tokens`
   of them (`3.0`, `1e3`, a sign, a string, too many: the reference decides);
-- the body must name `token_ids` once, spelled plainly: with a duplicate key the reference
-  would check every occurrence, the raw reader only the last, and a key spelled with a
-  `\\u` escape could hide a duplicate, so a body with any `\\u` escape takes the reference.
+- the body must name `token_ids` once and hold no backslash outside the ids: with a
+  duplicate key the reference would check every occurrence, the raw reader only the last,
+  and a key spelled with an escape could hide a duplicate.
 `KVROUTE_PURE_INDEX=1` (the reference switch of the compiled index) selects the reference
 here too, and so does an install without the compiled reader.
 """
@@ -61,19 +61,18 @@ def route_decoder(settings: Settings, *, compiled: bool | None = None,
     read = scan
 
     def decode(body: bytes) -> RouteRequest:
-        if body.count(b"token_ids") == 1 and b"\\u" not in body:
-            try:
-                lean = msgspec.json.decode(body, type=raw_kind)
-            except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError,
-                    RecursionError):
-                pass  # refused: the reference says how
-            else:
-                raw = lean.token_ids
-                ids = None if raw == _NULL else read(raw, limit)
-                if ids is not None or raw == _NULL:
-                    fields = {name: getattr(lean, name) for name in names}
-                    return kind(token_ids=ids, **fields)
-        return decode_json(body, kind)
+        try:
+            lean = msgspec.json.decode(body, type=raw_kind)
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+            return decode_json(body, kind)  # refused: the reference says how
+        raw = lean.token_ids
+        if raw == _NULL:  # another input (or none): nothing was read differently
+            ids = None
+        else:
+            ids = read(body, raw, limit)
+            if ids is None:
+                return decode_json(body, kind)
+        return kind(token_ids=ids, **{name: getattr(lean, name) for name in names})
 
     return decode
 
