@@ -18,22 +18,12 @@ its body is read, its answer is sent), and each of them waited behind a whole sh
 route answered during a burst took 3-4 shares longer than an idle one. Ingest still runs
 in every turn, so a steady flow of requests slows it, never stops it.
 
-A request's bytes only count as "being answered" once the loop has read them, which it does
-between turns: a request arriving while ingest works waited out the rest of a whole idle
-share (8 ms) before it was even read. So the budget also watches the HTTP sockets itself
-(``watch``: every open connection, in an epoll set of its own, Linux): past
-``PROBE_SECONDS`` of a turn's work, a connection with bytes waiting ends the turn's share
-at once, and the next turn reads them. The check is one
-non-blocking ``epoll_wait`` per piece of work; without epoll the shares alone apply.
-
 Invariant: one budget per event loop (``shared_budget``); it is only used on its loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import select
 import time
 import weakref
 
@@ -42,9 +32,6 @@ import weakref
 TURN_SECONDS = 0.008
 #: The share while requests are being answered: a route's few turns wait ~1 ms each, not 8.
 SERVING_TURN_SECONDS = 0.001
-#: Work in a turn before waiting HTTP bytes are looked for: a piece of ingest always runs,
-#: and the look (a system call) is not paid on every tiny piece.
-PROBE_SECONDS = 0.0002
 
 _budgets: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopBudget] = (
     weakref.WeakKeyDictionary())
@@ -58,42 +45,14 @@ class LoopBudget:
         self.serving = 0  # requests being answered now (app.server counts them)
         self._since: float | None = None  # when this turn's ingest work began
         self._restart_queued = False
-        # The HTTP sockets, watched for bytes waiting to be read (None: no epoll here).
-        self._sockets = select.epoll() if hasattr(select, "epoll") else None
-        self._watched: set[int] = set()
-
-    def watch(self, fd: int) -> None:
-        """Let bytes waiting on `fd` (an HTTP socket) end the turn's share early."""
-        if self._sockets is None or fd < 0:
-            return
-        try:
-            if fd in self._watched:  # a number reused before its old socket was unwatched
-                self._sockets.modify(fd, select.EPOLLIN)
-            else:
-                self._sockets.register(fd, select.EPOLLIN)
-        except OSError:  # closed meanwhile: nothing to watch
-            return
-        self._watched.add(fd)
-
-    def unwatch(self, fd: int) -> None:
-        """Stop watching `fd` (before it is closed: its number may be reused)."""
-        if fd in self._watched:
-            self._watched.discard(fd)
-            with contextlib.suppress(OSError, ValueError):
-                self._sockets.unregister(fd)  # type: ignore[union-attr]
 
     def exhausted(self) -> bool:
-        """Whether this turn's ingest work is used up (starts the turn's clock if not): its
-        share is spent, or bytes of HTTP work are waiting to be read."""
+        """Whether this turn's ingest work is used up (starts the turn's clock if not)."""
         now = time.perf_counter()
         if self._since is None:
             self._since = now
             return False
-        spent = now - self._since
-        if spent >= (self.serving_seconds if self.serving else self.seconds):
-            return True
-        return (spent >= PROBE_SECONDS and bool(self._watched)
-                and bool(self._sockets.poll(0)))  # type: ignore[union-attr]
+        return now - self._since >= (self.serving_seconds if self.serving else self.seconds)
 
     async def next_turn(self) -> None:
         """Yield until the loop's next turn, restarting the clock there."""

@@ -78,18 +78,12 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         # smaller share of each turn, so the turns that read, run and answer it come sooner.
         self._budget = shared_budget()
         self._serving = 0
-        self._fd = -1  # the connection's socket, watched by the budget while open
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm_header_deadline()
-        # Bytes waiting here end the loop's ingest share of a turn (app.loop_budget).
-        sock = transport.get_extra_info("socket")
-        self._fd = sock.fileno() if sock is not None else -1
-        self._budget.watch(self._fd)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._budget.unwatch(self._fd)
         self._disarm_header_deadline()
         self._budget.serving -= self._serving  # requests cut off will not complete
         self._serving = 0

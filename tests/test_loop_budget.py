@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvroute.app.loop_budget import PROBE_SECONDS, LoopBudget, shared_budget
+from kvroute.app.loop_budget import LoopBudget, shared_budget
 from kvroute.app.loop_lag import LoopLagMonitor
 
 
@@ -75,25 +74,3 @@ def test_requests_being_answered_shrink_the_share_of_a_turn() -> None:
     budget.serving -= 1
     assert not budget.exhausted()
     assert LoopBudget(seconds=0.002, serving_seconds=0.5).serving_seconds == 0.002  # never more
-
-
-def test_bytes_waiting_on_a_watched_connection_end_the_share() -> None:
-    """A request's bytes ingest has not let the loop read yet end the turn's share (past
-    the probe's minimum of work); an unwatched or drained socket does not."""
-    budget = LoopBudget(seconds=60.0, serving_seconds=60.0)
-    mine, client = socket.socketpair()
-    try:
-        budget.watch(mine.fileno())
-        assert not budget.exhausted()  # starts this turn's clock
-        time.sleep(PROBE_SECONDS * 5)
-        assert not budget.exhausted()  # a minute's share, and nothing waiting
-        client.sendall(b"POST /v1/route HTTP/1.1\r\n")
-        assert budget.exhausted()
-        mine.recv(1024)
-        assert not budget.exhausted()  # read: nothing waits any more
-        budget.unwatch(mine.fileno())
-        client.sendall(b"\r\n")
-        assert not budget.exhausted()  # no longer watched
-    finally:
-        mine.close()
-        client.close()
