@@ -17,7 +17,9 @@ to the reference decoder:
   of them (`3.0`, `1e3`, a sign, a string, too many: the reference decides);
 - the body must name `token_ids` once and hold no backslash outside the ids: with a
   duplicate key the reference would check every occurrence, the raw reader only the last,
-  and a key spelled with an escape could hide a duplicate.
+  and a key spelled with an escape could hide a duplicate. A body whose `token_ids` ends
+  up null or absent takes the fast reader only if it never spells the key and holds no
+  `\\u` escape (the only escape that can spell a letter of it).
 `KVROUTE_PURE_INDEX=1` (the reference switch of the compiled index) selects the reference
 here too, and so does an install without the compiled reader.
 """
@@ -66,7 +68,11 @@ def route_decoder(settings: Settings, *, compiled: bool | None = None,
         except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
             return decode_json(body, kind)  # refused: the reference says how
         raw = lean.token_ids
-        if raw == _NULL:  # another input (or none): nothing was read differently
+        if raw == _NULL:
+            # No token_ids, or null: read as the reference would unless the body may name
+            # the key more than once (an earlier, invalid value the reference would refuse).
+            if b"token_ids" in body or b"\\u" in body:
+                return decode_json(body, kind)
             ids = None
         else:
             ids = read(body, raw, limit)

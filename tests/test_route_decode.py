@@ -11,7 +11,7 @@ from array import array
 from typing import Any
 
 import msgspec
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvroute.app import route_decode
@@ -69,8 +69,10 @@ def outcome(decode: Any, payload: bytes) -> tuple[str, Any]:
     return "request", fields
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=1500, deadline=None)
 @given(body())
+@example(b'{"token_ids": [-5], "token_ids": null}')  # the last is null, the first refused
+@example(b'{"token_\\u0069ds": [-5], "token_\\u0069ds": null}')
 def test_the_fast_reader_answers_every_body_as_the_reference(payload: bytes) -> None:
     assert outcome(FAST, payload) == outcome(REFERENCE, payload)
 
