@@ -46,10 +46,10 @@ from kvroute.app.fleet import Fleet, FleetCollector, Resolver, resolve_with_geta
 from kvroute.app.fleet_pacing import FleetPacing
 from kvroute.app.fleet_resources import fleet_context
 from kvroute.app.inflight import InFlight, RecentAnswers
-from kvroute.app.json_body import decode_json
 from kvroute.app.load import LoadMonitor
 from kvroute.app.metrics import ServiceMetrics
 from kvroute.app.registry import Instance, Registry, Worker
+from kvroute.app.route_decode import route_decoder
 from kvroute.app.route_request import (
     INPUTS,
     RouteRequest,
@@ -87,9 +87,9 @@ TOKENIZE_ATTEMPTS = 3
 
 
 def route_request_decoder(settings: Settings) -> Callable[[bytes], RouteRequest]:
-    """How POST /v1/route reads its body under `settings`; refusals are RequestErrors."""
-    kind = route_request_type(settings)
-    return lambda body: decode_json(body, kind)
+    """How POST /v1/route reads its body under `settings`; refusals are RequestErrors
+    (`app.route_decode`: token ids read without a Python int each)."""
+    return route_decoder(settings)
 
 
 @dataclass(frozen=True, slots=True)

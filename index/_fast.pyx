@@ -18,13 +18,16 @@ Hashing stays ``xxhash``'s own function, so keys are byte for byte those of the 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.dict cimport PyDict_GetItem, PyDict_SetItem, PyDict_DelItem
+from cpython.long cimport PyLong_FromUnsignedLongLong
 from cpython.object cimport PyObject, PyObject_Hash
+from libc.stdint cimport uint64_t
 from libc.string cimport memcpy
 
 from xxhash import xxh3_128_digest
 
 cdef extern from "Python.h":
     PyObject* PyDict_SetDefault(object d, object key, object default) except NULL
+    unsigned long long PyLong_AsUnsignedLongLongMask(object value) except? -1
 
 
 cdef inline bytearray _buffer(Py_ssize_t size):
@@ -119,7 +122,16 @@ def walk_tokens(dict nodes, bytes parent_key, bytes tokens, Py_ssize_t step, obj
     """``PrefixIndex._walk_tokens``: hash the query block by block (full blocks only),
     dropping workers at their first miss. Returns ``ended`` (mask of workers, blocks they
     matched) and, when ``tiered``, the (key, holders) of matched blocks whose node has
-    ``tiered_bit`` set."""
+    ``tiered_bit`` set.
+
+    While the walked workers' bits all lie below bit 64 (fleets of up to 36 slots), the
+    masks are C integers: a node's value enters as its low 64 bits, which is all of it that
+    ``& alive`` (and the tier bit, bit 0) can see, and Python ints are made only for what
+    is returned. Wider fleets take the same loop on Python ints."""
+    if len(parent_key) != 16:
+        raise ValueError("a content key is 16 bytes")
+    if 0 <= alive < _WORD and 0 <= tiered_bit < _WORD:
+        return _walk_word(nodes, parent_key, tokens, step, alive, tiered, tiered_bit)
     cdef list ended = []
     cdef list tiered_hits = []
     cdef Py_ssize_t blocks = len(tokens) // step
@@ -129,8 +141,6 @@ def walk_tokens(dict nodes, bytes parent_key, bytes tokens, Py_ssize_t step, obj
     cdef object key, value, held
     cdef PyObject* found
     digest = xxh3_128_digest
-    if len(parent_key) != 16:
-        raise ValueError("a content key is 16 bytes")
     for position in range(blocks):
         _fill(buf, parent_key, source + position * step, step)
         key = digest(buf)
@@ -146,4 +156,39 @@ def walk_tokens(dict nodes, bytes parent_key, bytes tokens, Py_ssize_t step, obj
             tiered_hits.append((key, alive))
         parent_key = key
     ended.append((alive, blocks))
+    return ended, tiered_hits
+
+
+cdef object _WORD = 1 << 64
+
+
+cdef tuple _walk_word(dict nodes, bytes parent_key, bytes tokens, Py_ssize_t step,
+                      uint64_t alive, bint tiered, uint64_t tiered_bit):
+    """``walk_tokens`` with masks below bit 64 (the caller checked them)."""
+    cdef list ended = []
+    cdef list tiered_hits = []
+    cdef Py_ssize_t blocks = len(tokens) // step
+    cdef Py_ssize_t position
+    cdef const char* source = PyBytes_AS_STRING(tokens)
+    cdef bytearray buf = _buffer(16 + step)
+    cdef object key
+    cdef PyObject* found
+    cdef uint64_t value, held
+    digest = xxh3_128_digest
+    for position in range(blocks):
+        _fill(buf, parent_key, source + position * step, step)
+        key = digest(buf)
+        found = PyDict_GetItem(nodes, key)
+        # Node values are non-negative ints: the mask keeps their low 64 bits.
+        value = 0 if found is NULL else PyLong_AsUnsignedLongLongMask(<object>found)
+        held = value & alive
+        if held != alive:
+            ended.append((PyLong_FromUnsignedLongLong(alive ^ held), position))
+            alive = held
+            if not alive:
+                return ended, tiered_hits
+        if tiered and value & tiered_bit:
+            tiered_hits.append((key, PyLong_FromUnsignedLongLong(alive)))
+        parent_key = key
+    ended.append((PyLong_FromUnsignedLongLong(alive), blocks))
     return ended, tiered_hits

@@ -30,14 +30,18 @@ def test_the_compiled_loops_are_built_for_the_test_environment() -> None:
     assert twin.compiled._fast is not None and twin.pure._fast is None
 
 
-def run_stream(seed: int, steps: int) -> TwinIndex:
+def run_stream(seed: int, steps: int, workers: list[tuple[str, int]] = WORKERS) -> TwinIndex:
+    """A random stream over `workers`; every one stores a block first, so each has its slot
+    (bit) from the start, and a fleet of over 36 has bits past 64 in every walk."""
     rng = random.Random(seed)
     index = TwinIndex()
+    for number, worker in enumerate(workers):
+        index.apply_stored(worker, [10**14 + number], None, [number] * BLOCK, BLOCK)
     prompts = [[rng.randrange(50) for _ in range(BLOCK * rng.randint(1, 24))] for _ in range(6)]
-    held: dict[tuple[str, int], list[int]] = {w: [] for w in WORKERS}
+    held: dict[tuple[str, int], list[int]] = {w: [10**14 + n] for n, w in enumerate(workers)}
     next_hash = iter(range(1, 10**9))
     for _ in range(steps):
-        worker = rng.choice(WORKERS)
+        worker = rng.choice(workers)
         mine = held[worker]
         action = rng.random()
         if action < 0.45:  # a chain: a shared prompt, maybe a private tail, root or not
@@ -71,7 +75,7 @@ def run_stream(seed: int, steps: int) -> TwinIndex:
         else:  # queries: a prompt with a tail, all workers and a subset
             tokens = rng.choice(prompts) + [rng.randrange(50) for _ in range(rng.randint(0, 9))]
             index.match(tokens)
-            index.match(tokens, workers=rng.sample(WORKERS, 2), matched_only=True)
+            index.match(tokens, workers=rng.sample(workers, 2), matched_only=True)
     index._check()
     return index
 
@@ -81,6 +85,20 @@ def run_stream(seed: int, steps: int) -> TwinIndex:
 def test_compiled_and_pure_loops_agree_on_random_streams(seed: int, steps: int) -> None:
     index = run_stream(seed, steps)
     for worker in WORKERS:
+        index.drop_worker(worker)
+    index._check()
+    assert not index.compiled._nodes and not index.pure._nodes
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**32), steps=st.integers(1, 120))
+def test_the_loops_agree_in_a_fleet_wider_than_64_bits(seed: int, steps: int) -> None:
+    """40 workers: holder bits past bit 64, where the compiled walk leaves C integers for
+    Python ints (and a walk of a few of them stays on C integers)."""
+    wide = [(f"w{n}", 0) for n in range(40)]
+    index = run_stream(seed, steps, wide)
+    assert max(w.bit for w in index.compiled._workers.values()).bit_length() > 64
+    for worker in wide:
         index.drop_worker(worker)
     index._check()
     assert not index.compiled._nodes and not index.pure._nodes

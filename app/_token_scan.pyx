@@ -1,0 +1,140 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Reading a route body's JSON array of token ids straight into an ``array('I')``, without
+a Python int per token: the compiled half of ``app.route_decode``.
+
+``scan(body, raw, limit)`` takes the body and the raw JSON text msgspec found for its
+``token_ids`` (a ``msgspec.Raw``, which points into the body). It answers None - "not for
+this reader", never "invalid" - unless all of these hold, and then the ids:
+
+- ``raw`` lies inside ``body``, and outside it the body names ``token_ids`` exactly once
+  (the key itself) and holds no backslash: no duplicate key, and no key spelled with an
+  escape that could hide one (a duplicate would be checked by the reference decoder and
+  not here);
+- ``raw`` is ``[``, unsigned decimal integers below 2**32 without leading zeros separated
+  by commas, ``]``, with JSON whitespace between tokens; at most ``limit`` ids.
+
+On None the caller decodes the body with the reference decoder, which accepts or refuses it
+exactly as before (``3.0`` is an integer to JSON Schema, ``-1`` a refusal naming the id).
+So on every body this reader takes, it yields the ids msgspec would have.
+"""
+
+from cpython.array cimport array, clone
+from libc.stdint cimport uint32_t, uint64_t
+from libc.string cimport memchr, memcpy
+
+cdef extern from "string.h" nogil:
+    void* memmem(const void* haystack, size_t haystacklen, const void* needle,
+                 size_t needlelen)
+
+cdef array _TEMPLATE = array("I")
+# Parsed into first, then copied out at its exact size: sizing the answer by the body's
+# bytes would allocate (and fault in) several times what the ids need on every call. Only
+# touched with the GIL held, so one per process is safe.
+cdef array _scratch = array("I")
+cdef const char* _KEY = b"token_ids"
+cdef size_t _KEY_BYTES = 9
+
+
+cdef inline bint _space(unsigned char c) noexcept nogil:
+    return c == 32 or c == 10 or c == 13 or c == 9
+
+
+cdef Py_ssize_t _occurrences(const unsigned char* at, const unsigned char* end) noexcept nogil:
+    """How many times the key's name occurs in [at, end)."""
+    cdef Py_ssize_t found = 0
+    cdef const unsigned char* hit
+    while at < end:
+        hit = <const unsigned char*>memmem(at, end - at, _KEY, _KEY_BYTES)
+        if hit == NULL:
+            break
+        found += 1
+        at = hit + _KEY_BYTES
+    return found
+
+
+cdef Py_ssize_t _ids(const unsigned char* p, const unsigned char* end, uint32_t* ids,
+                     Py_ssize_t limit) noexcept nogil:
+    """The ids of the array in [p, end) written to ``ids``: their count, or -1."""
+    cdef Py_ssize_t count = 0
+    cdef uint64_t value
+    cdef const unsigned char* first
+    cdef unsigned char c
+    while p < end and _space(p[0]):
+        p += 1
+    if p >= end or p[0] != 91:  # "["
+        return -1
+    p += 1
+    while p < end and _space(p[0]):
+        p += 1
+    if p < end and p[0] == 93:  # "]": empty
+        p += 1
+    else:
+        while True:
+            if count >= limit or p >= end:
+                return -1
+            first = p
+            value = 0
+            while p < end and <unsigned char>(p[0] - 48) < 10:
+                value = value * 10 + (p[0] - 48)
+                p += 1
+            # No digit (a sign, a string, null), more than 2**32 allows (checked on the
+            # digit count first: 20 digits could wrap), or a leading zero.
+            if (p == first or p - first > 10 or value > <uint64_t>4294967295U
+                    or (p - first > 1 and first[0] == 48)):
+                return -1
+            ids[count] = <uint32_t>value
+            count += 1
+            if p < end and p[0] == 44:  # "," right after the id: the common spelling
+                p += 1
+                while p < end and _space(p[0]):
+                    p += 1
+                continue
+            while p < end and _space(p[0]):
+                p += 1
+            if p >= end:
+                return -1
+            c = p[0]
+            p += 1
+            if c == 93:  # "]"
+                break
+            if c != 44:  # anything else ("." or "e" of a float, ...) is not this reader's
+                return -1
+            while p < end and _space(p[0]):
+                p += 1
+    while p < end and _space(p[0]):
+        p += 1
+    return count if p == end else -1
+
+
+def scan(const unsigned char[::1] body, const unsigned char[::1] raw, Py_ssize_t limit):
+    """The ids of ``raw`` (the body's ``token_ids`` text) as ``array('I')``, or None (see
+    the module docstring)."""
+    global _scratch
+    cdef Py_ssize_t size = raw.shape[0]
+    cdef Py_ssize_t body_size = body.shape[0]
+    cdef const unsigned char* start
+    cdef const unsigned char* stop
+    cdef const unsigned char* whole
+    cdef Py_ssize_t count
+    cdef Py_ssize_t most
+    cdef array out
+    if size == 0 or body_size == 0 or _TEMPLATE.ob_descr.itemsize != 4:
+        return None
+    whole = &body[0]
+    start = &raw[0]
+    stop = start + size
+    if start < whole or stop > whole + body_size:
+        return None
+    if (memchr(whole, 92, start - whole) != NULL  # "\\"
+            or memchr(stop, 92, whole + body_size - stop) != NULL
+            or _occurrences(whole, start) != 1 or _occurrences(stop, whole + body_size)):
+        return None
+    most = min(size // 2 + 1, limit + 1)  # an id takes two bytes at least ("1,")
+    if len(_scratch) < most:
+        _scratch = clone(_TEMPLATE, most, False)
+    count = _ids(start, stop, <uint32_t*>_scratch.data.as_voidptr, limit)
+    if count < 0:
+        return None
+    out = clone(_TEMPLATE, count, False)
+    memcpy(out.data.as_voidptr, _scratch.data.as_voidptr, count * 4)
+    return out

@@ -1,0 +1,74 @@
+"""`POST /v1/route` answered straight from ASGI, past FastAPI's routing and dependency
+machinery: a route is the request kvroute answers most, and at a few hundred microseconds
+per answer the framework's layers (route matching, dependency solving, the request and
+response objects, the exception middleware) were a large part of a short prompt's time.
+
+Invariant: the answer is the one the declared FastAPI endpoint (app.api) gives, byte for
+byte in its body and status, header for header in what matters: the same bearer check
+(`auth`), the same body reader (`request_body.read_body`: content type, size, deadline),
+the same decoding and decision (`Service.route`), the same refusal shape and status
+(`STATUS_OF`, with `www-authenticate` on a 401 and the `route_errors` metric), and an
+unexpected exception propagates to the app's own 500 handler as before. Only POST on the
+exact path is taken; any other method or path goes on to the app (a GET still gets its 405
+with `allow`). The endpoint stays declared in the app, so the OpenAPI contract is unchanged.
+It runs inside `HttpGuard`, which still refuses foreign hosts and requests over capacity.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvroute.app.answers import Error, encode
+from kvroute.app.auth import Guard
+from kvroute.app.config import Settings
+from kvroute.app.errors import RequestError
+from kvroute.app.request_body import read_body
+
+__all__ = ["ROUTE_PATH", "RouteFastPath", "answer_route"]
+
+ROUTE_PATH = "/v1/route"
+_JSON = (b"content-type", b"application/json")
+
+
+async def answer_route(request: Request, settings: Settings) -> bytes:
+    """The JSON answer to a route request (the service is the app's); raises RequestError."""
+    service = request.app.state.service
+    started = time.perf_counter()
+    kind, answer = await service.route(
+        await read_body(request, settings.max_body_bytes, timeout=settings.body_timeout))
+    service.metrics.route_latency.labels(kind).observe(time.perf_counter() - started)
+    return encode(answer)
+
+
+class RouteFastPath:
+    """Pure ASGI middleware answering POST /v1/route itself (see the module docstring)."""
+
+    def __init__(self, app: ASGIApp, *, settings: Settings, guard: Guard,
+                 status_of: Mapping[type[RequestError], int]) -> None:
+        self.app = app
+        self.settings = settings
+        self.guard = guard
+        self.status_of = status_of
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] != "http" or scope["path"] != ROUTE_PATH
+                or scope["method"] != "POST"):
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        try:
+            await self.guard(request)
+            body = await answer_route(request, self.settings)
+            status, headers = 200, [_JSON]
+        except RequestError as exc:
+            status = self.status_of[type(exc)]
+            request.app.state.service.metrics.route_errors.labels(str(status)).inc()
+            body = encode(Error(**exc.payload()))
+            headers = [_JSON, (b"www-authenticate", b"Bearer")] if status == 401 else [_JSON]
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-length", b"%d" % len(body)), *headers]})
+        await send({"type": "http.response.body", "body": body})

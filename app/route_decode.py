@@ -1,0 +1,91 @@
+"""Decoding a `POST /v1/route` body without a Python int per token id.
+
+The reference is `json_body.decode_json(body, route_request_type(settings))`: msgspec builds
+the request with `token_ids` as a list of ints, which for a 32k-token prompt is most of a
+route's time (tens of thousands of int objects, then copied again into the uint32 bytes the
+index hashes). The fast reader decodes the same body with `token_ids` left as raw JSON
+(`msgspec.Raw`) and reads that array straight into an `array('I')` in compiled code
+(`app/_token_scan.pyx`); the array is a sequence of ints to every caller, and its bytes are
+the index's token bytes already (`index.keys.token_bytes`).
+
+Invariant: on every body, the fast reader answers what the reference answers (the same
+request, or the same refusal). It only takes bodies it can read exactly; anything else goes
+to the reference decoder:
+- the other fields are decoded by msgspec with the same types and limits, and any refusal
+  there (or in the JSON itself) is left to the reference, which reports it as it always has;
+- the ids must be plain unsigned decimal integers below 2**32, at most `max_prompt_tokens`
+  of them (`3.0`, `1e3`, a sign, a string, too many: the reference decides);
+- the body must name `token_ids` once and hold no backslash outside the ids: with a
+  duplicate key the reference would check every occurrence, the raw reader only the last,
+  and a key spelled with an escape could hide a duplicate. A body whose `token_ids` ends
+  up null or absent takes the fast reader only if it never spells the key and holds no
+  `\\u` escape (the only escape that can spell a letter of it).
+`KVROUTE_PURE_INDEX=1` (the reference switch of the compiled index) selects the reference
+here too, and so does an install without the compiled reader.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from functools import cache
+
+import msgspec
+
+from kvroute.app.config import Settings
+from kvroute.app.json_body import decode_json
+from kvroute.app.route_request import RouteRequest, route_request_type
+
+try:  # compiled at install time when a C compiler is there (like index/_fast.pyx)
+    from kvroute.app._token_scan import scan
+except ImportError:
+    scan = None
+
+__all__ = ["COMPILED_AVAILABLE", "route_decoder"]
+
+#: Whether the compiled token-id reader is importable.
+COMPILED_AVAILABLE = scan is not None
+_NULL = msgspec.Raw(b"null")
+
+
+def route_decoder(settings: Settings, *, compiled: bool | None = None,
+                  ) -> Callable[[bytes], RouteRequest]:
+    """How POST /v1/route reads a body under `settings`; refusals are RequestErrors.
+    `compiled`: use the fast reader (default: when built and not switched off)."""
+    kind = route_request_type(settings)
+    if compiled is None:
+        compiled = COMPILED_AVAILABLE and os.environ.get("KVROUTE_PURE_INDEX", "") in ("", "0")
+    if not compiled or scan is None:
+        return lambda body: decode_json(body, kind)
+    raw_kind = _raw_tokens(kind)
+    names = [name for name in kind.__struct_fields__ if name != "token_ids"]
+    limit = settings.max_prompt_tokens
+    read = scan
+
+    def decode(body: bytes) -> RouteRequest:
+        try:
+            lean = msgspec.json.decode(body, type=raw_kind)
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+            return decode_json(body, kind)  # refused: the reference says how
+        raw = lean.token_ids
+        if raw == _NULL:
+            # No token_ids, or null: read as the reference would unless the body may name
+            # the key more than once (an earlier, invalid value the reference would refuse).
+            if b"token_ids" in body or b"\\u" in body:
+                return decode_json(body, kind)
+            ids = None
+        else:
+            ids = read(body, raw, limit)
+            if ids is None:
+                return decode_json(body, kind)
+        return kind(token_ids=ids, **{name: getattr(lean, name) for name in names})
+
+    return decode
+
+
+@cache
+def _raw_tokens(kind: type[RouteRequest]) -> type[RouteRequest]:
+    """`kind` with `token_ids` kept as the raw JSON text of its value (`null` if absent)."""
+    return msgspec.defstruct("RouteRequestRawTokens",
+                             [("token_ids", msgspec.Raw, _NULL)],
+                             bases=(kind,), forbid_unknown_fields=True, module=__name__)

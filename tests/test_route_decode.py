@@ -1,0 +1,99 @@
+"""The fast route-body reader (app.route_decode, compiled app/_token_scan.pyx) answers every
+body as the reference decoder does: the same request or the same refusal. Bodies are built
+as text, so they include what a JSON library would never write: floats and exponents among
+the ids, signs, leading zeros, whitespace, duplicate keys, `\\u`-escaped keys, values out
+of range, too many ids, trailing bytes."""
+
+from __future__ import annotations
+
+import json
+from array import array
+from typing import Any
+
+import msgspec
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from kvroute.app import route_decode
+from kvroute.app.config import Settings
+from kvroute.app.errors import RequestError
+from kvroute.app.route_decode import route_decoder
+
+LIMIT = 6
+SETTINGS = Settings(max_prompt_tokens=LIMIT)
+FAST = route_decoder(SETTINGS, compiled=True)
+REFERENCE = route_decoder(SETTINGS, compiled=False)
+
+PLAIN_ID = st.integers(0, 2**32 - 1).map(str)
+ODD_ID = st.sampled_from(["-1", "-0", "01", "1.0", "3.5", "1e3", "2E1", "4294967296",
+                          "99999999999", "true", "null", '"7"', "[1]", "{}", "1 2", ""])
+SPACE = st.sampled_from(["", " ", "\n", "\t ", "\r\n  "])
+
+
+@st.composite
+def id_array(draw: st.DrawFn) -> str:
+    ids = draw(st.lists(st.one_of(PLAIN_ID, PLAIN_ID, PLAIN_ID, ODD_ID), max_size=LIMIT + 2))
+    parts = [draw(SPACE) + i + draw(SPACE) for i in ids]
+    text = "[" + draw(SPACE) + ",".join(parts) + "]"
+    if draw(st.booleans()) and draw(st.booleans()):
+        text += draw(st.sampled_from([",", "]", "x", " ,"]))
+    return text
+
+
+OTHER_FIELD = st.sampled_from([
+    '"probe": true', '"probe": 1', '"all_scores": false', '"model": "m"', '"model": 3',
+    '"lora_name": null', '"candidates": ["a"]', '"candidates": []', '"unknown": 1',
+    '"block_hashes": [1]', '"prompt": "hi"', '"token_ids": [5]', '"token_ids": [-5]',
+    '"token_\\u0069ds": [-5]', '"model": "\\u00e9"', '"token_ids": null'])
+
+
+@st.composite
+def body(draw: st.DrawFn) -> bytes:
+    fields = draw(st.lists(OTHER_FIELD, max_size=3))
+    if draw(st.integers(0, 9)):
+        fields.insert(draw(st.integers(0, len(fields))), f'"token_ids":{draw(id_array())}')
+    text = "{" + draw(SPACE) + ", ".join(fields) + draw(SPACE) + "}"
+    if not draw(st.integers(0, 19)):
+        text = draw(st.sampled_from(["", "[", "{", "null", "[1,2]", text[:-1], text + "x"]))
+    return text.encode()
+
+
+def outcome(decode: Any, payload: bytes) -> tuple[str, Any]:
+    try:
+        request = decode(payload)
+    except RequestError as exc:
+        return type(exc).__name__, exc.payload()
+    fields = msgspec.structs.asdict(request)
+    if fields["token_ids"] is not None:
+        fields["token_ids"] = list(fields["token_ids"])
+    return "request", fields
+
+
+@settings(max_examples=1500, deadline=None)
+@given(body())
+@example(b'{"token_ids": [-5], "token_ids": null}')  # the last is null, the first refused
+@example(b'{"token_\\u0069ds": [-5], "token_\\u0069ds": null}')
+def test_the_fast_reader_answers_every_body_as_the_reference(payload: bytes) -> None:
+    assert outcome(FAST, payload) == outcome(REFERENCE, payload)
+
+
+def test_plain_ids_are_read_into_uint32_arrays() -> None:
+    """The common case takes the compiled path: the ids come back as array('I')."""
+    assert route_decode.COMPILED_AVAILABLE  # `make test` builds it
+    request = FAST(json.dumps({"token_ids": [0, 7, 2**32 - 1], "probe": True}).encode())
+    assert isinstance(request.token_ids, array) and request.token_ids.typecode == "I"
+    assert list(request.token_ids) == [0, 7, 2**32 - 1] and request.probe is True
+    # The same body through the reference: a list of the same ints.
+    assert REFERENCE(json.dumps({"token_ids": [0, 7, 2**32 - 1]}).encode()).token_ids == [
+        0, 7, 2**32 - 1]
+
+
+def test_refusals_keep_their_shape() -> None:
+    """Too many ids, a negative id, an id of 3.0 (an integer to JSON Schema): as before."""
+    too_many = json.dumps({"token_ids": list(range(LIMIT + 1))}).encode()
+    assert outcome(FAST, too_many)[0] == "InvalidRequest"
+    assert outcome(FAST, too_many) == outcome(REFERENCE, too_many)
+    negative = b'{"token_ids": [1, -2]}'
+    assert outcome(FAST, negative) == ("InvalidRequest", {
+        "error": "Expected `int` >= 0 - at `$.token_ids[1]`", "field": "token_ids[1]"})
+    assert outcome(FAST, b'{"token_ids": [3.0, 4]}') == outcome(REFERENCE, b'{"token_ids": [3, 4]}')
