@@ -6,9 +6,7 @@ can produce a traceback. The decisions themselves live in `app.service`.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import gc
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -45,6 +43,7 @@ from kvroute.app.errors import (
     UpstreamFailed,
 )
 from kvroute.app.fleet import Resolver
+from kvroute.app.gc_freeze import FleetFreezer
 from kvroute.app.http_guard import HttpGuard
 from kvroute.app.json_body import decode_json, integral_numbers
 from kvroute.app.loop_lag import LoopLagMonitor
@@ -108,26 +107,13 @@ def _static(page: Page) -> Any:
     return serve
 
 
-async def _freeze_when_ready(service: Service) -> None:
-    """Once the configured fleet is up (or the grace period is over), leave everything made
-    so far out of the garbage collector's passes. The configured fleet's subscribers,
-    sockets and tasks live as long as the process, and a full pass of the cyclic collector
-    over a thousand workers' objects took 100-150 ms, a stall of every route, whenever new
-    objects added up (a hundred instances registered at once). Frozen, they are never
-    scanned again; the price: those of a configured instance removed later are never freed
-    (bounded by the configured fleet)."""
-    gc.freeze()  # what start() made already: the subscribers, their tasks
-    while not service.readiness()[0]:
-        await asyncio.sleep(0.2)
-    gc.freeze()  # and what they made connecting and replaying
-
-
 def create_app(settings: Settings, *, resolver: Resolver | None = None,
-               freeze_start_up: bool = False) -> FastAPI:
+               freeze_fleet: bool = False) -> FastAPI:
     """The ASGI app; the Service is built and torn down in its lifespan (`resolver`: how
-    fleets' DNS names resolve, default the system's). With `freeze_start_up` (a process
-    that serves only this app: `kvroute serve`), what start-up made is left out of the
-    garbage collector's passes."""
+    fleets' DNS names resolve, default the system's). With `freeze_fleet` (a process
+    that serves only this app: `kvroute serve`), the objects the fleet's workers keep are
+    left out of the garbage collector's passes, at start-up and as instances join
+    (app.gc_freeze)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -144,8 +130,9 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None,
         try:
             lag.start()
             await service.start()
-            if freeze_start_up:
-                freezing = asyncio.create_task(_freeze_when_ready(service))
+            if freeze_fleet:
+                freezing = FleetFreezer(service.registry, lambda: service.readiness()[0])
+                freezing.start()
             # The proxy's HTTP client lives as long as the service it forwards for.
             proxy = app.state.proxy = Proxy(service) if settings.proxy else None
             if settings.epp_port is not None:
@@ -159,7 +146,7 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None,
         finally:
             await lag.stop()
             if freezing is not None:
-                freezing.cancel()
+                await freezing.stop()
             if epp is not None:
                 await epp.stop()
             if proxy is not None:

@@ -9,11 +9,13 @@ ZMQ's default limit of 1,023 sockets per context would stop a fleet at about 250
 deep inside a subscriber; the process's open-file limit (often 1,024 soft) sooner.
 
 Invariants: `fleet_context` is a new context whose socket limit covers `max_instances`
-workers' worth of sockets, live and replay (ZMQ fixes the limit when a context opens its
+workers' worth of sockets, live and replay, twice: half of it stays free for sockets closed
+and not yet taken down by ZMQ's own thread (ZMQ fixes the limit when a context opens its
 first socket, so it is set before any); `raise_open_files` raises the soft open-file limit
-toward what the configured workers need with every replay channel kept, up to the hard
-limit, and refuses with one sentence naming the limit and the fleet's size only when not
-even their live sides and `replay_concurrency` channels fit. `replay_channels_room` is how
+toward what the configured workers need with every replay channel kept (and
+`CLOSING_FILES` for sockets closing), up to the hard limit, and refuses with one sentence
+naming the limit and the fleet's size only when not even their live sides,
+`replay_concurrency` channels and `CLOSING_FILES` fit. `replay_channels_room` is how
 many replay channels the open files left keep between requests (every worker's when they
 fit), beside `replay_concurrency` more that requests may open. An instance
 known only by its URL counts as one worker (its data-parallel size is discovered later);
@@ -50,11 +52,15 @@ def configured_workers(settings: Settings) -> int:
 
 
 def fleet_context(settings: Settings) -> zmq.asyncio.Context:
-    """A ZMQ context for the fleet's subscribers, its socket limit sized for it."""
+    """A ZMQ context for the fleet's subscribers, its socket limit sized for it: room for
+    the sockets of `max_instances` workers, and as many again closing. ZMQ frees a closed
+    socket's place only once its own thread has taken the socket down: a hundred instances
+    removed and at once added again found the places of the removed ones still taken, and
+    workers failed to open ("Too many open files"). A place costs ZMQ a few bytes."""
     workers = max(configured_workers(settings), settings.max_instances)
     context = zmq.asyncio.Context()
     context.set(zmq.MAX_SOCKETS, max(ZMQ_DEFAULT_MAX_SOCKETS,
-                                     SOCKETS_PER_WORKER * workers + 64))
+                                     2 * SOCKETS_PER_WORKER * workers + 64))
     return context
 
 
@@ -63,9 +69,10 @@ def _files(workers: int, channels: int) -> int:
 
 
 def _fitting(workers: int, replay_concurrency: int) -> tuple[int, int]:
-    """(the files `workers` need at least: live sides and the replay channels that run at
-    once; the files with every worker's channel kept)."""
-    return (_files(workers, min(workers, replay_concurrency)), _files(workers, workers))
+    """(the files `workers` need at least: live sides, the replay channels that run at
+    once and the files of sockets closing; the files with every worker's channel kept)."""
+    return (_files(workers, min(workers, replay_concurrency)) + CLOSING_FILES,
+            _files(workers, workers) + CLOSING_FILES)
 
 
 def _raise_soft(needed: int, wanted: int) -> int | None:
@@ -117,11 +124,11 @@ def room_for(workers: int, adding: int, context: zmq.Context,
     channels kept if that is all there is room for) and the context's socket limit; else
     why not, in one sentence."""
     total = workers + adding
-    sockets = context.get(zmq.MAX_SOCKETS)
+    sockets = context.get(zmq.MAX_SOCKETS) // 2  # half kept for sockets closing
     if SOCKETS_PER_WORKER * total > sockets:
         return (f"following {total} workers needs about {SOCKETS_PER_WORKER * total} ZMQ "
-                f"sockets; kvroute's context holds {sockets} (sized from max_instances at "
-                "start: raise max_instances)")
+                f"sockets; kvroute's context keeps {sockets} for them, and as many for sockets "
+                "closing (sized from max_instances at start: raise max_instances)")
     needed, wanted = _fitting(total, replay_concurrency)
     if _raise_soft(needed, wanted) is None:
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]

@@ -161,11 +161,11 @@ _REASONS = {400: b"Bad Request", 431: b"Request Header Fields Too Large"}
 
 
 def _config(settings: Settings, resolver: Resolver | None = None, *,
-            freeze_start_up: bool = False) -> uvicorn.Config:
+            freeze_fleet: bool = False) -> uvicorn.Config:
     # uvicorn calls the protocol class with keywords only (config=, server_state=, ...).
     protocol = functools.partial(BoundedHttpProtocol, header_timeout=settings.header_timeout)
     return uvicorn.Config(create_app(settings, resolver=resolver,
-                                     freeze_start_up=freeze_start_up),
+                                     freeze_fleet=freeze_fleet),
                           host=settings.host, port=settings.port,
                           log_level=settings.log_level, lifespan="on", access_log=False,
                           http=protocol,  # type: ignore[arg-type]
@@ -209,7 +209,7 @@ def serve_forever(settings: Settings) -> int:
     if taken is not None:
         log.error("%s", taken)
         return 1
-    server = uvicorn.Server(_config(settings, freeze_start_up=True))
+    server = uvicorn.Server(_config(settings, freeze_fleet=True))
     # uvicorn shuts down gracefully on SIGTERM and then raises the signal again with the
     # previous handler restored; this one makes that a no-op, so a clean stop exits 0.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import time
 import weakref
@@ -95,6 +96,9 @@ class SubscriberIndex(IndexWriter, Protocol):
 
 
 _POLL_MS = 100
+# Backoff between attempts to open a worker's sockets while the process has no room.
+_OPEN_RETRY_FIRST = 0.5
+_OPEN_RETRY_MAX = 30.0
 _MESSAGES_PER_WAKEUP = 256
 # Quiet spells between idle checks that find nothing grow to at most this many idle_checks.
 IDLE_CHECK_BACKOFF = 8
@@ -193,16 +197,7 @@ class Subscriber(SubscriberReplays):
         """Subscribe and apply until ``stop()``; never raises for wire or peer faults."""
         self._task = asyncio.current_task()
         try:
-            # Opening costs a few sockets: a fleet added at once opens in bounded pieces.
-            await self._pacing.turn()
-            try:
-                self._live.open()
-            except zmq.ZMQError as exc:
-                # An endpoint ZeroMQ will not even try (registration checks the form it
-                # accepts, so this is a last line): down for good, said once.
-                self.status.last_error = f"ZeroMQ refuses {self.endpoint.endpoint}: {exc}"
-                log.error("%s: %s", self.worker, self.status.last_error)
-                self._set_state(WorkerState.DOWN)
+            if not await self._open_live():
                 return
             await self._main_loop()
         finally:
@@ -213,6 +208,35 @@ class Subscriber(SubscriberReplays):
                 if self._replay_channel is not None:
                     self._replay_channel.close()
                 self._stopped.set()
+
+    async def _open_live(self) -> bool:
+        """Open the live connection's sockets; whether it is open (not: stopped, or an
+        endpoint ZeroMQ will not even try). Opening costs a few sockets: a fleet added at
+        once opens in bounded pieces. Out of sockets or open files (EMFILE: the process's
+        open-file limit or the context's socket limit, reached by sockets that other
+        workers were still closing), the worker is down with the reason and tries again
+        after a backoff: the room comes back, so it is no reason to give up for good."""
+        delay = _OPEN_RETRY_FIRST
+        while not self._stopping.is_set():
+            await self._pacing.turn()
+            try:
+                self._live.open()
+                return True
+            except zmq.ZMQError as exc:
+                await self._live.close()  # whatever part of it opened
+                self.status.last_error = f"ZeroMQ refuses {self.endpoint.endpoint}: {exc}"
+                self._set_state(WorkerState.DOWN)
+                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+                    # An endpoint ZeroMQ will not even try (registration checks the form
+                    # it accepts, so this is a last line): down for good, said once.
+                    log.error("%s: %s", self.worker, self.status.last_error)
+                    return False
+                self.status.last_error += f"; retrying in {delay:g} s"
+                log.warning("%s: %s", self.worker, self.status.last_error)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), delay)
+            delay = min(_OPEN_RETRY_MAX, 2 * delay)
+        return False
 
     async def stop(self, timeout: float = 5.0) -> None:
         """Ask ``run()`` to return and wait for it (sockets closed when this returns)."""
@@ -287,10 +311,24 @@ class Subscriber(SubscriberReplays):
                     idle_since = time.monotonic()
             except Disconnected:
                 continue
+            except zmq.ZMQError as exc:
+                # No room for a replay's socket (EMFILE: sockets of removed workers still
+                # closing): said without a stack trace, and what was under way is redone.
+                self._needs_rebuild = self._needs_rebuild or self._rebuilding_failed()
+                self.status.last_error = f"ZeroMQ: {exc}; retrying"
+                log.warning("%s: %s", self.worker, self.status.last_error)
+                await asyncio.sleep(_OPEN_RETRY_FIRST)
             except Exception as exc:  # never let a bug end the subscription silently
                 log.exception("%s: unexpected error", self.worker)
+                self._needs_rebuild = self._needs_rebuild or self._rebuilding_failed()
                 self.status.last_error = f"internal error: {exc!r}"
                 await asyncio.sleep(_POLL_MS / 1000)
+
+    def _rebuilding_failed(self) -> bool:
+        """Whether the step that just failed was a rebuild or resume (the worker is still
+        `replaying`, which only they set): it is redone from the start, never left
+        `replaying` with nothing to end it."""
+        return self.status.state == WorkerState.REPLAYING
 
     async def _wait_for_live(self, seconds: float) -> bool:
         """Whether a live batch arrived within `seconds` (at least 10 ms). A quiet worker
