@@ -147,3 +147,244 @@ def walk_tokens(dict nodes, bytes parent_key, bytes tokens, Py_ssize_t step, obj
         parent_key = key
     ended.append((alive, blocks))
     return ended, tiered_hits
+
+
+# --- runs of plain events (index.runs) -------------------------------------------------------
+
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.long cimport PyLong_AsUnsignedLong
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from libc.stdint cimport uint32_t
+
+from msgspec import Raw
+
+from kvroute.index.keys import root_key
+from kvroute.index.runs import MAX_PLAIN_BLOCK_SIZE, PLAIN_KINDS, TOKENS_PER_WORK, Run
+
+cdef object _UINT32_END = 2**32
+
+
+cdef inline bint _plain_hashes(object hashes):
+    """Every item an int >= 0 (a list: checked by the caller)."""
+    cdef Py_ssize_t i
+    cdef object h
+    for i in range(PyList_GET_SIZE(hashes)):
+        h = <object>PyList_GET_ITEM(hashes, i)
+        if type(h) is not int or h < 0:
+            return False
+    return True
+
+
+cdef object _packed_tokens(list tokens):
+    """Token ids as uint32 bytes (``keys.token_bytes``), or None when one is not an int
+    in [0, 2**32)."""
+    cdef Py_ssize_t count = PyList_GET_SIZE(tokens)
+    cdef Py_ssize_t i
+    cdef object t
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, count * 4)
+    cdef uint32_t* data = <uint32_t*>PyBytes_AS_STRING(out)
+    for i in range(count):
+        t = <object>PyList_GET_ITEM(tokens, i)
+        if type(t) is not int or t < 0 or t >= _UINT32_END:
+            return None
+        data[i] = <uint32_t>PyLong_AsUnsignedLong(t)
+    return out
+
+
+cdef object _raw_tokens(object raw):
+    """``msgspec.Raw`` token ids (a msgpack array) as uint32 bytes, or None when they are not
+    an array of ints in [0, 2**32) (what ``index.runs.token_list`` and a range check say)."""
+    cdef Py_buffer view
+    PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE)
+    try:
+        return _parse_tokens(<const unsigned char*>view.buf, view.len)
+    finally:
+        PyBuffer_Release(&view)
+
+
+cdef inline unsigned long long _be(const unsigned char* p, int size):
+    cdef unsigned long long v = 0
+    cdef int i
+    for i in range(size):
+        v = (v << 8) | p[i]
+    return v
+
+
+cdef object _parse_tokens(const unsigned char* p, Py_ssize_t n):
+    cdef Py_ssize_t pos, count, i
+    cdef unsigned char b
+    cdef unsigned long long v
+    cdef int size
+    if n < 1:
+        return None
+    b = p[0]
+    if 0x90 <= b <= 0x9f:
+        count, pos = b & 0x0f, 1
+    elif b == 0xdc and n >= 3:
+        count, pos = <Py_ssize_t>_be(p + 1, 2), 3
+    elif b == 0xdd and n >= 5:
+        count, pos = <Py_ssize_t>_be(p + 1, 4), 5
+    else:
+        return None
+    if count > n - pos:  # every element takes a byte at least
+        return None
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, count * 4)
+    cdef uint32_t* data = <uint32_t*>PyBytes_AS_STRING(out)
+    for i in range(count):
+        if pos >= n:
+            return None
+        b = p[pos]
+        pos += 1
+        if b <= 0x7f:  # positive fixint
+            data[i] = b
+            continue
+        if 0xcc <= b <= 0xcf:  # uint 8/16/32/64
+            size = 1 << (b - 0xcc)
+        elif 0xd0 <= b <= 0xd3:  # int 8/16/32/64: only non-negative values are plain
+            size = 1 << (b - 0xd0)
+            if pos < n and p[pos] & 0x80:
+                return None
+        else:  # a negative fixint, or not an int
+            return None
+        if pos + size > n:
+            return None
+        v = _be(p + pos, size)
+        pos += size
+        if v > 0xFFFFFFFF:
+            return None
+        data[i] = <uint32_t>v
+    if pos != n:
+        return None
+    return out
+
+
+def apply_run(index, worker, list events, Py_ssize_t start, Py_ssize_t work_left,
+              Py_ssize_t events_left, limits, long fp_field, object first_flag,
+              object holders_min, int gpu):
+    """``index.runs.apply_run``: the same events applied, the same ``Run`` returned, with
+    each plain store's chain placed by ``store_gpu_chain`` and each plain removal's
+    hashes released as ``remove_gpu`` releases them, without a Python call per event."""
+    run = Run(start)
+    w = index._workers.get(worker)
+    if w is None or w.unconfirmed or index.placements.has(worker):
+        return run
+    cdef object stored = limits.stored
+    cdef object removed = limits.removed
+    cdef Py_ssize_t max_event_blocks = limits.max_event_blocks
+    cdef Py_ssize_t max_worker_blocks = limits.max_worker_blocks
+    cdef Py_ssize_t max_work = limits.max_work
+    cdef dict handles = w.handles
+    cdef dict groups = w.groups
+    cdef list held = w.held
+    cdef Py_ssize_t k, blocks, work, size, ntokens, done_blocks = 0, done_work = 0
+    cdef Py_ssize_t removed_count, unknown
+    cdef object event, hashes, tokens, extra, parent, parent_key, packed, flag, medium
+    cdef object root = None
+    cdef Py_ssize_t root_size = 0
+    cdef object bound_size = None
+    for k in range(start, PyList_GET_SIZE(events)):
+        if k - start >= events_left:
+            run.full = True
+            break
+        event = <object>PyList_GET_ITEM(events, k)
+        if isinstance(event, stored):
+            medium = event.medium
+            if medium is not None and medium != "GPU":
+                break
+            if event.group_idx is not None and event.group_idx != 0:
+                break
+            if (event.kv_cache_spec_kind not in PLAIN_KINDS or event.lora_name is not None
+                    or event.lora_id is not None):
+                break
+            hashes = event.block_hashes
+            tokens = event.token_ids
+            if type(hashes) is not list:
+                break
+            if type(tokens) is list:
+                packed = _packed_tokens(tokens)
+            elif type(tokens) is Raw:
+                packed = _raw_tokens(tokens)
+            else:
+                break
+            if packed is None:
+                break
+            blocks = PyList_GET_SIZE(hashes)
+            extra = event.extra_keys
+            if extra is not None and (type(extra) is not list or len(extra) != blocks
+                                      or extra.count(None) != blocks):
+                break
+            bound_size = event.block_size
+            if blocks <= 0 or blocks > max_event_blocks or type(bound_size) is not int:
+                break
+            if bound_size <= 0 or bound_size > MAX_PLAIN_BLOCK_SIZE:
+                break
+            size = bound_size
+            ntokens = PyBytes_GET_SIZE(packed) // 4
+            if ntokens != blocks * size:
+                break
+            work = max(blocks, ntokens // TOKENS_PER_WORK)
+            if work > max_work or not _plain_hashes(hashes):
+                break
+            if len(handles) + blocks > max_worker_blocks:
+                break
+            parent = event.parent_block_hash
+            if parent is None:
+                if root is None or root_size != size:
+                    root = root_key(size, None)
+                    root_size = size
+                parent_key = root
+                flag = first_flag
+            else:
+                if type(parent) is not int or parent < 0:
+                    break
+                parent_key = handles.get(parent)
+                if parent_key is None:
+                    break
+                flag = 0
+            if work > work_left:
+                run.full = True
+                break
+            # Plain: from here on it changes the index, as apply_stored would.
+            try:
+                if groups.get(0) is not True:
+                    groups[0] = True
+                w.block_size = bound_size
+                held_before = store_gpu_chain(index, w, hashes, parent_key, packed, size * 4,
+                                              w.bit, flag, fp_field)
+                held[gpu] += blocks - held_before
+            except Exception as exc:  # only an internal limit (see index.runs)
+                run.next = k + 1
+                run.error = exc
+                break
+        elif isinstance(event, removed):
+            medium = event.medium
+            if medium is not None and medium != "GPU":
+                break
+            if event.group_idx is not None and event.group_idx != 0:
+                break
+            hashes = event.block_hashes
+            if type(hashes) is not list or not _plain_hashes(hashes):
+                break
+            blocks = PyList_GET_SIZE(hashes)
+            if blocks > max_work or groups.get(0) is False or w.counts or w.node_counts:
+                break
+            work = blocks
+            if work > work_left:
+                run.full = True
+                break
+            if blocks:
+                removed_count, unknown = remove_gpu(index, w, hashes, holders_min)
+                if unknown:
+                    index._unknown_removals += unknown
+                if removed_count:
+                    held[gpu] -= removed_count
+        else:
+            break
+        run.next = k + 1
+        done_blocks += blocks
+        done_work += work
+        work_left -= work
+    run.blocks = done_blocks
+    run.work = done_work
+    return run
