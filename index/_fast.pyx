@@ -239,6 +239,16 @@ cdef object _parse_tokens(const unsigned char* p, Py_ssize_t n):
         if b <= 0x7f:  # positive fixint
             data[i] = b
             continue
+        # The common encodings of token ids first, without a loop over their bytes.
+        if b == 0xce and pos + 4 <= n:
+            data[i] = ((<uint32_t>p[pos] << 24) | (<uint32_t>p[pos + 1] << 16)
+                       | (<uint32_t>p[pos + 2] << 8) | p[pos + 3])
+            pos += 4
+            continue
+        if b == 0xcd and pos + 2 <= n:
+            data[i] = (<uint32_t>p[pos] << 8) | p[pos + 1]
+            pos += 2
+            continue
         if 0xcc <= b <= 0xcf:  # uint 8/16/32/64
             size = 1 << (b - 0xcc)
         elif 0xd0 <= b <= 0xd3:  # int 8/16/32/64: only non-negative values are plain
@@ -283,12 +293,30 @@ def apply_run(index, worker, list events, Py_ssize_t start, Py_ssize_t work_left
     cdef object root = None
     cdef Py_ssize_t root_size = 0
     cdef object bound_size = None
+    cdef dict counts = w.counts
+    cdef dict node_counts = w.node_counts
+    cdef dict nodes = index._nodes
+    cdef object keep = w.keep
+    cdef object block_hash, key, value, cls
+    cdef PyObject* found
+    cdef Py_ssize_t i
+    # Kept in C until the run ends (nothing a run calls reads them in between).
+    cdef Py_ssize_t held_delta = 0, unknown_total = 0
+    # The exact classes, to tell most events apart without isinstance.
+    cdef tuple store_classes = stored if type(stored) is tuple else (stored,)
+    cdef tuple removal_classes = removed if type(removed) is tuple else (removed,)
+    cdef bint is_store, is_removal
     for k in range(start, PyList_GET_SIZE(events)):
         if k - start >= events_left:
             run.full = True
             break
         event = <object>PyList_GET_ITEM(events, k)
-        if isinstance(event, stored):
+        cls = type(event)
+        is_removal = cls in removal_classes
+        is_store = not is_removal and (cls in store_classes or isinstance(event, stored))
+        if not is_store and not is_removal:
+            is_removal = isinstance(event, removed)
+        if is_store:
             medium = event.medium
             if medium is not None and medium != "GPU":
                 break
@@ -352,12 +380,12 @@ def apply_run(index, worker, list events, Py_ssize_t start, Py_ssize_t work_left
                 w.block_size = bound_size
                 held_before = store_gpu_chain(index, w, hashes, parent_key, packed, size * 4,
                                               w.bit, flag, fp_field)
-                held[gpu] += blocks - held_before
+                held_delta += blocks - <Py_ssize_t>held_before
             except Exception as exc:  # only an internal limit (see index.runs)
                 run.next = k + 1
                 run.error = exc
                 break
-        elif isinstance(event, removed):
+        elif is_removal:
             medium = event.medium
             if medium is not None and medium != "GPU":
                 break
@@ -367,24 +395,38 @@ def apply_run(index, worker, list events, Py_ssize_t start, Py_ssize_t work_left
             if type(hashes) is not list or not _plain_hashes(hashes):
                 break
             blocks = PyList_GET_SIZE(hashes)
-            if blocks > max_work or groups.get(0) is False or w.counts or w.node_counts:
+            if blocks > max_work or groups.get(0) is False or counts or node_counts:
                 break
             work = blocks
             if work > work_left:
                 run.full = True
                 break
-            if blocks:
-                removed_count, unknown = remove_gpu(index, w, hashes, holders_min)
-                if unknown:
-                    index._unknown_removals += unknown
-                if removed_count:
-                    held[gpu] -= removed_count
+            # remove_gpu's loop; the worker has no unconfirmed blocks (checked above),
+            # so a hash it does not hold is simply unknown.
+            for i in range(blocks):
+                block_hash = <object>PyList_GET_ITEM(hashes, i)
+                found = PyDict_GetItem(handles, block_hash)
+                if found is NULL:
+                    unknown_total += 1
+                    continue
+                key = <object>found
+                PyDict_DelItem(handles, block_hash)
+                value = nodes[key] & keep
+                if value >= holders_min:
+                    PyDict_SetItem(nodes, key, value)
+                else:
+                    PyDict_DelItem(nodes, key)
+                held_delta -= 1
         else:
             break
         run.next = k + 1
         done_blocks += blocks
         done_work += work
         work_left -= work
+    if held_delta:
+        held[gpu] += held_delta
+    if unknown_total:
+        index._unknown_removals += unknown_total
     run.blocks = done_blocks
     run.work = done_work
     return run
