@@ -40,6 +40,14 @@ cdef inline void _fill(bytearray buf, bytes parent, const char* block, Py_ssize_
 
 def store_gpu_chain(index, w, list block_hashes, bytes parent_key, bytes tokens,
                     Py_ssize_t step, object bit, object flag, long fp_field):
+    """See ``_store_gpu_chain`` (this is its entry point from Python)."""
+    return _store_gpu_chain(index, w, block_hashes, parent_key, tokens, step, bit, flag,
+                            fp_field)
+
+
+cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, bytes parent_key, bytes tokens,
+                                 Py_ssize_t step, object bit, object flag,
+                                 long fp_field) except -1:
     """``PrefixIndex.apply_stored``'s hot loop (a GPU chain without extra keys): bind each
     block's handle and place its node; a duplicate or changed handle goes through
     ``index._hold`` and a second handle of held content through ``index._add_second_handle``,
@@ -297,6 +305,7 @@ def apply_run(index, worker, list events, Py_ssize_t start, Py_ssize_t work_left
     cdef dict node_counts = w.node_counts
     cdef dict nodes = index._nodes
     cdef object keep = w.keep
+    cdef object bit = w.bit
     cdef object block_hash, key, value, cls
     cdef PyObject* found
     cdef Py_ssize_t i
@@ -378,9 +387,8 @@ def apply_run(index, worker, list events, Py_ssize_t start, Py_ssize_t work_left
                 if groups.get(0) is not True:
                     groups[0] = True
                 w.block_size = bound_size
-                held_before = store_gpu_chain(index, w, hashes, parent_key, packed, size * 4,
-                                              w.bit, flag, fp_field)
-                held_delta += blocks - <Py_ssize_t>held_before
+                held_delta += blocks - _store_gpu_chain(index, w, hashes, parent_key, packed,
+                                                        size * 4, bit, flag, fp_field)
             except Exception as exc:  # only an internal limit (see index.runs)
                 run.next = k + 1
                 run.error = exc
