@@ -296,7 +296,6 @@ def apply_run(index, worker, list events, Py_ssize_t start, Py_ssize_t work_left
     cdef dict groups = w.groups
     cdef list held = w.held
     cdef Py_ssize_t k, blocks, work, size, ntokens, done_blocks = 0, done_work = 0
-    cdef Py_ssize_t removed_count, unknown
     cdef object event, hashes, tokens, extra, parent, parent_key, packed, flag, medium
     cdef object root = None
     cdef Py_ssize_t root_size = 0

@@ -52,7 +52,6 @@ from typing import Any
 
 from xxhash import xxh3_128_digest
 
-from kvroute.index import runs
 from kvroute.index.holdings import Holdings
 from kvroute.index.keys import TOKEN_BYTES, block_splitter, extra_suffix, root_key, token_bytes
 from kvroute.index.mediums import (
@@ -71,6 +70,7 @@ from kvroute.index.mediums import (
 from kvroute.index.placement import Placements, chain_keys
 from kvroute.index.results import IndexStats, Match
 from kvroute.index.runs import Run, RunLimits
+from kvroute.index.runs import apply_run as _apply_run_reference
 
 WorkerKey = Hashable
 BlockHash = int | bytes
@@ -346,7 +346,8 @@ class PrefixIndex:
         if fast is not None and type(events) is list:
             return fast.apply_run(self, worker, events, start, work_left,  # type: ignore[no-any-return]
                                   events_left, limits, FP_FIELD, FIRST, HOLDERS_MIN, GPU)
-        return runs.apply_run(self, worker, events, start, work_left, events_left, limits)
+        return _apply_run_reference(self, worker, events, start, work_left, events_left,
+                                    limits)
 
     def _add_second_handle(self, w: _Worker, key: bytes) -> None:
         """A new GPU handle of ``w`` for a block it already holds through another one."""
