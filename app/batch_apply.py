@@ -41,10 +41,12 @@ from kvroute.app.loop_budget import LoopBudget, shared_budget
 from kvroute.app.wire import (
     SLICE_TOKENS_PER_BLOCK,
     AllBlocksCleared,
+    BlockRemoved,
     BlockStored,
     Event,
     EventBatch,
     Hash,
+    RawStored,
     WireError,
     apply_event,
     coalesced,
@@ -52,7 +54,9 @@ from kvroute.app.wire import (
     decode_envelope,
     decode_events,
     slices,
+    stored,
 )
+from kvroute.index.runs import Run, RunLimits
 
 if TYPE_CHECKING:
     from kvroute.app.subscriber import SubscriberIndex
@@ -126,6 +130,13 @@ class BatchApplier:
         self._unyielded = 0  # events applied since the last yield to the event loop
         self._unyielded_work = 0  # blocks of index work since then (see slice_blocks)
         self._budget: LoopBudget | None = None  # the loop's, shared by the fleet
+        # The index's way of applying runs of plain events in one call (index.runs), when
+        # it has one; None: every event one by one.
+        self._runs: Callable[..., Run] | None = getattr(index, "apply_run", None)
+        self._limits = RunLimits(stored=(BlockStored, RawStored), removed=BlockRemoved,
+                                 max_event_blocks=options.max_blocks_per_event,
+                                 max_worker_blocks=options.max_blocks_per_worker,
+                                 max_work=options.slice_blocks)
 
     @property
     def budget(self) -> LoopBudget:
@@ -142,7 +153,8 @@ class BatchApplier:
         lazily = len(payload) > _DECODE_WHOLE_BYTES
         started = time.perf_counter()
         try:
-            batch = decode_envelope(payload) if lazily else decode_batch(payload)
+            batch = (decode_envelope(payload) if lazily
+                     else decode_batch(payload, raw_tokens=self._runs is not None))
         except WireError as exc:
             outcome.garbage = str(exc)
             took = time.perf_counter() - started  # garbage can be a long read, too
@@ -177,31 +189,91 @@ class BatchApplier:
     async def _apply_events(self, seq: int, events: list[Event], batch: EventBatch,
                             outcome: BatchOutcome) -> bool:
         """Apply decoded events, counting into ``outcome``; False when a bug stopped it
-        (``outcome.failed`` says which)."""
+        (``outcome.failed`` says which).
+
+        Runs of plain events (``index.runs``: GPU stores and removals with nothing special
+        about them) go to the index in one call each, within the same bounds of work
+        between two yields; every other event goes one by one (removals next to each other
+        coalesced), as before runs existed."""
         outcome.events += len(events)
+        run = self._runs
+        if run is None:
+            for event in coalesced(events):
+                if not await self._apply_one(seq, event, batch, outcome):
+                    return False
+            return True
         budget = self.budget
-        for event in coalesced(events):
-            self._unyielded += 1
-            if self._unyielded >= self.options.chunk_events or budget.exhausted():
+        options = self.options
+        position, count = 0, len(events)
+        while position < count:
+            if self._unyielded >= options.chunk_events or budget.exhausted():
                 await self.yield_to_loop()
-            if isinstance(event, BlockStored) and self._over_a_cap(
-                    seq, len(event.block_hashes), bool(event.token_ids)):
-                outcome.exact_again = False  # only a clear after the skip makes it exact
+            done = run(self.worker, events, position,
+                       options.slice_blocks - self._unyielded_work,
+                       options.chunk_events - self._unyielded, self._limits)
+            self._unyielded += done.next - position
+            self._unyielded_work += done.work
+            outcome.blocks += done.blocks
+            position = done.next
+            if done.error is not None:
+                if not self._failed_at(seq, done.error, batch, outcome):
+                    return False
                 continue
-            try:
-                outcome.blocks += await self._apply_event(event)
-            except Abandoned:
-                raise
-            except ValueError as exc:
-                batch.malformed += 1
-                outcome.rejected = f"seq {seq}: event rejected by the index: {exc}"
-            except Exception as exc:
-                log.exception("%s: applying seq %d failed", self.worker, seq)
-                outcome.failed = f"internal error applying seq {seq}: {exc!r}"
-                return False
-            if isinstance(event, AllBlocksCleared):
-                outcome.exact_again = True
+            if done.full:
+                await self.yield_to_loop()
+                continue
+            if position >= count:
+                break
+            # Not plain: this event, with the removals right after it, the way runs do not.
+            end = position + 1
+            if isinstance(events[position], BlockRemoved):
+                while end < count and isinstance(events[end], BlockRemoved):
+                    end += 1
+            for event in coalesced(events[position:end]):
+                if isinstance(event, RawStored):
+                    plain_event = stored(event)
+                    if plain_event is None:  # what decode_batch would have left out
+                        batch.malformed += 1
+                        outcome.events -= 1
+                        continue
+                    event = plain_event
+                if not await self._apply_one(seq, event, batch, outcome):
+                    return False
+            position = end
         return True
+
+    async def _apply_one(self, seq: int, event: Event, batch: EventBatch,
+                         outcome: BatchOutcome) -> bool:
+        """Apply one event (caps, slices, yields), counting into ``outcome``; False when a
+        bug stopped it."""
+        self._unyielded += 1
+        if self._unyielded >= self.options.chunk_events or self.budget.exhausted():
+            await self.yield_to_loop()
+        if isinstance(event, BlockStored) and self._over_a_cap(
+                seq, len(event.block_hashes), bool(event.token_ids)):
+            outcome.exact_again = False  # only a clear after the skip makes it exact
+            return True
+        try:
+            outcome.blocks += await self._apply_event(event)
+        except Abandoned:
+            raise
+        except Exception as exc:
+            return self._failed_at(seq, exc, batch, outcome)
+        if isinstance(event, AllBlocksCleared):
+            outcome.exact_again = True
+        return True
+
+    def _failed_at(self, seq: int, exc: BaseException, batch: EventBatch,
+                   outcome: BatchOutcome) -> bool:
+        """Count an event the index raised for: a ``ValueError`` rejects that event (the
+        batch goes on); anything else is a bug that ends the batch (returns False)."""
+        if isinstance(exc, ValueError):
+            batch.malformed += 1
+            outcome.rejected = f"seq {seq}: event rejected by the index: {exc}"
+            return True
+        log.error("%s: applying seq %d failed", self.worker, seq, exc_info=exc)
+        outcome.failed = f"internal error applying seq {seq}: {exc!r}"
+        return False
 
     async def _apply_huge(self, seq: int, raw: bytes, outcome: BatchOutcome) -> bool:
         """Apply one encoded event over ``HUGE_EVENT_BYTES`` without decoding it in one

@@ -108,6 +108,45 @@ class _ArrayAllBlocksCleared(AllBlocksCleared, array_like=True, tag="AllBlocksCl
     pass
 
 
+class RawStored(
+    msgspec.Struct, tag_field="type", tag="BlockStored", omit_defaults=True, gc=False
+):
+    """A ``BlockStored`` as ``decode_batch(..., raw_tokens=True)`` leaves it: the token ids
+    still msgpack (``msgspec.Raw``), for the index to read straight into its keys without
+    an int object per token (``index.runs``). ``stored(event)`` makes the public event.
+    Fields as ``BlockStored``'s, in the same order."""
+
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None = None
+    token_ids: msgspec.Raw = msgspec.Raw(b"\x90")  # an empty msgpack array
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: Any = None
+    ownership: Any = None
+    session_id: Any = None
+
+
+_token_list = msgspec.msgpack.Decoder(list[int])
+
+
+def stored(event: RawStored) -> BlockStored | None:
+    """The ``BlockStored`` ``decode_batch`` would have made of ``event``; None when its
+    token ids are not a list of ints (``decode_batch`` counts such an event malformed)."""
+    try:
+        tokens = _token_list.decode(event.token_ids)
+    except _DECODE_ERRORS:
+        return None
+    fields = msgspec.structs.asdict(event)
+    fields["token_ids"] = tokens
+    return BlockStored(**fields)
+
+
 # Fields vLLM always wrote in the array form (no defaults there); later fields are written
 # only up to the last one that is set, as an older vLLM would have.
 _ARRAY_REQUIRED = {BlockStored: 6, BlockRemoved: 2, AllBlocksCleared: 0}
@@ -154,7 +193,14 @@ class _RawMapEnvelope(msgspec.Struct, gc=False):
     data_parallel_rank: Any = None
 
 
+class _RawTokensEnvelope(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[RawStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
 _map_batch = msgspec.msgpack.Decoder(_MapEnvelope)
+_raw_tokens_batch = msgspec.msgpack.Decoder(_RawTokensEnvelope)
 _array_batch = msgspec.msgpack.Decoder(_ArrayEnvelope)
 _raw_batch = msgspec.msgpack.Decoder(_RawEnvelope)
 _raw_map_batch = msgspec.msgpack.Decoder(_RawMapEnvelope)
@@ -172,8 +218,19 @@ _encoder = msgspec.msgpack.Encoder()
 _DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError)
 
 
-def decode_batch(payload: bytes) -> EventBatch:
-    """Decode one payload frame; see the module docstring for what raises and what is counted."""
+def decode_batch(payload: bytes, *, raw_tokens: bool = False) -> EventBatch:
+    """Decode one payload frame; see the module docstring for what raises and what is counted.
+
+    ``raw_tokens``: a map-encoded batch keeps its stores' token ids encoded (``RawStored``,
+    not checked to be ints: ``stored`` says, where ``decode_batch`` would have counted the
+    event malformed); any other batch decodes as without it."""
+    if raw_tokens:
+        try:
+            env = _raw_tokens_batch.decode(payload)
+        except _DECODE_ERRORS:
+            pass
+        else:
+            return EventBatch(env.ts, env.events, env.data_parallel_rank)
     for decoder in (_map_batch, _array_batch):
         try:
             env = decoder.decode(payload)

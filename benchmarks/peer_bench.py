@@ -12,6 +12,9 @@ Measured in one run:
   msgspec decode-only floor of the same payloads (kvroute's decoder, in this process,
   before anything else runs); a 1k-token query every poll while it ingests (p99);
 - kvroute's worst event-loop lag during each ingest (its ``kvroute_event_loop_lag_*``);
+- each side's CPU time (all threads) from the first batch sent until every side is done,
+  per stored block: on two shared cores the wall-clock rate depends on what the other
+  processes take, the CPU per block much less;
 - after ingest, both indexers' answers checked against what the stream leaves each worker
   holding; a mismatch, or a marker not seen within the deadline, is reported (the peer
   losing events), not waited for;
@@ -134,6 +137,7 @@ def ingest(sides: list[Side], publisher: subprocess.Popen[str], mix: Mix, path: 
     mix.save(path)
     probe = doc_tokens(0, 1024)
     lag_before = kv.loop_lag()
+    cpu_before = {side.name: side.cpu_seconds() for side in sides}
     deadline = time.monotonic() + timeout
     watches = [_Watch(side, mix, probe, deadline) for side in sides]
     for watch in watches:
@@ -146,8 +150,13 @@ def ingest(sides: list[Side], publisher: subprocess.Popen[str], mix: Mix, path: 
                            "send_seconds": sent["sent"] - sent["started"]}
     for side, watch in zip(sides, watches, strict=True):
         took = None if watch.done_at is None else watch.done_at - sent["started"]
+        # CPU the side used until the whole run's end (2 shared cores: wall time depends
+        # on what else runs; CPU per block does not, much).
+        cpu = side.cpu_seconds() - cpu_before[side.name]
         row[side.name] = {
             "blocks_per_s": None if took is None else mix.stored / took,
+            "cpu_seconds": cpu,
+            "cpu_us_per_block": 1e6 * cpu / mix.stored,
             "seconds": took,
             "final_state": watch.done_at is not None,
             "marker_holders": watch.holders,
@@ -247,6 +256,7 @@ def table(result: dict[str, Any]) -> str:
             r = row[n]
             text = (f"{cell(r['blocks_per_s'], ',.0f')} blocks/s "
                     f"(1k query p99 {cell(r['query_1k_during_ingest_p99_ms'], '.1f')} ms)")
+            text += f", {r['cpu_us_per_block']:.2f} CPU µs/block"
             if n == "kvroute":
                 text += f", worst loop lag {r['worst_loop_lag_ms']:.0f} ms"
             if r["error"] or r["wrong_answers"]:

@@ -79,6 +79,11 @@ class Side:
     def rss(self) -> int:
         return rss_bytes(self.pid)
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU time the process (all its threads) has used so far."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 

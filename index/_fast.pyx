@@ -43,6 +43,14 @@ cdef inline void _fill(bytearray buf, bytes parent, const char* block, Py_ssize_
 
 def store_gpu_chain(index, w, list block_hashes, bytes parent_key, bytes tokens,
                     Py_ssize_t step, object bit, object flag, long fp_field):
+    """See ``_store_gpu_chain`` (this is its entry point from Python)."""
+    return _store_gpu_chain(index, w, block_hashes, parent_key, tokens, step, bit, flag,
+                            fp_field)
+
+
+cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, bytes parent_key, bytes tokens,
+                                 Py_ssize_t step, object bit, object flag,
+                                 long fp_field) except -1:
     """``PrefixIndex.apply_stored``'s hot loop (a GPU chain without extra keys): bind each
     block's handle and place its node; a duplicate or changed handle goes through
     ``index._hold`` and a second handle of held content through ``index._add_second_handle``,
@@ -192,3 +200,285 @@ cdef tuple _walk_word(dict nodes, bytes parent_key, bytes tokens, Py_ssize_t ste
         parent_key = key
     ended.append((PyLong_FromUnsignedLongLong(alive), blocks))
     return ended, tiered_hits
+
+
+# --- runs of plain events (index.runs) -------------------------------------------------------
+
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.long cimport PyLong_AsUnsignedLong
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from libc.stdint cimport uint32_t
+
+from msgspec import Raw
+
+from kvroute.index.keys import root_key
+from kvroute.index.runs import MAX_PLAIN_BLOCK_SIZE, PLAIN_KINDS, TOKENS_PER_WORK, Run
+
+cdef object _UINT32_END = 2**32
+
+
+cdef inline bint _plain_hashes(object hashes):
+    """Every item an int >= 0 (a list: checked by the caller)."""
+    cdef Py_ssize_t i
+    cdef object h
+    for i in range(PyList_GET_SIZE(hashes)):
+        h = <object>PyList_GET_ITEM(hashes, i)
+        if type(h) is not int or h < 0:
+            return False
+    return True
+
+
+cdef object _packed_tokens(list tokens):
+    """Token ids as uint32 bytes (``keys.token_bytes``), or None when one is not an int
+    in [0, 2**32)."""
+    cdef Py_ssize_t count = PyList_GET_SIZE(tokens)
+    cdef Py_ssize_t i
+    cdef object t
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, count * 4)
+    cdef uint32_t* data = <uint32_t*>PyBytes_AS_STRING(out)
+    for i in range(count):
+        t = <object>PyList_GET_ITEM(tokens, i)
+        if type(t) is not int or t < 0 or t >= _UINT32_END:
+            return None
+        data[i] = <uint32_t>PyLong_AsUnsignedLong(t)
+    return out
+
+
+cdef object _raw_tokens(object raw):
+    """``msgspec.Raw`` token ids (a msgpack array) as uint32 bytes, or None when they are not
+    an array of ints in [0, 2**32) (what ``index.runs.token_list`` and a range check say)."""
+    cdef Py_buffer view
+    PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE)
+    try:
+        return _parse_tokens(<const unsigned char*>view.buf, view.len)
+    finally:
+        PyBuffer_Release(&view)
+
+
+cdef inline unsigned long long _be(const unsigned char* p, int size):
+    cdef unsigned long long v = 0
+    cdef int i
+    for i in range(size):
+        v = (v << 8) | p[i]
+    return v
+
+
+cdef object _parse_tokens(const unsigned char* p, Py_ssize_t n):
+    cdef Py_ssize_t pos, count, i
+    cdef unsigned char b
+    cdef unsigned long long v
+    cdef int size
+    if n < 1:
+        return None
+    b = p[0]
+    if 0x90 <= b <= 0x9f:
+        count, pos = b & 0x0f, 1
+    elif b == 0xdc and n >= 3:
+        count, pos = <Py_ssize_t>_be(p + 1, 2), 3
+    elif b == 0xdd and n >= 5:
+        count, pos = <Py_ssize_t>_be(p + 1, 4), 5
+    else:
+        return None
+    if count > n - pos:  # every element takes a byte at least
+        return None
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, count * 4)
+    cdef uint32_t* data = <uint32_t*>PyBytes_AS_STRING(out)
+    for i in range(count):
+        if pos >= n:
+            return None
+        b = p[pos]
+        pos += 1
+        if b <= 0x7f:  # positive fixint
+            data[i] = b
+            continue
+        # The common encodings of token ids first, without a loop over their bytes.
+        if b == 0xce and pos + 4 <= n:
+            data[i] = ((<uint32_t>p[pos] << 24) | (<uint32_t>p[pos + 1] << 16)
+                       | (<uint32_t>p[pos + 2] << 8) | p[pos + 3])
+            pos += 4
+            continue
+        if b == 0xcd and pos + 2 <= n:
+            data[i] = (<uint32_t>p[pos] << 8) | p[pos + 1]
+            pos += 2
+            continue
+        if 0xcc <= b <= 0xcf:  # uint 8/16/32/64
+            size = 1 << (b - 0xcc)
+        elif 0xd0 <= b <= 0xd3:  # int 8/16/32/64: only non-negative values are plain
+            size = 1 << (b - 0xd0)
+            if pos < n and p[pos] & 0x80:
+                return None
+        else:  # a negative fixint, or not an int
+            return None
+        if pos + size > n:
+            return None
+        v = _be(p + pos, size)
+        pos += size
+        if v > 0xFFFFFFFF:
+            return None
+        data[i] = <uint32_t>v
+    if pos != n:
+        return None
+    return out
+
+
+def apply_run(index, worker, list events, Py_ssize_t start, Py_ssize_t work_left,
+              Py_ssize_t events_left, limits, long fp_field, object first_flag,
+              object holders_min, int gpu):
+    """``index.runs.apply_run``: the same events applied, the same ``Run`` returned, with
+    each plain store's chain placed by ``store_gpu_chain`` and each plain removal's
+    hashes released as ``remove_gpu`` releases them, without a Python call per event."""
+    run = Run(start)
+    w = index._workers.get(worker)
+    if w is None or w.unconfirmed or index.placements.has(worker):
+        return run
+    cdef object stored = limits.stored
+    cdef object removed = limits.removed
+    cdef Py_ssize_t max_event_blocks = limits.max_event_blocks
+    cdef Py_ssize_t max_worker_blocks = limits.max_worker_blocks
+    cdef Py_ssize_t max_work = limits.max_work
+    cdef dict handles = w.handles
+    cdef dict groups = w.groups
+    cdef list held = w.held
+    cdef Py_ssize_t k, blocks, work, size, ntokens, done_blocks = 0, done_work = 0
+    cdef object event, hashes, tokens, extra, parent, parent_key, packed, flag, medium
+    cdef object root = None
+    cdef Py_ssize_t root_size = 0
+    cdef object bound_size = None
+    cdef dict counts = w.counts
+    cdef dict node_counts = w.node_counts
+    cdef dict nodes = index._nodes
+    cdef object keep = w.keep
+    cdef object bit = w.bit
+    cdef object block_hash, key, value, cls
+    cdef PyObject* found
+    cdef Py_ssize_t i
+    # Kept in C until the run ends (nothing a run calls reads them in between).
+    cdef Py_ssize_t held_delta = 0, unknown_total = 0
+    # The exact classes, to tell most events apart without isinstance.
+    cdef tuple store_classes = stored if type(stored) is tuple else (stored,)
+    cdef tuple removal_classes = removed if type(removed) is tuple else (removed,)
+    cdef bint is_store, is_removal
+    for k in range(start, PyList_GET_SIZE(events)):
+        if k - start >= events_left:
+            run.full = True
+            break
+        event = <object>PyList_GET_ITEM(events, k)
+        cls = type(event)
+        is_removal = cls in removal_classes
+        is_store = not is_removal and (cls in store_classes or isinstance(event, stored))
+        if not is_store and not is_removal:
+            is_removal = isinstance(event, removed)
+        if is_store:
+            medium = event.medium
+            if medium is not None and medium != "GPU":
+                break
+            if event.group_idx is not None and event.group_idx != 0:
+                break
+            if (event.kv_cache_spec_kind not in PLAIN_KINDS or event.lora_name is not None
+                    or event.lora_id is not None):
+                break
+            hashes = event.block_hashes
+            tokens = event.token_ids
+            if type(hashes) is not list:
+                break
+            if type(tokens) is list:
+                packed = _packed_tokens(tokens)
+            elif type(tokens) is Raw:
+                packed = _raw_tokens(tokens)
+            else:
+                break
+            if packed is None:
+                break
+            blocks = PyList_GET_SIZE(hashes)
+            extra = event.extra_keys
+            if extra is not None and (type(extra) is not list or len(extra) != blocks
+                                      or extra.count(None) != blocks):
+                break
+            bound_size = event.block_size
+            if blocks <= 0 or blocks > max_event_blocks or type(bound_size) is not int:
+                break
+            if bound_size <= 0 or bound_size > MAX_PLAIN_BLOCK_SIZE:
+                break
+            size = bound_size
+            ntokens = PyBytes_GET_SIZE(packed) // 4
+            if ntokens != blocks * size:
+                break
+            work = max(blocks, ntokens // TOKENS_PER_WORK)
+            if work > max_work or not _plain_hashes(hashes):
+                break
+            if len(handles) + blocks > max_worker_blocks:
+                break
+            parent = event.parent_block_hash
+            if parent is None:
+                if root is None or root_size != size:
+                    root = root_key(size, None)
+                    root_size = size
+                parent_key = root
+                flag = first_flag
+            else:
+                if type(parent) is not int or parent < 0:
+                    break
+                parent_key = handles.get(parent)
+                if parent_key is None:
+                    break
+                flag = 0
+            if work > work_left:
+                run.full = True
+                break
+            # Plain: from here on it changes the index, as apply_stored would.
+            try:
+                if groups.get(0) is not True:
+                    groups[0] = True
+                w.block_size = bound_size
+                held_delta += blocks - _store_gpu_chain(index, w, hashes, parent_key, packed,
+                                                        size * 4, bit, flag, fp_field)
+            except Exception as exc:  # only an internal limit (see index.runs)
+                run.next = k + 1
+                run.error = exc
+                break
+        elif is_removal:
+            medium = event.medium
+            if medium is not None and medium != "GPU":
+                break
+            if event.group_idx is not None and event.group_idx != 0:
+                break
+            hashes = event.block_hashes
+            if type(hashes) is not list or not _plain_hashes(hashes):
+                break
+            blocks = PyList_GET_SIZE(hashes)
+            if blocks > max_work or groups.get(0) is False or counts or node_counts:
+                break
+            work = blocks
+            if work > work_left:
+                run.full = True
+                break
+            # remove_gpu's loop; the worker has no unconfirmed blocks (checked above),
+            # so a hash it does not hold is simply unknown.
+            for i in range(blocks):
+                block_hash = <object>PyList_GET_ITEM(hashes, i)
+                found = PyDict_GetItem(handles, block_hash)
+                if found is NULL:
+                    unknown_total += 1
+                    continue
+                key = <object>found
+                PyDict_DelItem(handles, block_hash)
+                value = nodes[key] & keep
+                if value >= holders_min:
+                    PyDict_SetItem(nodes, key, value)
+                else:
+                    PyDict_DelItem(nodes, key)
+                held_delta -= 1
+        else:
+            break
+        run.next = k + 1
+        done_blocks += blocks
+        done_work += work
+        work_left -= work
+    if held_delta:
+        held[gpu] += held_delta
+    if unknown_total:
+        index._unknown_removals += unknown_total
+    run.blocks = done_blocks
+    run.work = done_work
+    return run

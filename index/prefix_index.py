@@ -69,6 +69,8 @@ from kvroute.index.mediums import (
 )
 from kvroute.index.placement import Placements, chain_keys
 from kvroute.index.results import IndexStats, Match
+from kvroute.index.runs import Run, RunLimits
+from kvroute.index.runs import apply_run as _apply_run_reference
 
 WorkerKey = Hashable
 BlockHash = int | bytes
@@ -335,6 +337,17 @@ class PrefixIndex:
             parent_key = key
             seed = bit
         w.held[GPU] += blocks - held_before
+
+    def apply_run(self, worker: WorkerKey, events: Sequence[Any], start: int, work_left: int,
+                  events_left: int, limits: RunLimits) -> Run:
+        """Apply the plain events of ``events`` from ``start`` on, in one call: exactly as
+        ``apply_stored``/``apply_removed`` once per event would (``index.runs``)."""
+        fast = self._fast
+        if fast is not None and type(events) is list:
+            return fast.apply_run(self, worker, events, start, work_left,  # type: ignore[no-any-return]
+                                  events_left, limits, FP_FIELD, FIRST, HOLDERS_MIN, GPU)
+        return _apply_run_reference(self, worker, events, start, work_left, events_left,
+                                    limits)
 
     def _add_second_handle(self, w: _Worker, key: bytes) -> None:
         """A new GPU handle of ``w`` for a block it already holds through another one."""

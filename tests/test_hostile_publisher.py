@@ -311,6 +311,7 @@ class LoopWatchingIndex(PrefixIndex):
         self.turns_with_work: set[int] = set()
         self.most_between_turns = 0
         self._since_turn = 0
+        self._in_run = False
 
     def _applying(self, blocks: int) -> None:
         if self.turns not in self.turns_with_work:
@@ -320,12 +321,26 @@ class LoopWatchingIndex(PrefixIndex):
         self.most_between_turns = max(self.most_between_turns, self._since_turn)
 
     def apply_stored(self, worker, block_hashes, *args, **kwargs) -> None:
-        self._applying(len(block_hashes))
+        if not self._in_run:
+            self._applying(len(block_hashes))
         super().apply_stored(worker, block_hashes, *args, **kwargs)
 
     def apply_removed(self, worker, block_hashes, **kwargs) -> None:
-        self._applying(len(block_hashes))
+        if not self._in_run:
+            self._applying(len(block_hashes))
         super().apply_removed(worker, block_hashes, **kwargs)
+
+    def apply_run(self, *args, **kwargs):
+        """A run of plain events (index.runs) is one call, whichever loops apply it (the
+        pure one calls the two methods above): its blocks count once, all in this turn."""
+        self._in_run = True
+        try:
+            done = super().apply_run(*args, **kwargs)
+        finally:
+            self._in_run = False
+        if done.blocks:
+            self._applying(done.blocks)
+        return done
 
     async def count_turns(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
