@@ -29,10 +29,11 @@ Invariants:
   (`app.upstream`), so one slow, dripping or huge instance cannot delay the readings of
   the others, nor routes. A failed scrape drops the instance's readings (as any failure
   does) and is kept, for the operator, until the next scrape that succeeds (`failure`).
-- An instance whose scrapes fail is asked again after a delay that doubles with each
-  failure, from one interval up to `FAILED_SCRAPE_BACKOFF` seconds, and at the interval
-  again once one succeeds: a fleet whose instances serve no /metrics (or are down) costs a
-  request each per half a minute, not each per interval.
+- An instance whose scrapes fail is asked again at the interval `PATIENT_FAILURES` times
+  (a busy engine can miss a deadline), then after a delay that doubles with each failure,
+  up to `FAILED_SCRAPE_BACKOFF` seconds, and at the interval again once one succeeds: a
+  fleet whose instances serve no /metrics (or are down) costs a request each per half a
+  minute, not each per interval.
 - A page is parsed on a worker thread: at the size cap a hostile page takes ~0.2 s of
   parsing, a stall of every route if it ran on the event loop. On the thread, no single
   C call (a `str.find` over the page, one regex over one line of bounded length) holds
@@ -77,6 +78,9 @@ _SAMPLES = {
 _PREFIXES = tuple(_SAMPLES)
 # The longest wait before scraping again an instance whose scrapes fail, in seconds.
 FAILED_SCRAPE_BACKOFF = 30.0
+# Failures in a row asked again at the interval before the delays double: an engine busy
+# enough to miss a scrape's deadline is not a dead one, and every reading of it counts.
+PATIENT_FAILURES = 3
 # Longer lines are skipped: vLLM's sample lines are a few hundred bytes (labels engine and
 # model_name), and one regex call over a line holds the GIL for all of it.
 _MAX_SAMPLE_LINE = 16 * 1024
@@ -198,8 +202,9 @@ class LoadMonitor:
         self._overload_kv_usage = overload_kv_usage
         self._busy: set[WorkerKey] = set()
         self._failures: dict[str, str] = {}  # instance id -> why its last scrape failed
-        # Instance id -> (when to scrape it again, the delay that gave), while it fails.
-        self._retry: dict[str, tuple[float, float]] = {}
+        # Instance id -> (when to scrape it again, the delay that gave, failures in a row),
+        # while it fails.
+        self._retry: dict[str, tuple[float, float, int]] = {}
         self._task: asyncio.Task[None] | None = None
 
     def get(self, worker_key: WorkerKey) -> Load | None:
@@ -324,9 +329,11 @@ class LoadMonitor:
             log.warning("instance %s: load not read (%s); routing without its metrics until "
                         "a scrape succeeds", instance.id, reason)
         self._failures[instance.id] = reason
-        _, delay = self._retry.get(instance.id, (0.0, 0.0))
-        delay = min(FAILED_SCRAPE_BACKOFF, max(self.interval, 2 * delay))
-        self._retry[instance.id] = (time.monotonic() + delay, delay)
+        _, delay, failures = self._retry.get(instance.id, (0.0, 0.0, 0))
+        failures += 1
+        delay = (self.interval if failures <= PATIENT_FAILURES
+                 else min(FAILED_SCRAPE_BACKOFF, max(self.interval, 2 * delay)))
+        self._retry[instance.id] = (time.monotonic() + delay, delay, failures)
         for worker in instance.workers:
             self._loads.pop(worker.key, None)
 

@@ -34,8 +34,9 @@ def test_failing_scrapes_back_off_and_a_success_reads_again():
                 try:
                     await wait_until(lambda: monitor.failure("quiet"), "a failed scrape")
                     await asyncio.sleep(1.5)
-                    # Every 0.05 s would be about 30 requests; doubling delays from 0.05 s
-                    # make it about 6 (fewer on a slow machine: this cannot fail for that).
+                    # Every 0.05 s would be about 30 requests; three at the interval, then
+                    # doubling delays from 0.05 s make it about 8 (fewer on a slow machine:
+                    # this cannot fail for that).
                     assert asked["/metrics"] < 12, asked
                     assert monitor.failure("quiet").startswith("GET /metrics answered HTTP 503")
                     routes["/metrics"] = (200, PAGE)
@@ -45,6 +46,36 @@ def test_failing_scrapes_back_off_and_a_success_reads_again():
                     assert monitor.failure("quiet") is None
                 finally:
                     await monitor.stop()
+                    await registry.close()
+
+        run_async(scenario, timeout=60)
+
+
+def test_a_few_failures_in_a_row_are_asked_again_at_the_interval_before_backing_off():
+    """An engine busy enough to miss a scrape's deadline is not a dead one: its next
+    readings are what route mode needs most. Three failures in a row are asked again at
+    the interval; only then do the delays double."""
+    routes = {"/metrics": (503, "busy")}
+    with EventPublisher() as pub, canned_http(routes) as url:
+        async def scenario() -> None:
+            async with httpx.AsyncClient() as client:
+                registry = Registry(PrefixIndex(), client, max_instances=4)
+                await registry.add(InstanceConfig(id="busy", url=url, events=(pub.endpoint,)),
+                                   wait_for_discovery=False)
+                monitor = LoadMonitor(registry, client, interval=0.02)
+                delays = []
+                try:
+                    for _ in range(6):
+                        asked_before = len(delays)
+                        for _ in range(500):  # until the instance is due again (bounded)
+                            await monitor.scrape_once()
+                            retry = monitor._retry.get("busy")
+                            if retry is not None and retry[2] > asked_before:
+                                delays.append(retry[1])
+                                break
+                            await asyncio.sleep(0.01)
+                    assert delays == [0.02, 0.02, 0.02, 0.04, 0.08, 0.16], delays
+                finally:
                     await registry.close()
 
         run_async(scenario, timeout=60)
