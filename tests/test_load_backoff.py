@@ -7,15 +7,10 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
-import httpx
-
-from kvroute.app.config import InstanceConfig
-from kvroute.app.load import LoadMonitor
-from kvroute.app.registry import Registry
-from kvroute.index import PrefixIndex
 from kvroute.sim.publisher import EventPublisher
 from tests.conftest import run_async, wait_until
 from tests.support.canned_http import canned_http
+from tests.support.load_monitor import watching
 
 PAGE = 'vllm:num_requests_running{engine="0"} 2\nvllm:num_requests_waiting{engine="0"} 1\n'
 
@@ -25,11 +20,7 @@ def test_failing_scrapes_back_off_and_a_success_reads_again():
     asked: Counter[str] = Counter()
     with EventPublisher() as pub, canned_http(routes, asked) as url:
         async def scenario() -> None:
-            async with httpx.AsyncClient() as client:
-                registry = Registry(PrefixIndex(), client, max_instances=4)
-                await registry.add(InstanceConfig(id="quiet", url=url, events=(pub.endpoint,)),
-                                   wait_for_discovery=False)
-                monitor = LoadMonitor(registry, client, interval=0.05)
+            async with watching("quiet", url, pub.endpoint, interval=0.05) as (monitor, _):
                 monitor.start()
                 try:
                     await wait_until(lambda: monitor.failure("quiet"), "a failed scrape")
@@ -46,7 +37,6 @@ def test_failing_scrapes_back_off_and_a_success_reads_again():
                     assert monitor.failure("quiet") is None
                 finally:
                     await monitor.stop()
-                    await registry.close()
 
         run_async(scenario, timeout=60)
 
@@ -58,24 +48,17 @@ def test_a_few_failures_in_a_row_are_asked_again_at_the_interval_before_backing_
     routes = {"/metrics": (503, "busy")}
     with EventPublisher() as pub, canned_http(routes) as url:
         async def scenario() -> None:
-            async with httpx.AsyncClient() as client:
-                registry = Registry(PrefixIndex(), client, max_instances=4)
-                await registry.add(InstanceConfig(id="busy", url=url, events=(pub.endpoint,)),
-                                   wait_for_discovery=False)
-                monitor = LoadMonitor(registry, client, interval=0.02)
+            async with watching("busy", url, pub.endpoint, interval=0.02) as (monitor, _):
                 delays = []
-                try:
-                    for _ in range(6):
-                        asked_before = len(delays)
-                        for _ in range(500):  # until the instance is due again (bounded)
-                            await monitor.scrape_once()
-                            retry = monitor._retry.get("busy")
-                            if retry is not None and retry[2] > asked_before:
-                                delays.append(retry[1])
-                                break
-                            await asyncio.sleep(0.01)
-                    assert delays == [0.02, 0.02, 0.02, 0.04, 0.08, 0.16], delays
-                finally:
-                    await registry.close()
+                for _ in range(6):
+                    asked_before = len(delays)
+                    for _ in range(500):  # until the instance is due again (bounded)
+                        await monitor.scrape_once()
+                        retry = monitor._retry.get("busy")
+                        if retry is not None and retry[2] > asked_before:
+                            delays.append(retry[1])
+                            break
+                        await asyncio.sleep(0.01)
+                assert delays == [0.02, 0.02, 0.02, 0.04, 0.08, 0.16], delays
 
         run_async(scenario, timeout=60)

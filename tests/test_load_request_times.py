@@ -4,16 +4,12 @@ pages; the monitor scrapes it as it scrapes vLLM."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
-from kvroute.app.config import InstanceConfig
-from kvroute.app.load import LoadMonitor
-from kvroute.app.registry import Registry
-from kvroute.index import PrefixIndex
 from kvroute.sim.publisher import EventPublisher
 from tests.conftest import run_async
 from tests.support.canned_http import canned_http
+from tests.support.load_monitor import watching
 
 
 def approx(value: float | None) -> object:
@@ -45,21 +41,14 @@ def test_a_reading_keeps_the_mean_times_of_the_requests_that_ended_since_the_las
     routes = {"/metrics": (200, STEPS[0][0])}
     with EventPublisher() as pub, canned_http(routes) as url:
         async def scenario() -> None:
-            async with httpx.AsyncClient() as client:
-                registry = Registry(PrefixIndex(), client, max_instances=4)
-                await registry.add(InstanceConfig(id="e", url=url, events=(pub.endpoint,)),
-                                   wait_for_discovery=False)
-                monitor = LoadMonitor(registry, client, interval=60.0)
-                try:
-                    for text, ttft, request in STEPS:
-                        routes["/metrics"] = (200, text)
-                        await monitor.scrape_once()
-                        reading = monitor.get(("e", 0))
-                        assert reading is not None and reading.running == 1.0
-                        assert (reading.ttft_seconds, reading.request_seconds) == (
-                            approx(ttft), approx(request)), text
-                finally:
-                    await registry.close()
+            async with watching("e", url, pub.endpoint, interval=60.0) as (monitor, _):
+                for text, ttft, request in STEPS:
+                    routes["/metrics"] = (200, text)
+                    await monitor.scrape_once()
+                    reading = monitor.get(("e", 0))
+                    assert reading is not None and reading.running == 1.0
+                    assert (reading.ttft_seconds, reading.request_seconds) == (
+                        approx(ttft), approx(request)), text
 
         run_async(scenario, timeout=60)
 
@@ -71,27 +60,20 @@ def test_a_failed_scrape_leaves_the_last_reading_for_what_it_says_of_the_past():
     routes = {"/metrics": (200, page(2.0, 5.0, 10))}
     with EventPublisher() as pub, canned_http(routes) as url:
         async def scenario() -> None:
-            async with httpx.AsyncClient() as client:
-                registry = Registry(PrefixIndex(), client, max_instances=4)
-                await registry.add(InstanceConfig(id="e", url=url, events=(pub.endpoint,)),
-                                   wait_for_discovery=False)
-                monitor = LoadMonitor(registry, client, interval=60.0)
-                try:
-                    assert monitor.typical() == (None, None)
-                    await monitor.scrape_once()
-                    first = monitor.get(("e", 0))
-                    assert first is not None and monitor.last(("e", 0)) == first
-                    assert monitor.typical() == (pytest.approx(0.2), pytest.approx(0.5))
-                    routes["/metrics"] = (503, "busy")
-                    await monitor.scrape_once()
-                    assert monitor.failure("e") and monitor.get(("e", 0)) is None
-                    assert monitor.last(("e", 0)) == first
-                    assert first.request_seconds == pytest.approx(0.5)
-                    await registry.remove("e")
-                    await monitor.scrape_once()
-                    assert monitor.last(("e", 0)) is None  # gone with its worker
-                    assert monitor.typical() == (None, None)
-                finally:
-                    await registry.close()
+            async with watching("e", url, pub.endpoint, interval=60.0) as (monitor, registry):
+                assert monitor.typical() == (None, None)
+                await monitor.scrape_once()
+                first = monitor.get(("e", 0))
+                assert first is not None and monitor.last(("e", 0)) == first
+                assert monitor.typical() == (pytest.approx(0.2), pytest.approx(0.5))
+                routes["/metrics"] = (503, "busy")
+                await monitor.scrape_once()
+                assert monitor.failure("e") and monitor.get(("e", 0)) is None
+                assert monitor.last(("e", 0)) == first
+                assert first.request_seconds == pytest.approx(0.5)
+                await registry.remove("e")
+                await monitor.scrape_once()
+                assert monitor.last(("e", 0)) is None  # gone with its worker
+                assert monitor.typical() == (None, None)
 
         run_async(scenario, timeout=60)
