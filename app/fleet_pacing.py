@@ -38,7 +38,7 @@ __all__ = ["FleetPacing"]
 class FleetPacing:
     def __init__(self, replay_concurrency: int = 32, idle_checks_per_second: float = 50.0,
                  *, jitter: float = 0.5, rng: random.Random | None = None,
-                 turns_per_pass: int = 16, pass_budget: float = 0.001,
+                 turns_per_pass: int = 16, pass_budget: float = 0.001, rest: float = 3.0,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         if replay_concurrency < 1 or idle_checks_per_second <= 0:
             raise ValueError("replay_concurrency and idle_checks_per_second must be positive")
@@ -52,6 +52,7 @@ class FleetPacing:
         self._rng = rng or random.Random()
         self._turns_per_pass = turns_per_pass
         self._pass_budget = pass_budget
+        self._rest = rest
         self._clock = clock
         self._turns_taken = 0  # in this pass of the loop
         self._pass_began: float | None = None  # clock() at this pass's first turn
@@ -143,9 +144,18 @@ class FleetPacing:
         to go on (they run in the pass after this one, each as its task resumes, and take
         their turn then if the budget still allows; if not, they wait again, first)."""
         self._next_pass_scheduled = False
-        self._turns_taken = 0
-        self._pass_began = None
+        began, self._pass_began = self._pass_began, None
         self._requeued = 0
+        if began is not None and self._turn_waiters and self._rest > 0:
+            # A rest as long as the pass's turns took times `rest`, with no turn taken
+            # meanwhile (so a burst of such work never holds more than its share of the
+            # process's time: the machine stays free for the routes' answers).
+            self._turns_taken = self._turns_per_pass
+            self._next_pass_scheduled = True
+            asyncio.get_running_loop().call_later(
+                (self._clock() - began) * self._rest, self._next_pass)
+            return
+        self._turns_taken = 0
         woken = 0
         while self._turn_waiters and woken < self._turns_per_pass:
             waiter = self._turn_waiters.popleft()
