@@ -15,7 +15,10 @@ Invariants:
   first turn was taken (what runs after a turn until its task next waits counts too). So a
   pass holds at most `pass_budget` plus one piece of such work, whatever the pieces cost: a
   hundred instances added or removed at once start and stop in pieces of about a
-  millisecond, with routes answered between them, not in one stall.
+  millisecond, with routes answered between them, not in one stall. After a pass that took
+  turns, while others wait, no turn is taken for `rest` times as long as that pass's turns
+  took, so a burst of this work keeps to about 1 / (1 + rest) of the process's time.
+  (`app.paced_changes` makes API registrations and removals wait for a turn as well.)
 - The replay channels kept open between requests are bounded fleet-wide
   (`replay_channels`).
 Made on the event loop that runs the subscribers; not thread-safe.
