@@ -49,6 +49,7 @@ from kvroute.app.json_body import decode_json, integral_numbers
 from kvroute.app.loop_lag import LoopLagMonitor
 from kvroute.app.metrics import CONTENT_TYPE
 from kvroute.app.openapi import openapi_document
+from kvroute.app.paced_changes import PacedFleetChanges
 from kvroute.app.proxy import Proxy, add_proxy_routes
 from kvroute.app.registry import DuplicateInstance, ModelNotServed, UnknownInstance
 from kvroute.app.request_body import REGISTRATION_MAX_BYTES, read_body
@@ -159,6 +160,9 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None,
                   summary="KV-cache-aware routing index for vLLM fleets",
                   openapi_url="/openapi.json" if docs else None,
                   docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None)
+    # Registrations and removals run in the fleet's turns (app.paced_changes): innermost,
+    # so the guard's refusals and the route fast path never wait for one.
+    app.add_middleware(PacedFleetChanges)
     # POST /v1/route is answered below the guard, past FastAPI's layers (app.route_asgi);
     # the endpoint declared further down gives the same answers and the OpenAPI contract.
     app.add_middleware(RouteFastPath, settings=settings, guard=api_guard(settings),

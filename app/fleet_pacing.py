@@ -9,9 +9,16 @@ Invariants:
 - Idle checks (a replay from `last_seq + 1` after `idle_check` quiet seconds) start at most
   `idle_checks_per_second` times a second across the fleet, and each worker's interval is
   jittered, so checks of workers that went quiet together spread over time.
-- At most `turns_per_pass` subscribers open or close their sockets in one pass of the event
-  loop (`turn`): a hundred instances added or removed at once start and stop in a few
-  milliseconds' pieces, with routes answered between them, not in one stall.
+- Opening and closing sockets (a subscriber's live connection, a replay channel) is done in
+  turns (`turn`), handed out in order of asking: in one pass of the event loop at most
+  `turns_per_pass` of them, and none once `pass_budget` seconds have passed since the pass's
+  first turn was taken (what runs after a turn until its task next waits counts too). So a
+  pass holds at most `pass_budget` plus one piece of such work, whatever the pieces cost: a
+  hundred instances added or removed at once start and stop in pieces of about a
+  millisecond, with routes answered between them, not in one stall. After a pass that took
+  turns, while others wait, no turn is taken for `rest` times as long as that pass's turns
+  took, so a burst of this work keeps to about 1 / (1 + rest) of the process's time.
+  (`app.paced_changes` makes API registrations and removals wait for a turn as well.)
 - The replay channels kept open between requests are bounded fleet-wide
   (`replay_channels`).
 Made on the event loop that runs the subscribers; not thread-safe.
@@ -24,7 +31,7 @@ import contextlib
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from kvroute.app.replay_channels import KeptChannels
 
@@ -34,7 +41,8 @@ __all__ = ["FleetPacing"]
 class FleetPacing:
     def __init__(self, replay_concurrency: int = 32, idle_checks_per_second: float = 50.0,
                  *, jitter: float = 0.5, rng: random.Random | None = None,
-                 turns_per_pass: int = 16) -> None:
+                 turns_per_pass: int = 16, pass_budget: float = 0.001, rest: float = 3.0,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         if replay_concurrency < 1 or idle_checks_per_second <= 0:
             raise ValueError("replay_concurrency and idle_checks_per_second must be positive")
         self._replays = asyncio.Semaphore(replay_concurrency)
@@ -46,8 +54,14 @@ class FleetPacing:
         self._jitter = jitter
         self._rng = rng or random.Random()
         self._turns_per_pass = turns_per_pass
+        self._pass_budget = pass_budget
+        self._rest = rest
+        self._clock = clock
         self._turns_taken = 0  # in this pass of the loop
+        self._pass_began: float | None = None  # clock() at this pass's first turn
         self._turn_waiters: deque[asyncio.Future[None]] = deque()
+        self._woken = 0  # waiters told to go on and not yet resumed: they come first
+        self._requeued = 0  # woken waiters sent back this pass (to the front, in order)
         self._next_pass_scheduled = False
         # Replay channels kept open between requests (app.replay_channels); the registry
         # sets its capacity from the open files the fleet leaves.
@@ -80,22 +94,48 @@ class FleetPacing:
 
     async def turn(self) -> None:
         """Wait for a turn to do a piece of work that cannot be cut (a subscriber opening or
-        closing its sockets): turns are handed out in order of asking, `turns_per_pass` in
-        each pass of the event loop."""
-        if self._turns_taken < self._turns_per_pass and not self._turn_waiters:
-            self._turns_taken += 1
-            self._schedule_next_pass()
+        closing its sockets): turns are handed out in order of asking, at most
+        `turns_per_pass` in each pass of the event loop and none past its `pass_budget`."""
+        if not self._turn_waiters and not self._woken and self._may_take():
+            self._take()
             return
-        waiter = asyncio.get_running_loop().create_future()
-        self._turn_waiters.append(waiter)
+        loop = asyncio.get_running_loop()
+        place: int | None = None  # None: at the back; else where a sent-back waiter goes
+        while True:
+            waiter = loop.create_future()
+            if place is None:
+                self._turn_waiters.append(waiter)
+            else:
+                self._turn_waiters.insert(place, waiter)
+            self._schedule_next_pass()
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self._woken -= 1  # woken, then cancelled before it resumed
+                else:
+                    with contextlib.suppress(ValueError):
+                        self._turn_waiters.remove(waiter)
+                raise
+            self._woken -= 1
+            if self._may_take():
+                self._take()
+                return
+            # The pass's budget went to the turns before this one: first in the next pass.
+            place = self._requeued
+            self._requeued += 1
+
+    def _may_take(self) -> bool:
+        if self._turns_taken >= self._turns_per_pass:
+            return False
+        began = self._pass_began
+        return began is None or self._clock() - began < self._pass_budget
+
+    def _take(self) -> None:
+        self._turns_taken += 1
+        if self._pass_began is None:
+            self._pass_began = self._clock()
         self._schedule_next_pass()
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            if not waiter.done() or waiter.cancelled():
-                with contextlib.suppress(ValueError):
-                    self._turn_waiters.remove(waiter)
-            raise
 
     def _schedule_next_pass(self) -> None:
         if not self._next_pass_scheduled:
@@ -103,14 +143,28 @@ class FleetPacing:
             asyncio.get_running_loop().call_soon(self._next_pass)
 
     def _next_pass(self) -> None:
-        """A new pass of the loop: the next waiters get its turns (they run in the pass
-        after this one, each as its task resumes)."""
+        """A new pass of the loop: its budget is whole again, and the next waiters are told
+        to go on (they run in the pass after this one, each as its task resumes, and take
+        their turn then if the budget still allows; if not, they wait again, first)."""
         self._next_pass_scheduled = False
+        began, self._pass_began = self._pass_began, None
+        self._requeued = 0
+        if began is not None and self._turn_waiters and self._rest > 0:
+            # A rest as long as the pass's turns took times `rest`, with no turn taken
+            # meanwhile (so a burst of such work never holds more than its share of the
+            # process's time: the machine stays free for the routes' answers).
+            self._turns_taken = self._turns_per_pass
+            self._next_pass_scheduled = True
+            asyncio.get_running_loop().call_later(
+                (self._clock() - began) * self._rest, self._next_pass)
+            return
         self._turns_taken = 0
-        while self._turn_waiters and self._turns_taken < self._turns_per_pass:
+        woken = 0
+        while self._turn_waiters and woken < self._turns_per_pass:
             waiter = self._turn_waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
-                self._turns_taken += 1
-        if self._turn_waiters or self._turns_taken:
+                woken += 1
+        self._woken += woken
+        if self._turn_waiters or woken:
             self._schedule_next_pass()

@@ -82,8 +82,19 @@ class LiveConnection:
 
     async def close(self) -> None:
         """Close what ``open`` made (whatever part of it exists)."""
+        await self.stop_watching()
+        self.close_sockets()
+
+    async def stop_watching(self) -> None:
+        """End the task watching the connection (the first half of ``close``: the sockets
+        can then be closed at once, in a turn of the fleet's, by ``close_sockets``)."""
         watcher, self._watcher = self._watcher, None
         await cancel_and_wait(watcher)
+
+    def close_sockets(self) -> None:
+        """Close the sockets ``open`` made (whatever part of them exists); call
+        ``stop_watching`` first."""
+        assert self._watcher is None, "still watching"
         sub, monitor = self._sub, self._monitor
         self._sub = self._monitor = None
         self._sync = None  # a shadow: closing the socket is closing it

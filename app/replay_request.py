@@ -45,6 +45,10 @@ class ReplayChannel:
         self._poller: zmq.asyncio.Poller | None = None
         self.opened = 0  # sockets opened so far (each reuse saves one)
 
+    @property
+    def is_open(self) -> bool:
+        return self._sockets is not None
+
     def sockets(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket, zmq.asyncio.Poller]:
         if self._sockets is None:
             dealer = self._ctx.socket(zmq.DEALER)

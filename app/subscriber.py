@@ -202,9 +202,12 @@ class Subscriber(SubscriberReplays):
             await self._main_loop()
         finally:
             try:
-                await self._pacing.turn()  # and closing them, in bounded pieces too
+                await self._live.stop_watching()
+                # Closing the sockets in bounded pieces too: nothing is awaited between
+                # the turn and the closing, so the closing is inside the turn's budget.
+                await self._pacing.turn()
             finally:
-                await self._live.close()
+                self._live.close_sockets()
                 if self._replay_channel is not None:
                     self._replay_channel.close()
                 self._stopped.set()

@@ -215,10 +215,14 @@ class SubscriberReplays:
                 # A slot first (the fleet's bound on replays at once); the deadline covers
                 # the whole answer, so one that trickles in forever cannot keep the worker
                 # replaying: it is asked again, and after the last attempt given up.
-                async with self._pacing.replay_slot(), asyncio.timeout(deadline), \
-                        ReplayRequest(channel, start,
-                                      timeout=self.options.replay_timeout) as request:
-                    return await self._consume_replay(request)
+                async with self._pacing.replay_slot(), asyncio.timeout(deadline):
+                    if not channel.is_open:
+                        # Opening its sockets is a piece of the fleet's socket work: a
+                        # hundred workers rebuilding at once open them in bounded pieces.
+                        await self._pacing.turn()
+                    async with ReplayRequest(channel, start,
+                                             timeout=self.options.replay_timeout) as request:
+                        return await self._consume_replay(request)
             except TimeoutError:
                 how = (f"did not finish within {deadline:g} s"
                        if time.monotonic() - asked_at >= deadline else "timed out")

@@ -114,6 +114,7 @@ def test_no_module_imports_itself_through_others() -> None:
 # The HTTP edge: the app, its bearer tokens, which requests it admits, the proxy's routes,
 # body reading, the lean route path, the server, and the OpenAPI document of the app's routes.
 HTTP_LAYER = {"kvroute.app.api", "kvroute.app.auth", "kvroute.app.http_guard",
+              "kvroute.app.paced_changes",
               "kvroute.app.proxy", "kvroute.app.request_body", "kvroute.app.route_asgi",
               "kvroute.app.server", "kvroute.app.openapi"}
 

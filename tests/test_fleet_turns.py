@@ -1,0 +1,164 @@
+"""The fleet's turns for socket work and fleet changes: a time budget per pass of the loop,
+a rest after a pass that used turns, the subscribers' socket openings and closings inside
+turns, and API registrations and removals waiting for one. Counted per pass of the loop
+(never timed); the subscriber runs against a real publisher over loopback TCP."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvroute.app.fleet_pacing import FleetPacing
+from kvroute.app.paced_changes import PacedFleetChanges, changes_fleet
+from kvroute.app.subscriber import Subscriber
+from kvroute.sim.publisher import EventPublisher
+from tests.conftest import wait_until
+from tests.support.events import (
+    TEST_OPTIONS,
+    EventSource,
+    Ledger,
+    OpLog,
+    Running,
+    caught_up,
+    endpoint_of,
+    run,
+)
+
+
+class _PassCounter:
+    """Counts passes of the running loop (a callback that schedules itself)."""
+
+    def __init__(self) -> None:
+        self.passes = 0
+        self._running = True
+        asyncio.get_running_loop().call_soon(self._tick)
+
+    def _tick(self) -> None:
+        self.passes += 1
+        if self._running:
+            asyncio.get_running_loop().call_soon(self._tick)
+
+    def stop(self) -> None:
+        self._running = False
+
+
+def test_a_pass_takes_no_turn_once_its_budget_is_spent_and_keeps_the_order():
+    async def scenario(ctx):
+        now = [0.0]  # a clock that moves only by the work done in turns
+        pacing = FleetPacing(turns_per_pass=16, pass_budget=0.001, rest=0.0,
+                             clock=lambda: now[0])
+        counter = _PassCounter()
+        taken: list[tuple[int, int]] = []
+
+        async def worker(number: int) -> None:
+            await pacing.turn()
+            taken.append((number, counter.passes))
+            now[0] += 0.0004  # each piece of work costs 0.4 ms of the clock
+
+        await asyncio.wait_for(asyncio.gather(*(worker(n) for n in range(40))), 10)
+        counter.stop()
+        assert [number for number, _ in taken] == list(range(40))  # in order of asking
+        per_pass: dict[int, int] = {}
+        for _, seen in taken:
+            per_pass[seen] = per_pass.get(seen, 0) + 1
+        # Turns start at 0, 0.4 and 0.8 ms of a pass; the one at 1.2 ms waits: at most the
+        # budget plus one piece of work in a pass, where the count alone would allow 16.
+        assert max(per_pass.values()) == 3
+        assert len(per_pass) >= 40 // 3
+    run(scenario)
+
+
+def test_after_a_pass_with_turns_the_next_turns_wait_for_a_rest():
+    async def scenario(ctx):
+        now = [0.0]
+        pacing = FleetPacing(turns_per_pass=4, pass_budget=1.0, rest=1.0,
+                             clock=lambda: now[0])
+        counter = _PassCounter()
+        seen: list[int] = []
+
+        async def worker() -> None:
+            await pacing.turn()
+            seen.append(counter.passes)
+            now[0] += 0.002  # 2 ms of clock per piece: each rest is a few ms of real time
+
+        await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(24))), 10)
+        counter.stop()
+        passes = sorted(set(seen))
+        assert len(passes) >= 24 // 4
+        # Between two passes that took turns, at least one pass of the loop took none.
+        assert all(later - earlier >= 2 for earlier, later in zip(passes, passes[1:], strict=False))
+    run(scenario)
+
+
+class _CountingPacing(FleetPacing):
+    def __init__(self) -> None:
+        super().__init__()
+        self.turns = 0
+
+    async def turn(self) -> None:
+        await super().turn()
+        self.turns += 1
+
+
+def test_a_subscriber_opens_and_closes_its_sockets_in_turns_and_reuses_its_channel():
+    async def scenario(ctx):
+        with EventPublisher() as pub:
+            ledger, source = Ledger(pub), EventSource(9)
+            ledger.publish(source.batch())
+            pacing = _CountingPacing()
+            sub = Subscriber(endpoint_of(pub), OpLog(), ctx=ctx, options=TEST_OPTIONS,
+                             pacing=pacing)
+            async with Running(sub):
+                await wait_until(lambda: caught_up(sub, ledger, ("live",)), "the rebuild")
+                # One turn to open the live connection, one to open the replay channel.
+                assert pacing.turns == 2
+                assert sub._replay_channel is not None and sub._replay_channel.is_open
+            assert pacing.turns == 3  # and one to close them
+            assert not sub._replay_channel.is_open
+    run(scenario)
+
+
+def test_only_registrations_and_removals_wait_for_a_turn():
+    assert changes_fleet("POST", "/v1/instances")
+    assert changes_fleet("DELETE", "/v1/instances/a")
+    assert not changes_fleet("GET", "/v1/instances")
+    assert not changes_fleet("GET", "/v1/instances/a")
+    assert not changes_fleet("POST", "/v1/route")
+
+    async def scenario(ctx):
+        pacing = FleetPacing(turns_per_pass=2, rest=0.0)
+        counter = _PassCounter()
+        ran: list[tuple[str, int]] = []
+
+        async def inner(scope, receive, send) -> None:
+            ran.append((scope["method"], counter.passes))
+
+        class _State:
+            service = type("S", (), {"registry": type("R", (), {"pacing": pacing})()})()
+
+        app = type("App", (), {"state": _State()})()
+        middleware = PacedFleetChanges(inner)
+
+        def scope(method: str, path: str) -> dict:
+            return {"type": "http", "method": method, "path": path, "app": app}
+
+        async def nothing():
+            return {}
+
+        async def send(message) -> None:
+            pass
+
+        calls = [middleware(scope("POST", "/v1/instances"), nothing, send) for _ in range(8)]
+        calls += [middleware(scope("DELETE", f"/v1/instances/i{n}"), nothing, send)
+                  for n in range(4)]
+        calls += [middleware(scope("GET", "/v1/instances"), nothing, send) for _ in range(4)]
+        await asyncio.wait_for(asyncio.gather(*calls), 10)
+        counter.stop()
+        changes: dict[int, int] = {}
+        for method, seen in ran:
+            if method != "GET":
+                changes[seen] = changes.get(seen, 0) + 1
+        assert len([m for m, _ in ran if m != "GET"]) == 12
+        assert max(changes.values()) <= 2  # two turns a pass
+        first_change = min(changes)
+        assert all(seen <= first_change for m, seen in ran if m == "GET")  # never held
+    run(scenario)
