@@ -162,7 +162,7 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None,
                   docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None)
     # Registrations and removals run in the fleet's turns (app.paced_changes): innermost,
     # so the guard's refusals and the route fast path never wait for one.
-    app.add_middleware(PacedFleetChanges)
+    app.add_middleware(PacedFleetChanges, guard=admin_guard(settings))
     # POST /v1/route is answered below the guard, past FastAPI's layers (app.route_asgi);
     # the endpoint declared further down gives the same answers and the OpenAPI contract.
     app.add_middleware(RouteFastPath, settings=settings, guard=api_guard(settings),

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+from kvroute.app.auth import admin_guard
+from kvroute.app.config import Settings
 from kvroute.app.fleet_pacing import FleetPacing
 from kvroute.app.paced_changes import PacedFleetChanges, changes_fleet
 from kvroute.app.subscriber import Subscriber
@@ -22,6 +24,10 @@ from tests.support.events import (
     endpoint_of,
     run,
 )
+
+
+async def _anyone(request) -> None:
+    """The guard of a kvroute without tokens: everyone may."""
 
 
 class _PassCounter:
@@ -136,7 +142,7 @@ def test_only_registrations_and_removals_wait_for_a_turn():
             service = type("S", (), {"registry": type("R", (), {"pacing": pacing})()})()
 
         app = type("App", (), {"state": _State()})()
-        middleware = PacedFleetChanges(inner)
+        middleware = PacedFleetChanges(inner, guard=_anyone)
 
         def scope(method: str, path: str) -> dict:
             return {"type": "http", "method": method, "path": path, "app": app}
@@ -161,4 +167,50 @@ def test_only_registrations_and_removals_wait_for_a_turn():
         assert max(changes.values()) <= 2  # two turns a pass
         first_change = min(changes)
         assert all(seen <= first_change for m, seen in ran if m == "GET")  # never held
+    run(scenario)
+
+
+def test_a_change_without_the_admin_token_takes_no_turn():
+    """A registration the app will refuse (no admin token) goes straight to its 401: it
+    cannot take turns from the operators' changes, however many are sent."""
+    async def scenario(ctx):
+        class _Pacing:
+            turns = 0
+
+            async def turn(self) -> None:
+                self.turns += 1
+
+        pacing = _Pacing()
+
+        class _State:
+            service = type("S", (), {"registry": type("R", (), {"pacing": pacing})()})()
+
+        app = type("App", (), {"state": _State()})()
+        reached: list[str] = []
+
+        async def inner(scope, receive, send) -> None:
+            reached.append(scope["method"])
+
+        guard = admin_guard(Settings(api_token="reader", admin_token="admin"))
+        middleware = PacedFleetChanges(inner, guard=guard)
+
+        def scope(method: str, token: str | None) -> dict:
+            headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+            path = "/v1/instances" if method == "POST" else "/v1/instances/i0"
+            return {"type": "http", "method": method, "path": path, "app": app,
+                    "headers": headers}
+
+        async def nothing():
+            return {}
+
+        async def send(message) -> None:
+            pass
+
+        for method in ("POST", "DELETE"):
+            for token in (None, "reader", "wrong"):
+                await middleware(scope(method, token), nothing, send)
+        assert pacing.turns == 0 and len(reached) == 6  # every one reached the app's refusal
+        await middleware(scope("POST", "admin"), nothing, send)
+        await middleware(scope("DELETE", "admin"), nothing, send)
+        assert pacing.turns == 2 and len(reached) == 8
     run(scenario)
