@@ -146,6 +146,9 @@ class StallingIndex(PrefixIndex):
     everything queued so far and ZMQ had a moment to take it in: a busy subscriber."""
 
     STALL = 777_777
+    # Every store through apply_stored, where the stall is: runs of plain events would
+    # apply the STALL store without it, and the batches behind would not queue.
+    apply_run = None
 
     def __init__(self, pub: EventPublisher) -> None:
         super().__init__()
