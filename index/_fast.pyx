@@ -106,23 +106,30 @@ def remove_gpu(index, w, list block_hashes, object holders_min):
     cdef object keep = w.keep
     cdef Py_ssize_t removed = 0
     cdef Py_ssize_t unknown = 0
-    cdef object block_hash, key, value
-    cdef PyObject* found
+    cdef object block_hash
     for block_hash in block_hashes:
-        found = PyDict_GetItem(handles, block_hash)
-        if found is NULL:
-            if not index._end_unconfirmed(w, (block_hash,)):
-                unknown += 1
-            continue
-        key = <object>found
-        PyDict_DelItem(handles, block_hash)
-        value = nodes[key] & keep
-        if value >= holders_min:
-            PyDict_SetItem(nodes, key, value)
-        else:
-            PyDict_DelItem(nodes, key)
-        removed += 1
+        if _take_off(nodes, handles, keep, holders_min, block_hash):
+            removed += 1
+        elif not index._end_unconfirmed(w, (block_hash,)):
+            unknown += 1
     return removed, unknown
+
+
+cdef inline bint _take_off(dict nodes, dict handles, object keep, object holders_min,
+                           object block_hash) except -1:
+    """Forget the worker's handle for ``block_hash`` and take its bit (``keep`` masks it off)
+    off the node, deleting a node left without holders; False when it holds no such hash."""
+    cdef PyObject* found = PyDict_GetItem(handles, block_hash)
+    if found is NULL:
+        return False
+    cdef object key = <object>found
+    PyDict_DelItem(handles, block_hash)
+    cdef object value = nodes[key] & keep
+    if value >= holders_min:
+        PyDict_SetItem(nodes, key, value)
+    else:
+        PyDict_DelItem(nodes, key)
+    return True
 
 
 def walk_tokens(dict nodes, bytes parent_key, bytes tokens, Py_ssize_t step, object alive,
@@ -350,8 +357,7 @@ def apply_run(index, worker, list events, Py_ssize_t start, Py_ssize_t work_left
     cdef dict nodes = index._nodes
     cdef object keep = w.keep
     cdef object bit = w.bit
-    cdef object block_hash, key, value, cls
-    cdef PyObject* found
+    cdef object cls
     cdef Py_ssize_t i
     # Kept in C until the run ends (nothing a run calls reads them in between).
     cdef Py_ssize_t held_delta = 0, unknown_total = 0
@@ -456,19 +462,11 @@ def apply_run(index, worker, list events, Py_ssize_t start, Py_ssize_t work_left
             # remove_gpu's loop; the worker has no unconfirmed blocks (checked above),
             # so a hash it does not hold is simply unknown.
             for i in range(blocks):
-                block_hash = <object>PyList_GET_ITEM(hashes, i)
-                found = PyDict_GetItem(handles, block_hash)
-                if found is NULL:
-                    unknown_total += 1
-                    continue
-                key = <object>found
-                PyDict_DelItem(handles, block_hash)
-                value = nodes[key] & keep
-                if value >= holders_min:
-                    PyDict_SetItem(nodes, key, value)
+                if _take_off(nodes, handles, keep, holders_min,
+                             <object>PyList_GET_ITEM(hashes, i)):
+                    held_delta -= 1
                 else:
-                    PyDict_DelItem(nodes, key)
-                held_delta -= 1
+                    unknown_total += 1
         else:
             break
         run.next = k + 1
