@@ -68,7 +68,9 @@ class CostTerms(msgspec.Struct, forbid_unknown_fields=True):
 
 class LoadReadings(msgspec.Struct, forbid_unknown_fields=True):
     """What the cost used: the instance's /metrics (null without a fresh scrape, and in
-    proxy mode for running and waiting) and kvroute's own counts."""
+    proxy mode for running and waiting) and kvroute's own counts; and what breaks a tie
+    between equal costs, `recent_demand`: the prompt tokens this kvroute sent there lately,
+    each halving every 10 s."""
 
     running: float | None
     waiting: float | None
@@ -76,6 +78,7 @@ class LoadReadings(msgspec.Struct, forbid_unknown_fields=True):
     inflight: int
     answered: int
     queued_prefill: int
+    recent_demand: int
 
 
 class WorkerScore(msgspec.Struct, forbid_unknown_fields=True):

@@ -60,12 +60,16 @@ cost 3-5 points of hit rate against a static partition.) The lowest cost wins. W
 idle fleet the lowest cost is simply the most matched tokens (block sizes differ between
 instances; blocks are not comparable).
 
-Equal costs are broken by rendezvous (highest-random-weight) hashing: each tied worker
-weighs xxh3(the prompt's first block, the worker's key), and the heaviest wins. So a cold
-prefix nobody holds lands on the same worker in every kvroute replica, with no message
-exchanged (a burst of it through several replicas builds one copy, not one per replica),
-while different prefixes spread evenly over the fleet. The first block is the prompt's
-first `block size` tokens at the smallest block size among the eligible workers (a
+Equal costs go first to the workers that were sent the fewest prompt tokens lately
+(`app.demand`; a worker more than a quarter and more than one prompt above the least
+drops out), then by rendezvous (highest-random-weight) hashing: each remaining worker
+weighs xxh3(the prompt's first block, the worker's key), and the heaviest wins. The hash
+alone spreads different prefixes evenly only in expectation: over a few long-lived
+prefixes (chat sessions) it split two real engines' demand 115k to 54k prompt tokens, and
+the fuller one evicted its sessions. Among workers of alike demand, a cold prefix nobody
+holds lands on the same worker in every kvroute replica, with no message exchanged (a burst
+of it through several replicas builds one copy, not one per replica). The first block is
+the prompt's first `block size` tokens at the smallest block size among the eligible workers (a
 worker's block size: its match's, else its instance's as configured or discovered, the
 same on every replica, else the one its events use), or the first block hash of a
 block-hash query: requests that could share a cached block share the key; a worker
@@ -86,12 +90,16 @@ from kvroute.app.answers import CostTerms, LoadReadings, MediumCounts, WorkerSco
 from kvroute.app.subscription import WorkerKey
 from kvroute.index import Match
 
-__all__ = ["CostWeights", "Score", "TieBreaker", "WorkerGroup", "WorkerView", "best_of", "choose",
-           "copy_cost", "idle_cost", "prefill_cost", "ranked", "score_workers"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "CostWeights", "Score", "TieBreaker", "WorkerGroup",
+           "WorkerView", "best_of", "choose", "copy_cost", "idle_cost", "prefill_cost",
+           "ranked", "score_workers"]
 
 MEDIA = ("GPU", "CPU", "STORAGE")
 # The first block's length when no scored worker's block size is known: vLLM's default.
 DEFAULT_BLOCK_SIZE = 16
+# A tied worker that lately received more than this many times the prompt tokens of the
+# least demanded one (and more than one prompt's worth above it) is left out of the tie.
+DEMAND_SLACK = 1.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +132,7 @@ class WorkerView:
     answered: int = 0  # route answers naming it that its /metrics do not show yet
     queued_prefill: int = 0  # uncached prompt tokens of both, not yet computed
     waiting_prefill: float | None = None  # the price of one `waiting` request; None: unknown
+    recent_demand: float = 0.0  # prompt tokens routed there lately (app.demand): breaks ties
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,7 +249,8 @@ def score_workers(
             queued_prefill=queued, running=running, overloaded=overloaded,
             load=LoadReadings(running=view.running, waiting=view.waiting,
                               kv_usage=view.kv_usage, inflight=view.inflight,
-                              answered=view.answered, queued_prefill=view.queued_prefill),
+                              answered=view.answered, queued_prefill=view.queued_prefill,
+                              recent_demand=round(view.recent_demand)),
             pending_blocks=pending,
             saturated=overloaded or (view.kv_usage or 0.0) >= weights.overload_kv_usage,
         ))
@@ -248,20 +258,30 @@ def score_workers(
 
 
 class TieBreaker:
-    """Rendezvous hashing among equally cheap workers, keyed on one prompt's first block.
+    """Among equally cheap workers: first the least demanded lately, then rendezvous
+    hashing keyed on one prompt's first block.
 
-    Invariants: the pick depends only on the prompt's first block and the tied workers'
-    keys, never on the process, the order of `tied` or earlier picks (xxh3 is seedless and
-    the same on every platform; token ids are hashed as little-endian uint32), so every
-    replica breaks the same tie the same way. Made per request; keeps no state.
+    A tied worker whose recent demand (`app.demand`, as `demand` reads it) is more than
+    `DEMAND_SLACK` times the least one's, and more than one prompt's length (`slack`, in
+    tokens) above it, is left out; the heaviest of the rest by rendezvous weight wins.
+
+    Invariants: among workers whose demand is alike the pick depends only on the prompt's
+    first block and their keys, never on the process, the order of `tied` or earlier picks
+    (xxh3 is seedless and the same on every platform; token ids are hashed as little-endian
+    uint32), so every replica breaks the same tie the same way. Made per request; keeps no
+    state.
     """
 
-    __slots__ = ("_tokens", "_first_hash")
+    __slots__ = ("_tokens", "_first_hash", "_demand", "_slack")
 
     def __init__(self, tokens: Sequence[int] | None = None,
-                 first_hash: int | bytes | None = None) -> None:
+                 first_hash: int | bytes | None = None, *,
+                 demand: Callable[[WorkerKey], float] | None = None,
+                 slack: float = 0.0) -> None:
         self._tokens = tokens
         self._first_hash = first_hash
+        self._demand = demand
+        self._slack = slack
 
     def key(self, block_size: int) -> bytes:
         """The digest of the prompt's first block (or all of it, when shorter)."""
@@ -276,17 +296,24 @@ class TieBreaker:
         return xxh3_128_digest(b"tokens:" + first.tobytes())
 
     def pick(self, tied: list[Score], block_size: int = DEFAULT_BLOCK_SIZE) -> Score:
-        key = self.key(block_size)
-        # Ordered by weight; a (practically impossible) equal weight falls back to the key.
-        return max(tied, key=lambda s: (
-            xxh3_64_intdigest(f"{s.instance}\0{s.dp_rank}\0".encode() + key),
-            s.instance, s.dp_rank))
+        chosen = self.pick_key([(s.instance, s.dp_rank) for s in tied], block_size)
+        return next(s for s in tied if (s.instance, s.dp_rank) == chosen)
 
     def pick_key(self, tied: Iterable[WorkerKey], block_size: int) -> WorkerKey:
         """`pick` for workers known by their keys alone (the same weights, so the same pick)."""
         key = self.key(block_size)
-        return max(tied, key=lambda w: (
+        # Ordered by weight; a (practically impossible) equal weight falls back to the key.
+        return max(self._least_demanded(tied), key=lambda w: (
             xxh3_64_intdigest(f"{w[0]}\0{w[1]}\0".encode() + key), w[0], w[1]))
+
+    def _least_demanded(self, tied: Iterable[WorkerKey]) -> list[WorkerKey]:
+        keys = list(tied)
+        if self._demand is None or len(keys) < 2:
+            return keys
+        demands = [self._demand(key) for key in keys]
+        least = min(demands)
+        ceiling = max(least * DEMAND_SLACK, least + self._slack)
+        return [key for key, demand in zip(keys, demands, strict=True) if demand <= ceiling]
 
 
 def best_of(scores: list[Score], ties: TieBreaker) -> Score:

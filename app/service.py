@@ -32,6 +32,7 @@ from kvroute.app.answers import (
 )
 from kvroute.app.config import Settings
 from kvroute.app.dashboard import RouteActivity
+from kvroute.app.demand import RecentDemand
 from kvroute.app.eligible import Eligible, EligibleCache, eligible_among
 from kvroute.app.errors import (
     Busy,
@@ -58,6 +59,7 @@ from kvroute.app.route_request import (
     route_request_type,
 )
 from kvroute.app.routing import (
+    DEFAULT_BLOCK_SIZE,
     CostWeights,
     Score,
     TieBreaker,
@@ -159,6 +161,7 @@ class Service:
         self.inflight = InFlight()
         # Route answers, until the instance's own metrics show them (no metrics: not kept).
         self.answers = RecentAnswers(max_age=3 * settings.load_interval)
+        self.demand = RecentDemand()
         # Decisions per worker and their latency, for the dashboard (app.dashboard).
         self.activity = RouteActivity()
         self.started_at = time.monotonic()
@@ -303,7 +306,8 @@ class Service:
                                  given[1] if len(given) > 1 else "token_ids")
         if request.messages is not None:
             check_messages(request.messages, self.settings.max_prompt_chars)
-        self.answers.settle(time.monotonic(), self.load.last, self.load.typical())
+        now = time.monotonic()
+        self.answers.settle(now, self.load.last, self.load.typical())
         eligible = self._eligible(request)
         exclude = frozenset(key for key in exclude if key in eligible)
         count = len(eligible) - len(exclude)
@@ -324,7 +328,10 @@ class Service:
             scored = [w for w in eligible.workers.values() if w.key not in exclude]
             matches = self.index.match_hashes(hashes, workers=[w.key for w in scored])
             held = _longest(matches, eligible.workers, exclude)
-            ties = TieBreaker(first_hash=hashes[0] if hashes else None)
+            # Each worker's block size its own: a tie weighs demand in the default's blocks.
+            ties = TieBreaker(first_hash=hashes[0] if hashes else None,
+                              demand=lambda key: self.demand.of(key, now),
+                              slack=len(hashes) * DEFAULT_BLOCK_SIZE)
             block_size = None  # best_of finds it among the scores
         else:
             tokens = await self._tokens(request, eligible.urls(exclude))
@@ -349,7 +356,8 @@ class Service:
             prompt_bytes = token_bytes(tokens)
             matches = self.index.match(prompt_bytes[:-TOKEN_BYTES], lora_name=lora_name,
                                        now=time.monotonic(), matched_only=True)
-            ties = TieBreaker(tokens=tokens)
+            ties = TieBreaker(tokens=tokens, demand=lambda key: self.demand.of(key, now),
+                              slack=len(tokens))
             held = _longest(matches, eligible.workers, exclude)
             scored, groups, block_size = self._group(eligible, exclude, matches, len(tokens),
                                                      held)
@@ -367,6 +375,10 @@ class Service:
                        f"queue at {self.weights.overload_waiting} or KV-cache usage at "
                        f"{self.weights.overload_kv_usage}); retry later")
         worker = eligible.workers[(best.instance, best.dp_rank)]
+        if not request.probe:
+            self.demand.add(worker.key, ties.key(block_size or DEFAULT_BLOCK_SIZE),
+                            prompt_tokens if prompt_tokens is not None
+                            else prompt_blocks * (best.block_size or DEFAULT_BLOCK_SIZE), now)
         guess_expires = None
         if tokens and self.settings.placement_ttl > 0 and not request.probe:
             # Until its events arrive, the chosen worker counts as holding this prompt, so
@@ -487,7 +499,8 @@ class Service:
             answered=answered.requests + peers.answered,
             queued_prefill=(forwarded.queued_prefill_tokens + answered.queued_prefill_tokens
                             + peers.queued_prefill),
-            waiting_prefill=self.answers.typical_prefill(worker.key) if queue else None)
+            waiting_prefill=self.answers.typical_prefill(worker.key) if queue else None,
+            recent_demand=self.demand.of(worker.key, time.monotonic()))
 
     async def route(self, body: bytes) -> tuple[str, RouteAnswer]:
         """(input kind, answer) for a POST /v1/route body; raises a RequestError."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 
 import httpx
@@ -9,6 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.app.config import InstanceConfig, Settings
+from kvroute.app.routing import CostWeights, TieBreaker, WorkerView, best_of, score_workers
 from kvroute.app.server import BackgroundServer
 from kvroute.app.subscription import COUNTERS
 from kvroute.sim.cluster import SimCluster
@@ -408,6 +410,39 @@ def test_data_parallel_ranks_are_separate_workers():
                 assert ranks == {1: 2 * BLOCK, 0: 0}
         finally:
             server.stop()
+
+
+def test_new_sessions_go_where_less_was_sent_lately(cluster: SimCluster):
+    """Six chat sessions whose openings the rendezvous hash alone would all send to the
+    same worker (each a tie on an idle fleet): the recent demand each worker was sent breaks
+    the ties first, so both get sessions, each answer shows it, and a session's next turn
+    stays where its first one is cached."""
+    server = start_service(load_interval=0.0)
+    try:
+        with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as client:
+            ids = [register(client, url)["id"] for url in cluster.urls]
+            idle = score_workers([WorkerView(key=(i, 0), block_size=BLOCK, state="live")
+                                  for i in ids], {}, CostWeights(), prompt_tokens=100)
+            openings = [unique_tokens(900 + seed, 3 * BLOCK + 5) for seed in range(80)]
+            sessions = [p for p in openings
+                        if best_of(idle, TieBreaker(tokens=p)).instance == ids[0]][:6]
+            assert len(sessions) == 6
+            chosen = []
+            for opening in sessions:
+                answer = client.post("/v1/route", json={"token_ids": opening}).json()
+                demand = {s["instance"]: s["load"]["recent_demand"] for s in answer["scores"]}
+                assert demand[answer["instance"]] <= min(demand.values()) + len(opening)
+                chosen.append(answer["instance"])
+                cluster.complete(ids.index(answer["instance"]), opening)
+                route_until(client, 3 * BLOCK, "the opening to be cached", token_ids=opening)
+            counts = Counter(chosen)
+            assert set(counts) == set(ids) and abs(counts[ids[0]] - counts[ids[1]]) <= 2
+            for opening, holder in zip(sessions, chosen, strict=True):
+                turn = opening + unique_tokens(1000 + len(opening), 40)
+                answer = client.post("/v1/route", json={"token_ids": turn}).json()
+                assert answer["instance"] == holder and answer["matched_tokens"] == 3 * BLOCK
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize("ttl", [2.0, 0.0])

@@ -179,6 +179,35 @@ def test_ties_spread_cold_prefixes_evenly():
     assert min(hashes.values()) >= 150
 
 
+def test_a_tie_leaves_out_workers_sent_clearly_more_lately():
+    """Chat sessions that all hash to one worker: the hash alone would send it every one;
+    with the demand each was sent, a tie leaves out a worker more than a quarter and more
+    than one prompt above the least, and the rest break it by the hash as before."""
+    scores = score_workers([view("a"), view("b"), view("c")], {}, W, prompt_tokens=100)
+    prompts = [unique_tokens(seed, 20) for seed in range(200)]
+    favourite = {p[0]: best_of(scores, TieBreaker(tokens=p)).instance for p in prompts}
+    to_a = [p for p in prompts if favourite[p[0]] == "a"][:12]
+    assert len(to_a) == 12
+    sent = Counter({"a": 0, "b": 0, "c": 0})
+
+    def tie(prompt):
+        return TieBreaker(tokens=prompt, demand=lambda key: sent[key[0]], slack=len(prompt))
+
+    for prompt in to_a:
+        sent[best_of(scores, tie(prompt)).instance] += len(prompt)
+    # The hash alone: a 240, b and c none. Now no one is more than two prompts behind.
+    assert sum(sent.values()) == 240 and max(sent.values()) - min(sent.values()) <= 40
+    # Demand within a prompt of the least, or within a quarter of it: the hash decides.
+    for demand in ({"a": 20, "b": 0, "c": 0}, {"a": 1000, "b": 900, "c": 850}):
+        sent = Counter(demand)
+        assert all(best_of(scores, tie(p)).instance == "a" for p in to_a)
+    sent = Counter({"a": 1100, "b": 800, "c": 2000})
+    assert {best_of(scores, tie(p)).instance for p in to_a} == {"b"}
+    # Block-hash queries and workers known by key alone weigh it the same way.
+    hashed = TieBreaker(first_hash=1, demand=lambda key: sent[key[0]], slack=64)
+    assert hashed.pick_key([("a", 0), ("b", 0), ("c", 0)], 16) == ("b", 0)
+
+
 def test_the_first_block_is_at_the_smallest_block_size_of_the_scored_workers():
     """Prompts that share the first 16 tokens but not 32 share a block of a 16-token
     worker, so they tie-break alike; with only 32-token workers they may spread."""
