@@ -29,6 +29,8 @@ Invariants:
   (`app.upstream`), so one slow, dripping or huge instance cannot delay the readings of
   the others, nor routes. A failed scrape drops the instance's readings (as any failure
   does) and is kept, for the operator, until the next scrape that succeeds (`failure`).
+- An instance is read as it joins (registered, or its workers discovered), then with every
+  round.
 - An instance whose scrapes fail is asked again at the interval `PATIENT_FAILURES` times
   (a busy engine can miss a deadline), then after a delay that doubles with each failure,
   up to `FAILED_SCRAPE_BACKOFF` seconds, and at the interval again once one succeeds: a
@@ -206,6 +208,9 @@ class LoadMonitor:
         # while it fails.
         self._retry: dict[str, tuple[float, float, int]] = {}
         self._task: asyncio.Task[None] | None = None
+        # Instances that joined since the round began, read before the next (`_joined`).
+        self._arrivals: dict[str, Instance] = {}
+        self._arrived = asyncio.Event()
 
     def get(self, worker_key: WorkerKey) -> Load | None:
         load = self._loads.get(worker_key)
@@ -237,11 +242,20 @@ class LoadMonitor:
         return self._failures.get(instance_id)
 
     def start(self) -> None:
+        self._registry.instance_listeners.append(self._joined)
         self._task = asyncio.create_task(self._run(), name="load monitor")
 
     async def stop(self) -> None:
+        if self._joined in self._registry.instance_listeners:
+            self._registry.instance_listeners.remove(self._joined)
         await cancel_and_wait(self._task)
         self._task = None
+
+    def _joined(self, instance: Instance, joined: bool) -> None:
+        """An instance (or its workers) just joined: read at once, not at the next round."""
+        if joined and instance.workers:
+            self._arrivals[instance.id] = instance
+            self._arrived.set()
 
     async def scrape_once(self) -> None:
         now = time.monotonic()
@@ -265,8 +279,21 @@ class LoadMonitor:
     async def _run(self) -> None:
         while True:
             started = time.monotonic()
+            self._arrivals.clear()
             await self.scrape_once()
-            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+            # Until the next round, instances that join are read as they come: until its
+            # first reading, a route mode answer sent to one counts for `stale_after`
+            # intervals, and on two real engines at four clients, a run's first second of
+            # answers piled up there and moved chat sessions off the engines holding them.
+            while (left := self.interval - (time.monotonic() - started)) > 0:
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), left)
+                except TimeoutError:
+                    break
+                self._arrived.clear()
+                arrivals, self._arrivals = self._arrivals, {}
+                await asyncio.gather(*(self._scrape(instance) for instance in arrivals.values()
+                                       if instance.id in self._registry))
 
     async def _scrape(self, instance: Instance) -> None:
         sent = time.monotonic()  # the reading shows every request the instance had by then

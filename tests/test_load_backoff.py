@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+from kvroute.app.config import InstanceConfig
 from kvroute.sim.publisher import EventPublisher
 from tests.conftest import run_async, wait_until
 from tests.support.canned_http import canned_http
@@ -60,5 +61,32 @@ def test_a_few_failures_in_a_row_are_asked_again_at_the_interval_before_backing_
                             break
                         await asyncio.sleep(0.01)
                 assert delays == [0.02, 0.02, 0.02, 0.04, 0.08, 0.16], delays
+
+        run_async(scenario, timeout=60)
+
+
+def test_an_instance_that_joins_is_read_at_once_not_at_the_next_round():
+    """Until a worker's first reading, route answers sent to it count for `stale_after`
+    intervals: a new instance is read as it joins, here with rounds a minute apart."""
+    routes = {"/metrics": (200, PAGE)}
+    asked: Counter[str] = Counter()
+    with EventPublisher() as first, EventPublisher() as second, \
+            canned_http(routes, asked) as url:
+        async def scenario() -> None:
+            async with watching("first", url, first.endpoint, interval=60.0) as (monitor,
+                                                                                 registry):
+                monitor.start()
+                try:
+                    await wait_until(lambda: monitor.get(("first", 0)), "the first round")
+                    await registry.add(InstanceConfig(id="second", url=url,
+                                                      events=(second.endpoint,)),
+                                       wait_for_discovery=False)
+                    reading = await wait_until(lambda: monitor.get(("second", 0)),
+                                               "the instance that joined read", timeout=10.0)
+                    assert (reading.running, reading.waiting) == (2.0, 1.0)
+                    assert asked["/metrics"] == 2  # the round, then the one that joined
+                finally:
+                    await monitor.stop()
+                assert monitor._joined not in registry.instance_listeners
 
         run_async(scenario, timeout=60)
