@@ -29,8 +29,9 @@ Invariants:
   (`app.upstream`), so one slow, dripping or huge instance cannot delay the readings of
   the others, nor routes. A failed scrape drops the instance's readings (as any failure
   does) and is kept, for the operator, until the next scrape that succeeds (`failure`).
-- An instance is read as it joins (registered, or its workers discovered), then with every
-  round.
+- An instance is read as it joins (registered, or its workers discovered) for what its
+  reading says of the past (`last`: how long its requests take); its gauges count (`get`)
+  from the next round on.
 - An instance whose scrapes fail is asked again at the interval `PATIENT_FAILURES` times
   (a busy engine can miss a deadline), then after a delay that doubles with each failure,
   up to `FAILED_SCRAPE_BACKOFF` seconds, and at the interval again once one succeeds: a
@@ -281,10 +282,12 @@ class LoadMonitor:
             started = time.monotonic()
             self._arrivals.clear()
             await self.scrape_once()
-            # Until the next round, instances that join are read as they come: until its
-            # first reading, a route mode answer sent to one counts for `stale_after`
-            # intervals, and on two real engines at four clients, a run's first second of
-            # answers piled up there and moved chat sessions off the engines holding them.
+            # Until the next round, instances that join are read as they come, for how long
+            # their requests take: without it a route mode answer sent to one counts for
+            # `stale_after` intervals, and on two real engines at four clients a run's first
+            # second of answers piled up there and moved chat sessions off their holders.
+            # Their gauges count from the round: a first reading cannot tell an idle
+            # engine's leftover gauges from work (see above).
             while (left := self.interval - (time.monotonic() - started)) > 0:
                 try:
                     await asyncio.wait_for(self._arrived.wait(), left)
@@ -292,10 +295,13 @@ class LoadMonitor:
                     break
                 self._arrived.clear()
                 arrivals, self._arrivals = self._arrivals, {}
-                await asyncio.gather(*(self._scrape(instance) for instance in arrivals.values()
+                await asyncio.gather(*(self._scrape(instance, past_only=True)
+                                       for instance in arrivals.values()
                                        if instance.id in self._registry))
 
-    async def _scrape(self, instance: Instance) -> None:
+    async def _scrape(self, instance: Instance, *, past_only: bool = False) -> None:
+        """Read the instance's /metrics into its workers' readings; `past_only`: into their
+        last readings alone (`last`), not the current ones (`get`)."""
         sent = time.monotonic()  # the reading shows every request the instance had by then
         try:
             answer = await fetch(self._client, "GET", url_at(instance.url, "/metrics"),
@@ -342,7 +348,10 @@ class LoadMonitor:
                 # usage at the overload limit would keep the idle worker skipped until
                 # some other worker overloads too.
                 reading = replace(reading, running=0.0, waiting=0.0, kv_usage=0.0)
-            self._loads[worker.key] = self._last[worker.key] = reading
+            self._last[worker.key] = reading
+            if past_only:
+                continue
+            self._loads[worker.key] = reading
             if (reading.running or reading.waiting
                     or reading.kv_usage >= self._overload_kv_usage):
                 self._busy.add(worker.key)
