@@ -423,7 +423,7 @@ def test_new_sessions_go_where_less_was_sent_lately(cluster: SimCluster):
             ids = [register(client, url)["id"] for url in cluster.urls]
             idle = score_workers([WorkerView(key=(i, 0), block_size=BLOCK, state="live")
                                   for i in ids], {}, CostWeights(), prompt_tokens=100)
-            openings = [unique_tokens(900 + seed, 3 * BLOCK + 5) for seed in range(80)]
+            openings = [unique_tokens(7000 + seed, 3 * BLOCK + 5) for seed in range(80)]
             sessions = [p for p in openings
                         if best_of(idle, TieBreaker(tokens=p)).instance == ids[0]][:6]
             assert len(sessions) == 6
@@ -438,7 +438,7 @@ def test_new_sessions_go_where_less_was_sent_lately(cluster: SimCluster):
             counts = Counter(chosen)
             assert set(counts) == set(ids) and abs(counts[ids[0]] - counts[ids[1]]) <= 2
             for opening, holder in zip(sessions, chosen, strict=True):
-                turn = opening + unique_tokens(1000 + len(opening), 40)
+                turn = opening + unique_tokens(8000 + len(opening), 40)
                 answer = client.post("/v1/route", json={"token_ids": turn}).json()
                 assert answer["instance"] == holder and answer["matched_tokens"] == 3 * BLOCK
     finally:
