@@ -255,6 +255,9 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
     keep_alive_timeout: Seconds = 5.0
     # Requests served at once; more are refused with 429.
     max_concurrent_requests: Positive = 512
+    # Client connections open at once (HTTP API and proxy); one more is answered 503 and
+    # closed as it is accepted. Counted in the open files kvroute asks for at start.
+    max_connections: Positive = 1024
     # Registered instances (configured ones included); one more is refused with 409.
     max_instances: Positive = 4096
     # Replays (a worker's rebuild on connect, a gap's fill) in progress at once, fleet-wide.

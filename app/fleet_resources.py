@@ -15,7 +15,8 @@ first socket, so it is set before any); `raise_open_files` raises the soft open-
 toward what the configured workers need with every replay channel kept (and
 `CLOSING_FILES` for sockets closing), up to the hard limit, and refuses with one sentence
 naming the limit and the fleet's size only when not even their live sides,
-`replay_concurrency` channels and `CLOSING_FILES` fit. `replay_channels_room` is how
+`replay_concurrency` channels, `max_connections` client connections and `CLOSING_FILES`
+fit. `replay_channels_room` is how
 many replay channels the open files left keep between requests (every worker's when they
 fit), beside `replay_concurrency` more that requests may open. An instance
 known only by its URL counts as one worker (its data-parallel size is discovered later);
@@ -40,7 +41,8 @@ LIVE_FILES = 4  # a worker's SUB (mailbox, TCP) and its monitor's two mailboxes
 REPLAY_CHANNEL_FILES = 4  # a kept DEALER (mailbox, TCP) and its monitor's two mailboxes
 FILES_PER_WORKER = LIVE_FILES + REPLAY_CHANNEL_FILES  # with its replay channel kept
 SOCKETS_PER_WORKER = 6
-# The HTTP server, clients, logs and Python itself.
+# The listening sockets, clients to the instances, logs and Python itself; the HTTP
+# connections clients hold are counted apart (`max_connections`).
 BASE_FILES = 256
 ZMQ_DEFAULT_MAX_SOCKETS = 1023
 # Kept free for sockets closed and not yet released while others open (a fleet change).
@@ -64,15 +66,16 @@ def fleet_context(settings: Settings) -> zmq.asyncio.Context:
     return context
 
 
-def _files(workers: int, channels: int) -> int:
-    return BASE_FILES + LIVE_FILES * workers + REPLAY_CHANNEL_FILES * channels
+def _files(workers: int, channels: int, connections: int) -> int:
+    return BASE_FILES + connections + LIVE_FILES * workers + REPLAY_CHANNEL_FILES * channels
 
 
-def _fitting(workers: int, replay_concurrency: int) -> tuple[int, int]:
+def _fitting(workers: int, replay_concurrency: int, connections: int) -> tuple[int, int]:
     """(the files `workers` need at least: live sides, the replay channels that run at
-    once and the files of sockets closing; the files with every worker's channel kept)."""
-    return (_files(workers, min(workers, replay_concurrency)) + CLOSING_FILES,
-            _files(workers, workers) + CLOSING_FILES)
+    once, `connections` clients' and the files of sockets closing; the files with every
+    worker's channel kept)."""
+    return (_files(workers, min(workers, replay_concurrency), connections) + CLOSING_FILES,
+            _files(workers, workers, connections) + CLOSING_FILES)
 
 
 def _raise_soft(needed: int, wanted: int) -> int | None:
@@ -94,18 +97,19 @@ def raise_open_files(settings: Settings) -> int:
     ConfigError when the hard limit is below their live sides and `replay_concurrency`
     replay channels."""
     workers = configured_workers(settings)
-    needed, wanted = _fitting(workers, settings.replay_concurrency)
+    needed, wanted = _fitting(workers, settings.replay_concurrency, settings.max_connections)
     limit = _raise_soft(needed, wanted)
     if limit is None:
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-        raise ConfigError(f"{workers} configured workers need at least {needed} open files; "
-                          f"the process may open {hard} (RLIMIT_NOFILE hard limit: raise "
-                          "`ulimit -n` or the container's nofile limit, or follow fewer "
-                          "workers)", "instances")
+        raise ConfigError(f"{workers} configured workers and {settings.max_connections} "
+                          f"client connections (`max_connections`) need at least {needed} open "
+                          f"files; the process may open {hard} (RLIMIT_NOFILE hard limit: "
+                          "raise `ulimit -n` or the container's nofile limit, follow fewer "
+                          "workers or lower max_connections)", "instances")
     return limit
 
 
-def replay_channels_room(workers: int, replay_concurrency: int) -> int:
+def replay_channels_room(workers: int, replay_concurrency: int, connections: int) -> int:
     """How many replay channels `workers` followed may keep open between requests within
     the soft open-file limit: every worker's when they fit."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -113,12 +117,13 @@ def replay_channels_room(workers: int, replay_concurrency: int) -> int:
         return workers
     # Channels opened beyond it for requests (at most replay_concurrency at once), and the
     # files of sockets closed but not yet released (ZMQ closes a socket in its own thread).
-    spare = (soft - _files(workers, replay_concurrency) - CLOSING_FILES) // REPLAY_CHANNEL_FILES
+    spare = ((soft - _files(workers, replay_concurrency, connections) - CLOSING_FILES)
+             // REPLAY_CHANNEL_FILES)
     return max(0, min(workers, spare))
 
 
 def room_for(workers: int, adding: int, context: zmq.Context,
-             replay_concurrency: int) -> str | None:
+             replay_concurrency: int, connections: int) -> str | None:
     """None when `adding` workers more than the `workers` followed fit the open-file limit
     (the soft limit is raised toward the hard one if that is what it takes; fewer replay
     channels kept if that is all there is room for) and the context's socket limit; else
@@ -129,7 +134,7 @@ def room_for(workers: int, adding: int, context: zmq.Context,
         return (f"following {total} workers needs about {SOCKETS_PER_WORKER * total} ZMQ "
                 f"sockets; kvroute's context keeps {sockets} for them, and as many for sockets "
                 "closing (sized from max_instances at start: raise max_instances)")
-    needed, wanted = _fitting(total, replay_concurrency)
+    needed, wanted = _fitting(total, replay_concurrency, connections)
     if _raise_soft(needed, wanted) is None:
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
         return (f"following {total} workers needs at least {needed} open files; the process "

@@ -114,12 +114,14 @@ class Registry:
                  context: zmq.asyncio.Context | None = None,
                  options: SubscriberOptions | None = None, *, max_instances: int,
                  endpoint_hosts: tuple[str, ...] = (),
-                 pacing: FleetPacing | None = None) -> None:
+                 pacing: FleetPacing | None = None, connections: int = 0) -> None:
         self.index = index
         self._client = client
         self._options = options or SubscriberOptions()
         self._max_instances = max_instances
         self._endpoint_hosts = endpoint_hosts
+        # Client connections the HTTP server may hold: open files the fleet cannot use.
+        self._connections = connections
         self._adding = 0  # API adds waiting for discovery: they count toward the maximum
         self._context = context or zmq.asyncio.Context.instance()
         # Shared by every subscriber: replays at once and idle checks a second, fleet-wide.
@@ -325,7 +327,7 @@ class Registry:
         files or the ZMQ context's sockets: said now, in one sentence, rather than by their
         subscribers failing to open sockets."""
         reason = room_for(self._followed(), adding, self._context,
-                          self.pacing.replay_concurrency)
+                          self.pacing.replay_concurrency, self._connections)
         if reason is not None:
             raise LimitReached(reason, "events")
 
@@ -335,7 +337,7 @@ class Registry:
     def _size_replay_channels(self, workers: int) -> None:
         """Keep as many replay channels open as the open files leave beside `workers`."""
         self.pacing.replay_channels.resize(
-            replay_channels_room(workers, self.pacing.replay_concurrency))
+            replay_channels_room(workers, self.pacing.replay_concurrency, self._connections))
 
     def _changed(self, instance: Instance, *, joined: bool) -> None:
         self.version += 1

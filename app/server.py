@@ -4,9 +4,10 @@ thread for the demo, the tests and the benchmarks.
 A background server owns its thread and event loop; `stop()` runs the app's
 lifespan shutdown (subscribers stopped, sockets closed) before it returns.
 
-Every connection is bounded before the app sees a request (`BoundedHttpProtocol`): its
-request headers must arrive within `header_timeout` and fit in MAX_HEADER_BYTES, and an
-idle keep-alive connection closes after `keep_alive_timeout`. The body's own deadline is
+Every connection is bounded before the app sees a request (`BoundedHttpProtocol`): at most
+`max_connections` are open at once, its request headers must arrive within
+`header_timeout` and fit in MAX_HEADER_BYTES, and an idle keep-alive connection closes
+after `keep_alive_timeout`. The body's own deadline is
 the app's (app.request_body), since only the app knows when it reads one.
 """
 
@@ -44,7 +45,11 @@ MAX_HEADER_BYTES = 64 * 1024
 
 
 class BoundedHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, plus the two bounds uvicorn lacks while headers arrive.
+    """uvicorn's httptools protocol, plus the bounds uvicorn lacks on connections.
+
+    Count: a connection accepted while `max_connections` others are open is answered 503
+    and closed at once, so clients cannot take the open files the fleet's sockets need
+    (the limit is counted in them, app.fleet_resources) however many connect.
 
     Deadline: a connection has `header_timeout` seconds from being opened to deliver its
     first request's headers, and from the first byte after each response to deliver the
@@ -63,9 +68,10 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     """
 
     def __init__(self, config: uvicorn.Config, *args: Any, header_timeout: float,
-                 **kwargs: Any) -> None:
+                 max_connections: int, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
         self.header_timeout = header_timeout
+        self.max_connections = max_connections
         self._header_deadline: asyncio.TimerHandle | None = None
         # Between a response (or the connection's start) and the next request's headers.
         self._awaiting_request = True
@@ -80,7 +86,12 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._serving = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(transport)  # counted in server_state.connections
+        if len(self.server_state.connections) > self.max_connections:
+            _say_full(self.max_connections)
+            self._refuse(503, f"kvroute holds {self.max_connections} connections already "
+                              "(max_connections); retry later")
+            return
         self._arm_header_deadline()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -157,13 +168,25 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             self.transport.close()
 
 
-_REASONS = {400: b"Bad Request", 431: b"Request Header Fields Too Large"}
+_REASONS = {400: b"Bad Request", 431: b"Request Header Fields Too Large",
+            503: b"Service Unavailable"}
+_FULL_SAID_EVERY = 10.0  # seconds: one warning per stretch of refusals, not one each
+_full_said_at = -_FULL_SAID_EVERY
+
+
+def _say_full(limit: int) -> None:
+    global _full_said_at
+    now = time.monotonic()
+    if now - _full_said_at >= _FULL_SAID_EVERY:
+        _full_said_at = now
+        log.warning("refusing connections: %d open already (max_connections)", limit)
 
 
 def _config(settings: Settings, resolver: Resolver | None = None, *,
             freeze_fleet: bool = False) -> uvicorn.Config:
     # uvicorn calls the protocol class with keywords only (config=, server_state=, ...).
-    protocol = functools.partial(BoundedHttpProtocol, header_timeout=settings.header_timeout)
+    protocol = functools.partial(BoundedHttpProtocol, header_timeout=settings.header_timeout,
+                                 max_connections=settings.max_connections)
     return uvicorn.Config(create_app(settings, resolver=resolver,
                                      freeze_fleet=freeze_fleet),
                           host=settings.host, port=settings.port,

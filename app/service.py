@@ -135,7 +135,8 @@ class Service:
             max_blocks_per_worker=settings.max_blocks_per_worker,
             unconfirmed_ttl=settings.unconfirmed_ttl),
             max_instances=settings.max_instances, endpoint_hosts=settings.zmq_endpoint_hosts,
-            pacing=FleetPacing(settings.replay_concurrency, settings.idle_checks_per_second))
+            pacing=FleetPacing(settings.replay_concurrency, settings.idle_checks_per_second),
+            connections=settings.max_connections)
         self.metrics = ServiceMetrics(self.registry)
         # The workers each model's routes weigh, kept until the registry changes.
         self.eligible = EligibleCache(self.registry)

@@ -110,7 +110,7 @@ def test_the_fleets_context_holds_its_sockets_while_as_many_are_still_closing():
     ctx = fleet_context(Settings(max_instances=workers))
     opened: list[zmq.Socket] = []
     try:
-        assert room_for(0, workers, ctx, replay_concurrency=32) is None
+        assert room_for(0, workers, ctx, replay_concurrency=32, connections=1024) is None
         closing = [ctx.socket(zmq.PAIR) for _ in range(SOCKETS_PER_WORKER * workers)]
         opened += closing  # stand-ins for sockets closed and not yet taken down
         opened += [ctx.socket(zmq.PAIR) for _ in range(SOCKETS_PER_WORKER * workers)]

@@ -82,7 +82,7 @@ def test_too_few_open_files_for_the_fleet_is_one_line(tmp_path, capsys):
     assert main(["serve", "--config", str(config)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0
-    assert f"{workers} configured workers need at least" in err
+    assert f"{workers} configured workers and 1024 client connections" in err
     assert f"may open {hard}" in err
     assert resource.getrlimit(resource.RLIMIT_NOFILE) == (soft, hard)
 

@@ -225,6 +225,36 @@ def test_requests_past_the_limit_are_refused_429_while_probes_answer() -> None:
                  "a request to be served after the others finished")
 
 
+def test_connections_past_the_limit_are_answered_503_and_closed() -> None:
+    """Clients cannot take the open files the fleet's sockets need: with three connections
+    held open, a fourth is answered 503 and closed before it sends anything; once one of
+    the three goes, a new connection is served again."""
+    with BackgroundServer(settings(max_connections=3)) as server:
+        held = [socket.create_connection(("127.0.0.1", server.port), timeout=HTTP_TIMEOUT)
+                for _ in range(3)]
+        try:
+            status, answer = exchange(held[0], get("/healthz"))  # the three are accepted
+            assert status == 200, answer
+            with connection(server) as extra:
+                status, answer = read_answer(extra)
+                assert_refusal(status, answer, 503, None)
+                assert "max_connections" in answer["error"]
+                wait_for(lambda: closed(extra), "the refused connection closed", timeout=5.0)
+            held.pop().close()
+
+            def served() -> int | None:
+                with connection(server) as sock:
+                    status, _ = exchange(sock, get("/healthz"))
+                    return status if status == 200 else None
+
+            # The server notices the closed connection as its loop turns.
+            assert wait_for(served, "a connection served once one of the three left") == 200
+            assert exchange(held[1], get("/healthz"))[0] == 200  # the others still served
+        finally:
+            for sock in held:
+                sock.close()
+
+
 def test_a_foreign_host_is_refused_on_a_loopback_address() -> None:
     with BackgroundServer(settings()) as server, \
             httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as http:
