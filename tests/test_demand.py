@@ -7,22 +7,26 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroute.app.demand import RecentDemand
+from kvroute.app.demand import FORGET_AFTER, RecentDemand
 
 HALF = 10.0
 
 
 def model_of(history: list[tuple[tuple[str, int], bytes, int, float]], limit: int,
              key: tuple[str, int], now: float) -> float:
-    """The definition: over the (worker, prefix) pairs still remembered (the `limit` most
-    recently routed), the latest prompt of each on `key`, decayed since it was sent."""
+    """The definition: after each route, the pairs whose latest prompt is more than
+    FORGET_AFTER half-lives old are forgotten, then the least recently routed beyond
+    `limit`; `key`'s demand is the sum of its remembered pairs' latest prompts, each
+    decayed since it was sent."""
     latest: dict[tuple[tuple[str, int], bytes], tuple[int, float]] = {}
     for worker, prefix, tokens, at in history:
         latest.pop((worker, prefix), None)  # re-routed: most recent again
         latest[(worker, prefix)] = (tokens, at)
-    kept = list(latest.items())[-limit:]
+        latest = {pair: prompt for pair, prompt in latest.items()
+                  if prompt[1] > at - FORGET_AFTER * HALF}
+        latest = dict(list(latest.items())[-limit:])
     return sum(tokens * 0.5 ** ((now - at) / HALF)
-               for (worker, _), (tokens, at) in kept if worker == key)
+               for (worker, _), (tokens, at) in latest.items() if worker == key)
 
 
 def test_a_prefix_counts_its_latest_prompt_once():
@@ -48,6 +52,15 @@ def test_demand_halves_every_half_life_and_a_new_prompt_replaces_the_old():
     assert math.isclose(demand.of(a, 2 * HALF), 300.0)
 
 
+def test_a_prompt_long_past_is_forgotten_with_what_it_added():
+    demand = RecentDemand(half_life=HALF)
+    a = ("a", 0)
+    demand.add(a, b"old", 1000, now=0.0)
+    demand.add(a, b"new", 100, now=FORGET_AFTER * HALF + 1)
+    assert len(demand._prompts) == 1
+    assert demand.of(a, FORGET_AFTER * HALF + 1) == 100.0
+
+
 def test_memory_is_bounded_and_a_forgotten_prompt_takes_its_tokens_along():
     demand = RecentDemand(half_life=HALF, limit=3)
     a, b = ("a", 0), ("b", 0)
@@ -67,11 +80,11 @@ def test_memory_is_bounded_and_a_forgotten_prompt_takes_its_tokens_along():
 
 routes = st.lists(st.tuples(st.sampled_from([("a", 0), ("b", 0), ("b", 1)]),
                             st.sampled_from([b"p", b"q", b"r", b"s", b"t"]),
-                            st.integers(1, 4096), st.floats(0, 30)), max_size=60)
+                            st.integers(1, 4096), st.floats(0, 50)), max_size=60)
 
 
 @settings(max_examples=300, deadline=None)
-@given(routes, st.integers(1, 8), st.floats(0, 60))
+@given(routes, st.integers(1, 8), st.floats(0, 200))
 def test_demand_matches_the_definition(steps, limit, later):
     demand = RecentDemand(half_life=HALF, limit=limit)
     history = []
