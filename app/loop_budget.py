@@ -5,33 +5,46 @@ but a yield only moves it to the back of the loop's ready queue: when 32 or 64 w
 have batches queued, one turn of the loop runs a piece of each of them before any HTTP
 request or timer gets its turn, and the stall grows with the fleet.
 
-``LoopBudget`` bounds the ingest work of a turn as a whole: the first piece of work started
-in a turn starts its clock, and once ``seconds`` have gone by, every subscriber that asks
-(``exhausted``) yields (``next_turn``) until the loop has started a new turn. The clock
-restarts from a callback queued before the subscribers' wake-ups, so requests and timers
-that became ready meanwhile run after at most about ``seconds`` plus one piece of work.
+``LoopBudget`` bounds the ingest work of a turn as a whole: the clock starts at the first
+piece of work asked for in a turn (``exhausted``), and once ``seconds`` have gone by, every
+subscriber that asks parks (``next_turn``) instead of going on.
 
-While HTTP requests are being answered (``serving``, counted by ``app.server`` from a
-request's first byte to its answer's last), a turn's share shrinks to ``serving_seconds``:
-answering one request takes several turns of the loop (its bytes arrive, its task starts,
-its body is read, its answer is sent), and each of them waited behind a whole share, so a
-route answered during a burst took 3-4 shares longer than an idle one. Ingest still runs
-in every turn, so a steady flow of requests slows it, never stops it.
+Parked subscribers are woken ONE per turn, in the order they parked, and the clock restarts
+just before the woken one runs. Waking all of them every turn (an ``asyncio.sleep(0)``
+each) put every parked subscriber in front of the HTTP callbacks of each turn: each took a
+piece of work (decoding a batch) before it found the budget used up, so a turn of a burst
+from 64 workers ran 100-300 batches and 8-14 ms instead of the budget. Now a turn holds
+the budget plus one piece of work of each subscriber that a live message woke meanwhile
+(which then parks too), and the one woken has a budget's worth of its backlog to do.
 
-Invariant: one budget per event loop (``shared_budget``); it is only used on its loop.
+A request is read only between two turns, so one whose bytes arrive while ingest runs
+would wait for the rest of the turn: the budget also counts as used up as soon as bytes
+wait on a watched HTTP connection (``watch``: ``app.server`` watches each one; an epoll
+asked without waiting, ~0.2 us, at each piece of ingest). The turn then ends after the piece
+under way, the loop reads the request, and from its first byte to its answer's last
+(``serving``, counted by ``app.server``) a turn's share is ``serving_seconds``: the request's
+task waits behind the turn in front of it. The first piece of each turn is always allowed,
+so a steady flow of requests slows ingest, never stops it. (A new connection's first bytes
+are seen once the loop has accepted it: the listening socket is not watched.)
+
+Invariants: one budget per event loop (``shared_budget``), used only on its loop; every
+parked caller is woken (or was cancelled) within as many turns as callers parked before it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import select
 import time
 import weakref
+from collections import deque
 
-#: Ingest work per turn of the loop: small beside the 50 ms a request may wait at worst,
-#: big beside the ~0.05 ms a turn costs, so yielding costs little throughput.
-TURN_SECONDS = 0.008
-#: The share while requests are being answered: a route's few turns wait ~1 ms each, not 8.
-SERVING_TURN_SECONDS = 0.001
+#: Ingest work per turn of the loop: timers (and new connections) wait for the rest of it,
+#: and a turn's own cost (~0.02 ms with one subscriber woken) stays small beside it.
+TURN_SECONDS = 0.002
+#: The share while requests are being answered: the turn in front of a request's task.
+SERVING_TURN_SECONDS = 0.00005
 
 _budgets: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopBudget] = (
     weakref.WeakKeyDictionary())
@@ -43,27 +56,82 @@ class LoopBudget:
         self.seconds = seconds
         self.serving_seconds = min(serving_seconds, seconds)
         self.serving = 0  # requests being answered now (app.server counts them)
+        self.turns = 0  # turns started for parked callers (for tests and benchmarks)
         self._since: float | None = None  # when this turn's ingest work began
-        self._restart_queued = False
+        self._parked: deque[asyncio.Future[None]] = deque()
+        self._turn_queued = False
+        # HTTP connections (fd -> owner) whose waiting bytes end a turn; no epoll: none.
+        self._watched: dict[int, object] = {}
+        self._arrivals = select.epoll() if hasattr(select, "epoll") else None
 
     def exhausted(self) -> bool:
-        """Whether this turn's ingest work is used up (starts the turn's clock if not)."""
+        """Whether this turn's ingest work is used up (starts the turn's clock if not):
+        its share of time has gone by, or a request waits to be read."""
         now = time.perf_counter()
         if self._since is None:
             self._since = now
             return False
-        return now - self._since >= (self.serving_seconds if self.serving else self.seconds)
+        if now - self._since >= (self.serving_seconds if self.serving else self.seconds):
+            return True
+        return self.requests_waiting()
+
+    @property
+    def watching(self) -> int:
+        """HTTP connections watched now."""
+        return len(self._watched)
+
+    def requests_waiting(self) -> bool:
+        """Whether bytes wait unread on a watched HTTP connection."""
+        return bool(self._watched) and bool(self._arrivals.poll(0, 1))  # type: ignore[union-attr]
+
+    def watch(self, fd: int, owner: object) -> None:
+        """Count bytes waiting on ``fd`` (an HTTP connection of ``owner``'s) as a request
+        waiting, until ``unwatch``."""
+        if self._arrivals is None:
+            return
+        try:
+            self._arrivals.register(fd, select.EPOLLIN)
+        except FileExistsError:  # a closed connection's number, reused before its unwatch
+            self._arrivals.modify(fd, select.EPOLLIN)
+        self._watched[fd] = owner
+
+    def unwatch(self, fd: int, owner: object) -> None:
+        """Stop watching ``fd`` for ``owner`` (a later owner of the same number stays)."""
+        if self._arrivals is None or self._watched.get(fd) is not owner:
+            return
+        del self._watched[fd]
+        with contextlib.suppress(OSError):  # closed already: epoll dropped it by itself
+            self._arrivals.unregister(fd)
 
     async def next_turn(self) -> None:
-        """Yield until the loop's next turn, restarting the clock there."""
-        if not self._restart_queued:
-            self._restart_queued = True
-            asyncio.get_running_loop().call_soon(self._restart)
-        await asyncio.sleep(0)
+        """Park until a later turn of the loop gives this caller a whole budget (one caller
+        per turn, in the order they parked)."""
+        loop = asyncio.get_running_loop()
+        if not self._turn_queued:
+            # Nobody parked since the last turn: the next one is this caller's, right after
+            # the callback that starts it (no future, no extra turn to be woken in).
+            self._turn_queued = True
+            loop.call_soon(self._next_turn)
+            await asyncio.sleep(0)
+        else:
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._parked.append(waiter)
+            await waiter
+        self.exhausted()  # the turn's clock starts with this caller's work
 
-    def _restart(self) -> None:
-        self._restart_queued = False
+    def _next_turn(self) -> None:
+        """Start a turn: restart the clock, and wake the first caller still parked, whose
+        task runs in the next turn, right after this callback's next run."""
         self._since = None
+        self.turns += 1
+        while self._parked:
+            waiter = self._parked.popleft()
+            if not waiter.done():  # a cancelled caller gave its place up
+                # Queued before the waiter's wake-up, so it runs just before it.
+                asyncio.get_running_loop().call_soon(self._next_turn)
+                waiter.set_result(None)
+                return
+        self._turn_queued = False
 
 
 def shared_budget() -> LoopBudget:

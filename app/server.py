@@ -82,8 +82,10 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         # Requests of this connection begun and not yet answered, counted in the loop's
         # ingest budget (app.loop_budget): from a request's first byte, ingest takes a
         # smaller share of each turn, so the turns that read, run and answer it come sooner.
+        # Its socket is watched by the budget too: bytes waiting on it end ingest's turn.
         self._budget = shared_budget()
         self._serving = 0
+        self._fd: int | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)  # counted in server_state.connections
@@ -92,10 +94,17 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             self._refuse(503, f"kvroute holds {self.max_connections} connections already "
                               "(max_connections); retry later")
             return
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            self._fd = sock.fileno()
+            self._budget.watch(self._fd, self)
         self._arm_header_deadline()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_deadline()
+        if self._fd is not None:
+            self._budget.unwatch(self._fd, self)
+            self._fd = None
         self._budget.serving -= self._serving  # requests cut off will not complete
         self._serving = 0
         super().connection_lost(exc)

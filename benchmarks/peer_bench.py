@@ -147,7 +147,8 @@ def ingest(sides: list[Side], publisher: subprocess.Popen[str], mix: Mix, path: 
         watch.join(timeout + 5)
     row: dict[str, Any] = {"mix": mix.name, "stored_blocks": mix.stored,
                            "batches": sum(map(len, mix.payloads)),
-                           "send_seconds": sent["sent"] - sent["started"]}
+                           "send_seconds": sent["sent"] - sent["started"],
+                           "send_started": sent["started"]}  # time.monotonic()
     for side, watch in zip(sides, watches, strict=True):
         took = None if watch.done_at is None else watch.done_at - sent["started"]
         # CPU the side used until the whole run's end (2 shared cores: wall time depends

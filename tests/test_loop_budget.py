@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
+from collections import Counter
 
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -28,7 +30,7 @@ def test_a_used_up_budget_holds_work_until_the_next_turn() -> None:
         tasks = [asyncio.create_task(worker(name)) for name in ("a", "b")]
         asyncio.get_running_loop().call_soon(other)  # ready after the workers' first steps
         await asyncio.gather(*tasks)
-        assert not budget.exhausted()  # restarted in the new turn: the clock starts again
+        assert budget.turns == 2  # a turn for each of them
         return order
 
     order = asyncio.run(scenario())
@@ -74,3 +76,86 @@ def test_requests_being_answered_shrink_the_share_of_a_turn() -> None:
     budget.serving -= 1
     assert not budget.exhausted()
     assert LoopBudget(seconds=0.002, serving_seconds=0.5).serving_seconds == 0.002  # never more
+
+
+class _TurnCounter:
+    """Counts turns of the running loop (a callback that schedules itself) until ``stop``."""
+
+    def __init__(self) -> None:
+        self.turn = 0
+        self._running = True
+        asyncio.get_running_loop().call_soon(self._tick)
+
+    def _tick(self) -> None:
+        self.turn += 1
+        if self._running:
+            asyncio.get_running_loop().call_soon(self._tick)
+
+    def stop(self) -> None:
+        self._running = False
+
+
+def test_parked_workers_go_one_per_turn_in_the_order_they_parked() -> None:
+    """Each worker has a backlog and the budget holds one piece of work per turn: the
+    parked ones are woken one per turn, round robin, not all of them in every turn (each
+    would then take a piece before any request of that turn is read)."""
+
+    async def scenario() -> list[tuple[int, str]]:
+        budget = LoopBudget(seconds=0.0)  # the second piece of a turn finds it used up
+        turns = _TurnCounter()
+        pieces: list[tuple[int, str]] = []
+
+        async def worker(name: str) -> None:
+            for _ in range(3):
+                if budget.exhausted():
+                    await budget.next_turn()
+                pieces.append((turns.turn, name))
+
+        budget.exhausted()  # work earlier in this turn started its clock
+        await asyncio.gather(*(worker(name) for name in "abcdef"))
+        turns.stop()
+        assert budget.turns >= 18
+        return pieces
+
+    pieces = asyncio.run(scenario())
+    assert [name for _, name in pieces] == list("abcdef") * 3
+    assert max(Counter(turn for turn, _ in pieces).values()) == 1
+
+
+def test_a_cancelled_parked_worker_gives_its_place_up() -> None:
+    async def scenario() -> list[str]:
+        budget = LoopBudget(seconds=0.0)
+        done: list[str] = []
+
+        async def worker(name: str) -> None:
+            if budget.exhausted():
+                await budget.next_turn()
+            done.append(name)
+
+        budget.exhausted()
+        tasks = {name: asyncio.create_task(worker(name)) for name in "abc"}
+        await asyncio.sleep(0)  # all three parked
+        tasks["b"].cancel()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        return done
+
+    assert asyncio.run(scenario()) == ["a", "c"]
+
+
+def test_bytes_waiting_on_a_watched_connection_use_the_turn_up() -> None:
+    budget = LoopBudget(seconds=3600.0, serving_seconds=3600.0)
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        budget.watch(ours.fileno(), ours)
+        assert not budget.exhausted()  # starts this turn's clock: an hour's share
+        assert not budget.exhausted() and not budget.requests_waiting()
+        peer.sendall(b"GET / HTTP/1.1\r\n")
+        assert budget.requests_waiting() and budget.exhausted()
+        ours.recv(64)  # the loop read the request
+        assert not budget.exhausted()
+        peer.sendall(b"more")
+        budget.unwatch(ours.fileno(), object())  # not its owner: still watched
+        assert budget.exhausted()
+        budget.unwatch(ours.fileno(), ours)
+        assert budget.watching == 0
+        assert not budget.exhausted()  # bytes wait, but on a connection not watched

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import time
 
 import httpx
@@ -81,3 +82,52 @@ def test_a_request_counts_as_served_from_its_first_byte_until_answered_or_cut_of
                 assert http.get("/healthz").status_code == 200
                 assert http.post("/v1/route", json={"token_ids": [1, 2]}).status_code == 503
             assert _serving(server) == 0
+
+
+def _on_loop(server: BackgroundServer, coroutine_function):
+    loop = server._server.servers[0].get_loop()
+    return asyncio.run_coroutine_threadsafe(coroutine_function(), loop)
+
+
+def _watching(server: BackgroundServer) -> int:
+    async def read() -> int:
+        return shared_budget().watching
+
+    return _on_loop(server, read).result(HTTP_TIMEOUT)
+
+
+def test_a_request_arriving_while_the_loop_works_ends_ingest_s_turn():
+    """Each connection is watched by the loop's ingest budget: bytes of a request that
+    arrive while the loop is busy show as waiting before the loop reads them, so ingest
+    gives the turn up at its next piece instead of working to the end of its share."""
+    healthz = b"GET /healthz HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n"
+    with BackgroundServer(Settings(host="127.0.0.1", port=0, log_level="warning")) as server:
+        client = socket.create_connection(("127.0.0.1", server.port), timeout=HTTP_TIMEOUT)
+        try:
+            client.sendall(healthz)
+            assert b"200 OK" in client.recv(4096)  # accepted and answered: watched now
+            assert _watching(server) == 1
+            busy = threading.Event()
+
+            async def hold_the_loop() -> bool:
+                """Work that does not yield (as a piece of ingest does), asking the
+                budget meanwhile whether a request waits."""
+                busy.set()
+                deadline = time.monotonic() + HTTP_TIMEOUT
+                while time.monotonic() < deadline:
+                    if shared_budget().requests_waiting():
+                        return True
+                    time.sleep(0.001)
+                return False
+
+            held = _on_loop(server, hold_the_loop)
+            assert busy.wait(HTTP_TIMEOUT)
+            client.sendall(healthz)
+            assert held.result(HTTP_TIMEOUT + 5)
+            assert b"200 OK" in client.recv(4096)  # then read and answered as ever
+        finally:
+            client.close()
+        deadline = time.monotonic() + HTTP_TIMEOUT
+        while _watching(server) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _watching(server) == 0  # a closed connection is no longer watched
