@@ -19,9 +19,20 @@ Invariants:
   is `connecting` or `replaying` (or `settle_deadline` passed), and once more then: the
   objects a change makes are frozen within about `interval` of being made, so no full pass
   scans more than that much of them. A registration that makes no workers triggers nothing.
-- The price: cyclic garbage that exists at the moment of a freeze is never collected. That
-  is what the requests in flight left (a freeze takes everything tracked), a bounded amount
-  per fleet change; between changes nothing is frozen.
+- The price of a freeze: cyclic garbage that exists at that moment (what the requests in
+  flight, the load monitor's scrapes and the replays left: an HTTP client's finished
+  request is a few dozen objects in cycles), and cycles frozen alive that die later, are
+  never collected while frozen; measured at about 190 such objects per change of eight
+  instances (benchmarks/freeze_churn.py), so a fleet that churns for months would keep
+  more with every change. Hence the re-freeze: once changes have been frozen since the
+  last one, when `quiet_seconds` have passed with no change pending and at least
+  `refreeze_interval` since the last re-freeze (or since start), everything is unfrozen,
+  collected by one full pass, and frozen again. What the freezes kept is then bounded by
+  what the changes of one `refreeze_interval` keep (plus what that freeze itself catches
+  in flight), not by the process's age; a fleet that never stays quiet for `quiet_seconds`
+  is never re-frozen. The full pass scans every object the process holds and holds the
+  event loop for as long (`on_refreeze` is told how long: kvroute_gc_refreeze_seconds),
+  which is why it waits for a quiet fleet and comes seldom.
 Made and used on one event loop.
 """
 
@@ -29,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 from collections.abc import Callable
 
 from kvroute.app.registry import Instance, Registry, Worker
@@ -44,15 +56,32 @@ class FleetFreezer:
     def __init__(self, registry: Registry, ready: Callable[[], bool], *,
                  interval: float = 0.05, busy_seconds: float = 2.0,
                  max_interval: float = 1.0, settle_deadline: float = 30.0,
-                 freeze: Callable[[], None] = gc.freeze) -> None:
+                 refreeze_interval: float = 600.0, quiet_seconds: float = 5.0,
+                 on_refreeze: Callable[[float, int], None] | None = None,
+                 freeze: Callable[[], None] = gc.freeze,
+                 unfreeze: Callable[[], None] = gc.unfreeze,
+                 collect: Callable[[], int] = gc.collect) -> None:
+        """`refreeze_interval` 0: never re-freeze. `on_refreeze(pause, freed)`: after each
+        re-freeze, how long it held the loop (seconds) and how many objects it freed."""
         self._registry = registry
         self._ready = ready
         self._interval = interval
         self._busy_seconds = busy_seconds
         self._max_interval = max_interval
         self._settle_deadline = settle_deadline
+        self._refreeze_interval = refreeze_interval
+        self._quiet_seconds = quiet_seconds
+        self._on_refreeze = on_refreeze
         self._freeze = freeze
+        self._unfreeze = unfreeze
+        self._collect = collect
         self.freezes = 0  # for tests and traces
+        self.refreezes = 0
+        self.last_refreeze_pause = 0.0  # seconds the last re-freeze held the loop
+        self.last_refreeze_freed = 0  # objects its collection freed
+        self._owed = False  # frozen since the last re-freeze (or start): garbage may be kept
+        self._last_refreeze = 0.0  # loop.time() of the last re-freeze, or of start
+        self._settled_at = 0.0  # loop.time() when the fleet was last left quiet
         self._joined: list[Worker] = []  # workers joined since the fleet was last quiet
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -69,6 +98,10 @@ class FleetFreezer:
         self._task = None
         self._joined.clear()
 
+    def quiet(self) -> bool:
+        """Whether no joined worker is waiting to settle (for tests and benchmarks)."""
+        return not self._joined and not self._changed.is_set()
+
     def _instance_changed(self, instance: Instance, joined: bool) -> None:
         if joined and instance.workers:
             self._joined.extend(instance.workers)
@@ -81,12 +114,46 @@ class FleetFreezer:
         self.freezes += 1
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._last_refreeze = loop.time()
         while not self._ready():
             await asyncio.sleep(0.2)
         self._do_freeze()  # and what the configured fleet made connecting and replaying
+        self._owed = True
+        self._settled_at = loop.time()
         while True:
-            await self._changed.wait()
+            await self._wait_for_change()
             await self._freeze_until_settled()
+            self._owed = True
+            self._settled_at = loop.time()
+
+    async def _wait_for_change(self) -> None:
+        """Until an instance joins with workers; meanwhile, once owed and due, re-freeze."""
+        while self._owed and self._refreeze_interval > 0:
+            due = max(self._last_refreeze + self._refreeze_interval,
+                      self._settled_at + self._quiet_seconds)
+            try:
+                async with asyncio.timeout_at(due):
+                    await self._changed.wait()
+                return
+            except TimeoutError:
+                self._refreeze()
+        await self._changed.wait()
+
+    def _refreeze(self) -> None:
+        """Unfreeze, collect everything once, freeze again: the cyclic garbage the freezes
+        kept is freed."""
+        began = time.perf_counter()
+        self._unfreeze()
+        freed = self._collect()
+        self._do_freeze()
+        pause = time.perf_counter() - began
+        self.refreezes += 1
+        self.last_refreeze_pause, self.last_refreeze_freed = pause, freed
+        self._owed = False
+        self._last_refreeze = asyncio.get_running_loop().time()
+        if self._on_refreeze is not None:
+            self._on_refreeze(pause, freed)
 
     async def _freeze_until_settled(self) -> None:
         loop = asyncio.get_running_loop()
