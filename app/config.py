@@ -266,7 +266,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
     # (app.gc_freeze); at most this often, once the fleet has been quiet for 5 s after a
     # change, it unfreezes, collects and freezes again, freeing the garbage the freezes
     # kept. 0: never.
-    gc_refreeze_interval: NonNegative = 600.0
+    gc_refreeze_interval: NonNegative = 3600.0
     # Hosts explicit `events`/`replay` endpoints may name besides the instance's own.
     zmq_endpoint_hosts: tuple[Text, ...] = ()
     # A hostile or broken publisher: bigger ZMQ messages close the connection; bigger

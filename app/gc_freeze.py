@@ -19,20 +19,23 @@ Invariants:
   is `connecting` or `replaying` (or `settle_deadline` passed), and once more then: the
   objects a change makes are frozen within about `interval` of being made, so no full pass
   scans more than that much of them. A registration that makes no workers triggers nothing.
-- The price of a freeze: cyclic garbage that exists at that moment (what the requests in
-  flight, the load monitor's scrapes and the replays left: an HTTP client's finished
-  request is a few dozen objects in cycles), and cycles frozen alive that die later, are
-  never collected while frozen; measured at about 190 such objects per change of eight
-  instances (benchmarks/freeze_churn.py), so a fleet that churns for months would keep
-  more with every change. Hence the re-freeze: once changes have been frozen since the
-  last one, when `quiet_seconds` have passed with no change pending and at least
+- A freeze first collects what is not frozen (`gc.collect()`: it scans only what was
+  made since the last freeze, short where freezes are frequent), so no cyclic garbage
+  that exists at a freeze is frozen. Without it, what requests in flight, the load
+  monitor's scrapes and the replays had left (an HTTP client's finished request is a few
+  dozen objects in cycles) was kept for good: measured at about 190 objects per change of
+  eight instances, and some 55,000 after registering 1,024 workers (benchmarks/
+  freeze_churn.py), more with every change for as long as the process runs.
+- What a freeze still keeps: cycles frozen alive that die later (a request in flight at
+  that moment). Hence the re-freeze: once something has been frozen since the last one,
+  when `quiet_seconds` have passed with no change pending and at least
   `refreeze_interval` since the last re-freeze (or since start), everything is unfrozen,
-  collected by one full pass, and frozen again. What the freezes kept is then bounded by
-  what the changes of one `refreeze_interval` keep (plus what that freeze itself catches
-  in flight), not by the process's age; a fleet that never stays quiet for `quiet_seconds`
-  is never re-frozen. The full pass scans every object the process holds and holds the
-  event loop for as long (`on_refreeze` is told how long: kvroute_gc_refreeze_seconds),
-  which is why it waits for a quiet fleet and comes seldom.
+  collected and frozen again. What the freezes keep is then bounded by what the changes
+  of one `refreeze_interval` keep, not by the process's age; a fleet that never stays
+  quiet for `quiet_seconds` is never re-frozen. The re-freeze's collection scans every
+  object the process holds and holds the event loop as long (about 170 ms at 1,024
+  workers on two busy cores; `on_refreeze` is told each pause:
+  kvroute_gc_refreeze_seconds), which is why it waits for a quiet fleet and comes seldom.
 Made and used on one event loop.
 """
 
@@ -56,7 +59,7 @@ class FleetFreezer:
     def __init__(self, registry: Registry, ready: Callable[[], bool], *,
                  interval: float = 0.05, busy_seconds: float = 2.0,
                  max_interval: float = 1.0, settle_deadline: float = 30.0,
-                 refreeze_interval: float = 600.0, quiet_seconds: float = 5.0,
+                 refreeze_interval: float = 3600.0, quiet_seconds: float = 5.0,
                  on_refreeze: Callable[[float, int], None] | None = None,
                  freeze: Callable[[], None] = gc.freeze,
                  unfreeze: Callable[[], None] = gc.unfreeze,
@@ -77,6 +80,7 @@ class FleetFreezer:
         self._collect = collect
         self.freezes = 0  # for tests and traces
         self.refreezes = 0
+        self.longest_freeze = 0.0  # seconds, the longest collection and freeze since start
         self.last_refreeze_pause = 0.0  # seconds the last re-freeze held the loop
         self.last_refreeze_freed = 0  # objects its collection freed
         self._owed = False  # frozen since the last re-freeze (or start): garbage may be kept
@@ -88,6 +92,7 @@ class FleetFreezer:
 
     def start(self) -> None:
         self._do_freeze()  # what start-up made already: the subscribers, their tasks
+        self.longest_freeze = 0.0  # that one ran before anything was served
         self._registry.instance_listeners.append(self._instance_changed)
         self._task = asyncio.create_task(self._run(), name="gc freezer")
 
@@ -109,9 +114,16 @@ class FleetFreezer:
         elif not joined:  # not kept alive here once removed
             self._joined = [w for w in self._joined if w.instance is not instance]
 
-    def _do_freeze(self) -> None:
+    def _do_freeze(self) -> int:
+        """Collect what is not frozen, then freeze: no garbage that exists now is frozen.
+        The collection scans only what was made since the last freeze (all else is
+        frozen), so it is short where freezes are frequent. The objects freed."""
+        began = time.perf_counter()
+        freed = self._collect()
         self._freeze()
         self.freezes += 1
+        self.longest_freeze = max(self.longest_freeze, time.perf_counter() - began)
+        return freed
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -145,8 +157,7 @@ class FleetFreezer:
         kept is freed."""
         began = time.perf_counter()
         self._unfreeze()
-        freed = self._collect()
-        self._do_freeze()
+        freed = self._do_freeze()
         pause = time.perf_counter() - began
         self.refreezes += 1
         self.last_refreeze_pause, self.last_refreeze_freed = pause, freed

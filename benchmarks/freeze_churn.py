@@ -131,9 +131,11 @@ def _drive(conn, url: str, endpoints: list[tuple[str, str]], with_url: bool,
     engine.shutdown()
 
 
-def _answer(conn, what: str) -> None:
-    if not conn.poll(300):
-        raise RuntimeError(f"the driver did not say {what!r}")
+def _answer(conn, driver, what: str) -> None:
+    deadline = time.monotonic() + 300
+    while not conn.poll(0.5):
+        if not driver.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the driver did not say {what!r}")
     conn.recv()
 
 
@@ -145,7 +147,8 @@ def churn(cycles: int, settle: float, with_url: bool, refreeze_interval: float,
     publishers = [EventPublisher().start() for _ in range(PUBLISHERS)]
     endpoints = [(p.endpoint, p.replay_endpoint) for p in publishers]
     settings = Settings(host="127.0.0.1", port=0, log_level="warning",
-                        max_instances=fleet // FLEET_RANKS + INSTANCES + 8,
+                        # it also sizes the ZMQ context, as if each instance had one worker
+                        max_instances=fleet + INSTANCES * RANKS + 16,
                         gc_refreeze_interval=refreeze_interval)
     rows = []
     spawn = multiprocessing.get_context("spawn")
@@ -160,16 +163,17 @@ def churn(cycles: int, settle: float, with_url: bool, refreeze_interval: float,
                                                          with_url, fleet))
             driver.start()
             try:
-                _answer(ours, "ready")
+                _answer(ours, driver, "ready")
                 for cycle in range(cycles):
                     ours.send(cycle)
-                    _answer(ours, "done")
+                    _answer(ours, driver, "done")
                     _wait(lambda: _quiet(server), "the freezer to settle")
                     time.sleep(settle)
                     rows.append({"cycle": cycle + 1, "frozen": gc.get_freeze_count(),
                                  "tracked": len(gc.get_objects()), "rss_mb": _rss_mb(),
                                  "freezes": freezer.freezes,
                                  "refreezes": freezer.refreezes})
+                longest = freezer.longest_freeze  # collection and freeze, before the re-freeze
                 if refreeze_interval > 0:
                     done = freezer.refreezes
                     _wait(lambda: freezer.refreezes > done, "a re-freeze",
@@ -189,6 +193,7 @@ def churn(cycles: int, settle: float, with_url: bool, refreeze_interval: float,
     per_cycle = (last["frozen"] - first["frozen"]) / max(1, len(rows) - 1)
     return {"refreeze_interval": refreeze_interval, "fleet_workers": fleet, "rows": rows,
             "frozen_growth_per_cycle": per_cycle, "after_refreeze": refreeze,
+            "longest_freeze_ms": longest * 1000,
             "cyclic_garbage_kept": kept}
 
 
@@ -200,7 +205,9 @@ def _table(result: dict) -> list[str]:
              "|---|---|---|---|---|---|"]
     table += [f"| {r['cycle']} | {r['frozen']:,} | {r['tracked']:,} | {r['rss_mb']:.0f} MB | "
               f"{r['freezes']} | {r['refreezes']} |" for r in result["rows"]]
-    table.append(f"frozen objects gained per cycle: {result['frozen_growth_per_cycle']:.0f}")
+    table.append(f"frozen objects gained per cycle: {result['frozen_growth_per_cycle']:.0f}; "
+                 f"longest freeze (its collection included): "
+                 f"{result['longest_freeze_ms']:.1f} ms")
     after = result["after_refreeze"]
     if after is not None:
         table.append(f"the re-freeze after the last cycle: {after['pause_ms']:.1f} ms, "
