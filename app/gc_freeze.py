@@ -19,23 +19,27 @@ Invariants:
   is `connecting` or `replaying` (or `settle_deadline` passed), and once more then: the
   objects a change makes are frozen within about `interval` of being made, so no full pass
   scans more than that much of them. A registration that makes no workers triggers nothing.
-- A freeze first collects what is not frozen (`gc.collect()`: it scans only what was
-  made since the last freeze, short where freezes are frequent), so no cyclic garbage
-  that exists at a freeze is frozen. Without it, what requests in flight, the load
-  monitor's scrapes and the replays had left (an HTTP client's finished request is a few
-  dozen objects in cycles) was kept for good: measured at about 190 objects per change of
-  eight instances, and some 55,000 after registering 1,024 workers (benchmarks/
-  freeze_churn.py), more with every change for as long as the process runs.
-- What a freeze still keeps: cycles frozen alive that die later (a request in flight at
-  that moment). Hence the re-freeze: once something has been frozen since the last one,
-  when `quiet_seconds` have passed with no change pending and at least
-  `refreeze_interval` since the last re-freeze (or since start), everything is unfrozen,
-  collected and frozen again. What the freezes keep is then bounded by what the changes
-  of one `refreeze_interval` keep, not by the process's age; a fleet that never stays
-  quiet for `quiet_seconds` is never re-frozen. The re-freeze's collection scans every
-  object the process holds and holds the event loop as long (about 170 ms at 1,024
-  workers on two busy cores; `on_refreeze` is told each pause:
-  kvroute_gc_refreeze_seconds), which is why it waits for a quiet fleet and comes seldom.
+- A freeze first collects the youngest generation (`gc.collect(0)`: what survived since
+  its last pass, at most some hundreds of allocations), so the cyclic garbage that is
+  that young when a freeze comes is not frozen. Without it, what requests in flight, the
+  load monitor's scrapes and the replays had left (an HTTP client's finished request is a
+  few dozen objects in cycles) was kept for good: measured at about 190 objects per change
+  of eight instances, and some 55,000 after registering 1,024 workers (benchmarks/
+  freeze_churn.py), more with every change for as long as the process runs. A full
+  collection before each freeze kept nothing, but took 13-21 ms for the first freeze of
+  each change and 98 ms for the one when the configured 1,024 workers were ready, and
+  every route waited; the two young generations, about 2 ms a freeze (some 40 a change).
+- What a freeze still keeps: garbage old enough to have left the young generations, and
+  cycles frozen alive that die later (a request in flight at that moment). Hence the
+  re-freeze: once something has been frozen since the last one, when `quiet_seconds` have
+  passed with no change pending and at least `refreeze_interval` since the last re-freeze
+  (or since start), everything is unfrozen, collected and frozen again. What the freezes
+  keep is then bounded by what the changes of one `refreeze_interval` keep, not by the
+  process's age; a fleet that never stays quiet for `quiet_seconds` is never re-frozen.
+  The re-freeze's collection scans every object the process holds and holds the event
+  loop as long (about 120-170 ms at 1,024 workers on two busy cores; `on_refreeze` is told
+  each pause: kvroute_gc_refreeze_seconds), which is why it waits for a quiet fleet and
+  comes seldom.
 Made and used on one event loop.
 """
 
@@ -63,7 +67,7 @@ class FleetFreezer:
                  on_refreeze: Callable[[float, int], None] | None = None,
                  freeze: Callable[[], None] = gc.freeze,
                  unfreeze: Callable[[], None] = gc.unfreeze,
-                 collect: Callable[[], int] = gc.collect) -> None:
+                 collect: Callable[[int], int] = gc.collect) -> None:
         """`refreeze_interval` 0: never re-freeze. `on_refreeze(pause, freed)`: after each
         re-freeze, how long it held the loop (seconds) and how many objects it freed."""
         self._registry = registry
@@ -114,12 +118,10 @@ class FleetFreezer:
         elif not joined:  # not kept alive here once removed
             self._joined = [w for w in self._joined if w.instance is not instance]
 
-    def _do_freeze(self) -> int:
-        """Collect what is not frozen, then freeze: no garbage that exists now is frozen.
-        The collection scans only what was made since the last freeze (all else is
-        frozen), so it is short where freezes are frequent. The objects freed."""
+    def _do_freeze(self, generation: int = 0) -> int:
+        """Collect `generation` and the younger ones, then freeze; the objects freed."""
         began = time.perf_counter()
-        freed = self._collect()
+        freed = self._collect(generation)
         self._freeze()
         self.freezes += 1
         self.longest_freeze = max(self.longest_freeze, time.perf_counter() - began)
@@ -157,7 +159,7 @@ class FleetFreezer:
         kept is freed."""
         began = time.perf_counter()
         self._unfreeze()
-        freed = self._do_freeze()
+        freed = self._do_freeze(2)
         pause = time.perf_counter() - began
         self.refreezes += 1
         self.last_refreeze_pause, self.last_refreeze_freed = pause, freed
