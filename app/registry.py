@@ -224,10 +224,6 @@ class Registry:
         self._changed(instance, joined=False)
         await cancel_and_wait(self._discovery_tasks.pop(instance_id, None))
         await self._stop_workers(instance.workers)
-        # Dropping the workers' entries is a piece of work that cannot be cut, as a
-        # socket's opening is: in a turn, so that a hundred removals whose subscribers
-        # stopped together are not dropped in one pass of the loop while routes wait.
-        await self.pacing.turn()
         for worker in instance.workers:
             self.index.drop_worker(worker.key)
         self._size_replay_channels(self._followed())

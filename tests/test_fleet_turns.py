@@ -7,15 +7,11 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
-
 from kvroute.app.auth import admin_guard
-from kvroute.app.config import InstanceConfig, Settings
+from kvroute.app.config import Settings
 from kvroute.app.fleet_pacing import FleetPacing
 from kvroute.app.paced_changes import PacedFleetChanges, changes_fleet
-from kvroute.app.registry import Registry
 from kvroute.app.subscriber import Subscriber
-from kvroute.index import PrefixIndex
 from kvroute.sim.publisher import EventPublisher
 from tests.conftest import wait_until
 from tests.support.events import (
@@ -217,50 +213,4 @@ def test_a_change_without_the_admin_token_takes_no_turn():
         await middleware(scope("POST", "admin"), nothing, send)
         await middleware(scope("DELETE", "admin"), nothing, send)
         assert pacing.turns == 2 and len(reached) == 8
-    run(scenario)
-
-
-def test_a_removal_drops_its_workers_entries_in_a_turn_after_they_stopped():
-    """The index work of a removal (dropping each worker's entries) waits for a turn of
-    the fleet's pacing, after the instance's subscribers have stopped, like the socket
-    work it follows; until then the stopped workers' entries are still there."""
-    async def scenario(ctx):
-        with EventPublisher() as pub:
-            ledger = Ledger(pub)
-            ledger.publish(EventSource(4).batch())
-            pub.flush()
-            async with httpx.AsyncClient() as client:
-                registry = Registry(PrefixIndex(), client, ctx, max_instances=4)
-                try:
-                    await registry.add(InstanceConfig(
-                        id="leaving", block_size=16, events=(pub.endpoint,) * 2,
-                        replay=(pub.replay_endpoint,) * 2))
-                    await wait_until(lambda: all(w.state == "live" and w.subscriber.status
-                                                 .last_seq == ledger.last
-                                                 for w in registry.workers()),
-                                     "every rank live")
-                    workers = list(registry.workers())
-                    held = {w.key: sum(registry.index.held_by_medium(w.key).values())
-                            for w in workers}
-                    assert all(held.values()), held
-                    seen: list[tuple[bool, list[int]]] = []
-                    taken = registry.pacing.turn
-
-                    async def watched_turn() -> None:
-                        seen.append((all(w.task is None or w.task.done() for w in workers),
-                                     [sum(registry.index.held_by_medium(w.key).values())
-                                      for w in workers]))
-                        await taken()
-
-                    registry.pacing.turn = watched_turn  # type: ignore[method-assign]
-                    await registry.remove("leaving")
-                    # The last turn the removal waited for: subscribers stopped, entries
-                    # still held; after it, none.
-                    stopped, still_held = seen[-1]
-                    assert stopped and still_held == list(held.values())
-                    assert all(sum(registry.index.held_by_medium(w.key).values()) == 0
-                               for w in workers)
-                finally:
-                    await registry.close()
-
     run(scenario)
