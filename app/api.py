@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -16,6 +16,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from msgspec import UNSET
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 from starlette.types import Scope
@@ -108,6 +109,25 @@ def _static(page: Page) -> Any:
     return serve
 
 
+def _refreeze_metric(registry: CollectorRegistry) -> Callable[[float, int], None]:
+    """Records each garbage-collector re-freeze's pause (app.gc_freeze)."""
+    pauses = Histogram("kvroute_gc_refreeze_seconds",
+                       "how long each unfreeze, full collection and freeze held the event loop",
+                       registry=registry,
+                       buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+    freed = Counter("kvroute_gc_refreeze_freed_objects",
+                    "objects the re-freezes' collections freed (garbage the freezes kept)",
+                    registry=registry)
+
+    def record(pause: float, objects: int) -> None:
+        pauses.observe(pause)
+        freed.inc(objects)
+        log.info("garbage collector: re-froze the fleet in %.1f ms, %d objects freed",
+                 pause * 1000, objects)
+
+    return record
+
+
 def create_app(settings: Settings, *, resolver: Resolver | None = None,
                freeze_fleet: bool = False) -> FastAPI:
     """The ASGI app; the Service is built and torn down in its lifespan (`resolver`: how
@@ -125,15 +145,19 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None,
                      if settings.tokenizer == "instance"
                      else f"locally with {settings.tokenizer}")
         app.state.service = service
-        app.state.epp = None
+        app.state.epp = app.state.freezer = None
         proxy = epp = freezing = None
         lag = LoopLagMonitor(service.metrics.registry)
         try:
             lag.start()
             await service.start()
             if freeze_fleet:
-                freezing = FleetFreezer(service.registry, lambda: service.readiness()[0])
+                freezing = FleetFreezer(
+                    service.registry, lambda: service.readiness()[0],
+                    refreeze_interval=settings.gc_refreeze_interval,
+                    on_refreeze=_refreeze_metric(service.metrics.registry))
                 freezing.start()
+                app.state.freezer = freezing
             # The proxy's HTTP client lives as long as the service it forwards for.
             proxy = app.state.proxy = Proxy(service) if settings.proxy else None
             if settings.epp_port is not None:

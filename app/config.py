@@ -265,6 +265,11 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
     # Idle checks (a quiet worker asking for dropped tail batches) started per second,
     # fleet-wide; each worker's 5 s interval is jittered by half.
     idle_checks_per_second: Seconds = 50.0  # a positive finite number, like Seconds
+    # `kvroute serve` freezes the fleet's objects out of the garbage collector's passes
+    # (app.gc_freeze); at most this often, once the fleet has been quiet for 5 s after a
+    # change, it unfreezes, collects and freezes again, freeing the garbage the freezes
+    # kept. 0: never.
+    gc_refreeze_interval: NonNegative = 3600.0
     # Hosts explicit `events`/`replay` endpoints may name besides the instance's own.
     zmq_endpoint_hosts: tuple[Text, ...] = ()
     # A hostile or broken publisher: bigger ZMQ messages close the connection; bigger

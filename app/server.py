@@ -34,6 +34,7 @@ from kvroute.app.service import Service
 
 if TYPE_CHECKING:
     from kvroute.app.epp_server import EppServer
+    from kvroute.app.gc_freeze import FleetFreezer
 
 __all__ = ["MAX_HEADER_BYTES", "BackgroundServer", "BoundedHttpProtocol", "serve_forever"]
 
@@ -259,11 +260,14 @@ class BackgroundServer:
     ``port`` and ``url`` are final before ``start()`` and no other process can take the port
     in between."""
 
-    def __init__(self, settings: Settings, *, resolver: Resolver | None = None) -> None:
+    def __init__(self, settings: Settings, *, resolver: Resolver | None = None,
+                 freeze_fleet: bool = False) -> None:
         self.settings = settings
         self._socket = _bind(settings.host, settings.port)
         self.port: int = self._socket.getsockname()[1]
-        self._config = _config(settings, resolver)
+        # freeze_fleet as `kvroute serve` does (app.gc_freeze): the freezes are the whole
+        # process's, so only for a caller that owns it (a benchmark, a test that unfreezes).
+        self._config = _config(settings, resolver, freeze_fleet=freeze_fleet)
         self._server = uvicorn.Server(self._config)
         # A thread may not install signal handlers; the owner stops us instead.
         self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
@@ -282,6 +286,11 @@ class BackgroundServer:
         """The running service, for in-process callers (benchmarks, tests) that drive it
         from their own thread while no request of theirs is in flight."""
         return self._config.app.state.service  # type: ignore[union-attr]
+
+    @property
+    def freezer(self) -> FleetFreezer | None:
+        """The running garbage-collector freezer (with `freeze_fleet`), else None."""
+        return self._config.app.state.freezer  # type: ignore[union-attr]
 
     @property
     def epp(self) -> EppServer | None:

@@ -88,6 +88,36 @@ def _routes_while(http: httpx.Client, prompt: list[int],
     return routes, health
 
 
+def _loop_lags(http: httpx.Client) -> dict[str, float]:
+    """kvroute's own event-loop lag histogram (app.loop_lag): cumulative counts by bucket,
+    and how long the scrape took (ms, "scrape")."""
+    t = time.perf_counter()
+    text = http.get("/metrics").text
+    counts = {"scrape": (time.perf_counter() - t) * 1000}
+    for line in text.splitlines():
+        if line.startswith("kvroute_event_loop_lag_seconds_bucket"):
+            bound = line.split('le="')[1].split('"')[0]
+            counts[bound] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def _lag_shares(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Of the loop-lag monitor's wake-ups between two scrapes (one every 10 ms), the share
+    that woke more than 2.5, 5 and 10 ms late: stalls of kvroute's own loop, apart from
+    whatever delays the client and the machine add to the latencies measured outside.
+    The scrape that opened the window held the loop itself (its answer was made before the
+    monitor saw that): that one late wake-up is not counted."""
+    total = after["+Inf"] - before["+Inf"]
+    shares = {}
+    for bound in ("0.0025", "0.005", "0.01"):
+        late = total - (after[bound] - before[bound])
+        if before["scrape"] > float(bound) * 1000:
+            late = max(0.0, late - 1)
+        shares[f"over_{bound}"] = late / max(total, 1)
+    shares["scrape_ms"] = before["scrape"]
+    return shares
+
+
 def _add_then_remove(base: str, bodies: list[dict], pool) -> dict:
     """One cycle: POST every body at once, wait until every added instance is live (polled
     every POLL seconds: the listing of a thousand instances is itself work for kvroute),
@@ -124,8 +154,10 @@ def change_fleet(base: str, endpoints: list, prompt: list[int]) -> dict:
         idle = threading.Event()
         idle.set()
         timer = threading.Timer(CHANGE_IDLE_SECONDS, idle.clear)
+        lags_at_start = _loop_lags(http)
         timer.start()
         before, before_health = _routes_while(http, prompt, idle)
+        lags_idle = _loop_lags(http)
     ids = [f"added{n:03d}" for n in range(CHANGED_INSTANCES)]
     bodies = [{"id": i, "block_size": 16,
                "events": [endpoints[(n * RANKS + r) % len(endpoints)][0] for r in range(RANKS)],
@@ -141,6 +173,7 @@ def change_fleet(base: str, endpoints: list, prompt: list[int]) -> dict:
             cycles.append(_add_then_remove(base, bodies, pool))
         busy.clear()
         during, health = routing.result()
+        lags_changed = _loop_lags(router)
     lives = [c["live_after"] for c in cycles]
     refused = [reason for c in cycles for reason in c["refused"]]
     return {"change_instances": CHANGED_INSTANCES, "change_cycles": CHANGE_CYCLES,
@@ -156,7 +189,9 @@ def change_fleet(base: str, endpoints: list, prompt: list[int]) -> dict:
             "change_live_after_s": None if None in lives else max(lives),
             "change_refused": len(refused), "change_refused_reason": refused[0] if refused
             else None,
-            "change_removed_after_s": max(c["removed_after"] for c in cycles)}
+            "change_removed_after_s": max(c["removed_after"] for c in cycles),
+            "loop_lag_before": _lag_shares(lags_at_start, lags_idle),
+            "loop_lag_during": _lag_shares(lags_idle, lags_changed)}
 
 
 def _echo(stream, said: list[str]) -> None:
@@ -374,6 +409,13 @@ def main() -> None:
             f" {r['change_healthz_during_p50_ms']:.1f} / "
             f"{r['change_healthz_during_p99_ms']:.1f} ms ({r['change_routes']} routes) | "
             f"{live} | {r['change_removed_after_s']:.1f} s |")
+        lag_b, lag_d = r["loop_lag_before"], r["loop_lag_during"]
+        table.append(f"| | kvroute's loop woke late by > 2.5 / 5 / 10 ms: idle "
+                     f"{100 * lag_b['over_0.0025']:.1f} / {100 * lag_b['over_0.005']:.1f} / "
+                     f"{100 * lag_b['over_0.01']:.1f}% of wake-ups, changing "
+                     f"{100 * lag_d['over_0.0025']:.1f} / {100 * lag_d['over_0.005']:.1f} / "
+                     f"{100 * lag_d['over_0.01']:.1f}% (a /metrics scrape itself held it "
+                     f"{lag_d['scrape_ms']:.0f} ms) |")
         if r["change_refused"]:
             table.append(f"| | {r['change_refused']} of the {CHANGED_INSTANCES} refused: "
                          f"{r['change_refused_reason']} |")
