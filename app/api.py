@@ -316,7 +316,7 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None,
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        return Response(service_of(request).metrics.render(), media_type=CONTENT_TYPE)
+        return Response(await service_of(request).metrics.render(), media_type=CONTENT_TYPE)
 
     def openapi() -> dict[str, Any]:
         # What each operation takes and answers is app.contract's; built once, on demand.
