@@ -69,7 +69,7 @@ class _WorkerSeries:
         counters = families[:len(COUNTERS)]
         state, holdings, unconfirmed = families[len(COUNTERS):]
         attrs = list(COUNTERS)
-        workers = self._registry.workers()
+        workers = list(self._registry.workers())  # the fleet as the scrape began
         for start in range(0, len(workers), WORKERS_PER_SLICE):
             if start:
                 await asyncio.sleep(0)

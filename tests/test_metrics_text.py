@@ -5,6 +5,7 @@ for byte, whatever the instance ids hold, and the loop must run between slices."
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -42,8 +43,8 @@ class Fleet:
                 self.index.apply_stored(key, list(range(n * 10, n * 10 + len(tokens) // 16)),
                                         None, tokens, 16)
 
-    def workers(self) -> list[SimpleNamespace]:
-        return list(self._workers)
+    def workers(self) -> Iterator[SimpleNamespace]:  # a generator, as the registry's is
+        yield from self._workers
 
     def __len__(self) -> int:
         return len({w.key[0] for w in self._workers})
@@ -111,7 +112,7 @@ def test_the_text_is_prometheus_clients_byte_for_byte_and_the_loop_runs_between_
     holdings = families["kvroute_worker_holdings"].samples
     assert {s.labels["instance"] for s in holdings} >= {'odd"id-0', "new\nline-0"}
     assert len(families["kvroute_worker_state"].samples) == len(WorkerState) * len(
-        fleet.workers())
+        list(fleet.workers()))
 
 
 def test_an_empty_fleet_writes_every_family_head():
