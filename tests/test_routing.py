@@ -181,8 +181,9 @@ def test_ties_spread_cold_prefixes_evenly():
 
 def test_a_tie_leaves_out_workers_sent_clearly_more_lately():
     """Chat sessions that all hash to one worker: the hash alone would send it every one;
-    with the demand each was sent, a tie leaves out a worker more than a quarter and more
-    than one prompt above the least, and the rest break it by the hash as before."""
+    with the demand each was sent, a tie between idle workers leaves out a worker more than
+    a quarter and more than one prompt above the least, and the rest break it by the hash
+    as before. A tie between loaded workers goes by the hash alone."""
     scores = score_workers([view("a"), view("b"), view("c")], {}, W, prompt_tokens=100)
     prompts = [unique_tokens(seed, 20) for seed in range(200)]
     favourite = {p[0]: best_of(scores, TieBreaker(tokens=p)).instance for p in prompts}
@@ -203,6 +204,10 @@ def test_a_tie_leaves_out_workers_sent_clearly_more_lately():
         assert all(best_of(scores, tie(p)).instance == "a" for p in to_a)
     sent = Counter({"a": 1100, "b": 800, "c": 2000})
     assert {best_of(scores, tie(p)).instance for p in to_a} == {"b"}
+    # Between workers that carry load, a tie is their queues' coincidence: the hash alone.
+    busy = score_workers([view(n, inflight=1) for n in "abc"], {}, W, prompt_tokens=100)
+    assert all(s.queue_cost for s in busy)
+    assert {best_of(busy, tie(p)).instance for p in to_a} == {"a"}
     # Block-hash queries and workers known by key alone weigh it the same way.
     hashed = TieBreaker(first_hash=1, demand=lambda key: sent[key[0]], slack=64)
     assert hashed.pick_key([("a", 0), ("b", 0), ("c", 0)], 16) == ("b", 0)
