@@ -69,8 +69,8 @@ class CostTerms(msgspec.Struct, forbid_unknown_fields=True):
 class LoadReadings(msgspec.Struct, forbid_unknown_fields=True):
     """What the cost used: the instance's /metrics (null without a fresh scrape, and in
     proxy mode for running and waiting) and kvroute's own counts; and what breaks a tie
-    between equal costs, `recent_demand`: the prompt tokens this kvroute sent there lately,
-    each halving every 10 s."""
+    between idle workers of equal cost, `recent_demand`: the prompt tokens this kvroute
+    sent there lately (per prefix, its latest prompt), each halving every 10 s."""
 
     running: float | None
     waiting: float | None
