@@ -4,9 +4,10 @@ A tie between equally cheap workers (a new prefix nobody holds, on an idle fleet
 broken by rendezvous hashing alone. Over a few long-lived prefixes (chat sessions, each
 growing with every turn) that splits the demand unevenly by chance: on two real engines at
 one client, one took 115k prompt tokens of chats and the other 54k, and the fuller one
-evicted the sessions it held. So before the hash, a tie drops the workers whose recent
-demand is clearly above the least (`routing.TieBreaker`): the cache each one must hold
-follows the prompts sent there.
+evicted the sessions it held. So before the hash, a tie between workers that carry no
+load drops those whose recent demand is clearly above the least (`routing.TieBreaker`):
+the cache each one must hold follows the prompts sent there. (A tie between loaded
+workers is left to the hash: see app.routing.)
 
 Demand estimates what a worker's cache must hold, not how busy it is: per prefix (a prompt's
 first block, the tie's key) only the latest prompt sent there counts, so a hot prefix asked
