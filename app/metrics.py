@@ -121,10 +121,18 @@ class ServiceMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_FleetCollector(registry))
         self.route_latency = Histogram(
-            "kvroute_route_latency_seconds", "time to answer POST /v1/route",
+            "kvroute_route_latency_seconds",
+            "time to answer POST /v1/route once its body has arrived",
             labelnames=["input"], registry=self.registry,
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                      0.25, 1.0),
+        )
+        self.route_body_wait = Histogram(
+            "kvroute_route_body_seconds",
+            "time from a POST /v1/route request's headers to the end of its body",
+            registry=self.registry,
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                     0.25, 1.0, 5.0),
         )
         self.match_ratio = Histogram(
             "kvroute_route_match_ratio", "matched tokens / prompt tokens of the chosen worker",

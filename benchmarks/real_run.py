@@ -328,19 +328,28 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
 
 def own_timings(kv: Kvroute) -> str | None:
     """kvroute's own view of the run, beside what the clients measured: its mean time to
-    answer a route (server side) and its event loop's worst lag."""
+    answer a route (server side, from the whole body), how long bodies took to arrive after
+    their headers, and its event loop's lag."""
     try:
         text = kv.http.get("/metrics").text
     except httpx.HTTPError:
         return None
-    samples = {s.name: s.value for family in text_string_to_metric_families(text)
+    samples = {s.name + s.labels.get("le", ""): s.value
+               for family in text_string_to_metric_families(text)
                for s in family.samples if s.name.startswith(
-                   ("kvroute_route_latency_seconds_", "kvroute_event_loop_lag_"))}
+                   ("kvroute_route_latency_seconds_", "kvroute_route_body_seconds_",
+                    "kvroute_event_loop_lag_"))}
     count = samples.get("kvroute_route_latency_seconds_count", 0.0)
     parts = []
     if count:
         mean = 1000 * samples.get("kvroute_route_latency_seconds_sum", 0.0) / count
         parts.append(f"route answered in {mean:.1f} ms on average (server side, {count:.0f})")
+    bodies = samples.get("kvroute_route_body_seconds_count", 0.0)
+    if bodies:
+        mean = 1000 * samples.get("kvroute_route_body_seconds_sum", 0.0) / bodies
+        slow = bodies - samples.get("kvroute_route_body_seconds_bucket1.0", bodies)
+        parts.append(f"bodies arrived {mean:.1f} ms after their headers on average "
+                     f"({slow:.0f} over 1 s)")
     wakeups = samples.get("kvroute_event_loop_lag_seconds_count", 0.0)
     if wakeups:
         mean = 1000 * samples.get("kvroute_event_loop_lag_seconds_sum", 0.0) / wakeups

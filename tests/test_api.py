@@ -353,6 +353,8 @@ def test_metrics_expose_counters(cluster: SimCluster, client: httpx.Client):
     assert samples[("kvroute_worker_holdings", (("dp_rank", "0"), ("instance", a["id"]),
                                                  ("medium", "GPU")))] >= 2
     assert samples[("kvroute_route_latency_seconds_count", (("input", "token_ids"),))] >= 1
+    assert samples[("kvroute_route_body_seconds_count", ())] == samples[
+        ("kvroute_route_latency_seconds_count", (("input", "token_ids"),))]
     assert samples[("kvroute_route_match_ratio_count", ())] >= 1
     assert samples[("kvroute_instances", ())] == 1
 
