@@ -225,6 +225,16 @@ from kvroute.index.runs import MAX_PLAIN_BLOCK_SIZE, PLAIN_KINDS, TOKENS_PER_WOR
 cdef object _UINT32_END = 2**32
 
 
+cdef inline bint _gpu_group_zero(object event):
+    """Whether a store or removal names the GPU tier (or none) and KV-cache group 0 (or
+    none): the only place a run applies (`index.runs.on_gpu_group_zero`)."""
+    medium = event.medium
+    if medium is not None and medium != "GPU":
+        return False
+    group = event.group_idx
+    return group is None or group == 0
+
+
 cdef inline bint _plain_hashes(object hashes):
     """Every item an int >= 0 (a list: checked by the caller)."""
     cdef Py_ssize_t i
@@ -376,10 +386,7 @@ def apply_run(index, worker, list events, Py_ssize_t start, Py_ssize_t work_left
         if not is_store and not is_removal:
             is_removal = isinstance(event, removed)
         if is_store:
-            medium = event.medium
-            if medium is not None and medium != "GPU":
-                break
-            if event.group_idx is not None and event.group_idx != 0:
+            if not _gpu_group_zero(event):
                 break
             if (event.kv_cache_spec_kind not in PLAIN_KINDS or event.lora_name is not None
                     or event.lora_id is not None):
@@ -444,10 +451,7 @@ def apply_run(index, worker, list events, Py_ssize_t start, Py_ssize_t work_left
                 run.error = exc
                 break
         elif is_removal:
-            medium = event.medium
-            if medium is not None and medium != "GPU":
-                break
-            if event.group_idx is not None and event.group_idx != 0:
+            if not _gpu_group_zero(event):
                 break
             hashes = event.block_hashes
             if type(hashes) is not list or not _plain_hashes(hashes):

@@ -92,10 +92,16 @@ def token_list(tokens: Any) -> Any:
         return None
 
 
+def on_gpu_group_zero(event: Any) -> bool:
+    """Whether a store or removal names the GPU tier (or none) and KV-cache group 0 (or
+    none): the only place a run applies."""
+    return event.medium in (None, "GPU") and event.group_idx in (None, 0)
+
+
 def plain_store(index: PrefixIndex, worker: Hashable, event: Any, limits: RunLimits) -> bool:
     """Whether a store event is plain for ``worker`` now (module docstring). Its token ids
     may be a list or ``msgspec.Raw`` (a msgpack array of ints)."""
-    if event.medium not in (None, "GPU") or event.group_idx not in (None, 0):
+    if not on_gpu_group_zero(event):
         return False
     if (event.kv_cache_spec_kind not in PLAIN_KINDS or event.lora_name is not None
             or event.lora_id is not None):
@@ -125,7 +131,7 @@ def plain_store(index: PrefixIndex, worker: Hashable, event: Any, limits: RunLim
 
 def plain_removal(index: PrefixIndex, worker: Hashable, event: Any, limits: RunLimits) -> bool:
     """Whether a removal event is plain for ``worker`` now (module docstring)."""
-    if event.medium not in (None, "GPU") or event.group_idx not in (None, 0):
+    if not on_gpu_group_zero(event):
         return False
     hashes = event.block_hashes
     if not _plain_hashes(hashes) or len(hashes) > limits.max_work:
