@@ -179,6 +179,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=20261123)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--num-blocks", type=int, default=64, help="KV blocks per engine")
+    parser.add_argument("--engine-nice", type=int, default=10,
+                        help="scheduling niceness of the engines (default 10; 0: the "
+                             "caller's). On this rig the engines' model compute shares the "
+                             "cores with the routers and the clients; in a deployment it runs "
+                             "on GPUs, and a router or client waiting for a core behind it "
+                             "would be measured as routing time")
     parser.add_argument("--buffer-steps", type=int, default=None,
                         help="KV-event batches each engine's replay keeps (default: vLLM's "
                              "10,000); short, a kvroute started from nothing misses what was "
@@ -245,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i in range(args.engines):
             spec = EngineSpec(f"vllm-{i}", venv, model, logs, num_blocks=args.num_blocks,
-                              buffer_steps=args.buffer_steps)
+                              buffer_steps=args.buffer_steps, nice=args.engine_nice)
             engines.append(Engine(spec, procs))
             clock.say(f"starting {spec.name}: {spec.url}, events :{spec.events_port}, "
                       f"{spec.num_blocks} blocks of {spec.block_size} tokens "
@@ -303,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         "block_size": engines[0].spec.block_size if engines else None,
         "num_blocks": args.num_blocks,
         "buffer_steps": args.buffer_steps,
+        "engine_nice": args.engine_nice,
         "max_model_len": engines[0].spec.max_model_len if engines else None,
         "max_tokens": args.max_tokens,
         "abandon_every": args.abandon_every,

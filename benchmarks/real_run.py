@@ -167,8 +167,10 @@ class Sender:
                             out.abandoned = True
                             break
                     if payload == "[DONE]":
+                        # read on to the body's end: left unread, its last chunk makes the
+                        # client close the connection, and every request pays a new one
                         finished = True
-                        break
+                        continue
                     chunk = json.loads(payload)
                     if chunk.get("error"):
                         out.error = f"stream error: {json.dumps(chunk['error'])[:200]}"
@@ -183,11 +185,39 @@ class Sender:
         out.cached_tokens = cached_of(usage)
 
 
+class LoopLag:
+    """How late the clients' event loop wakes up for a 10 ms sleep, over the run.
+
+    A route call or a first token the clients read late is the clients' wait, not the
+    router's: this tells the two apart."""
+
+    PERIOD = 0.01
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self._task = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(self.PERIOD)
+            self.lags.append(time.monotonic() - before - self.PERIOD)
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+    def summary(self) -> str:
+        lags = sorted(self.lags) or [0.0]
+        return (f"clients' loop lag p50 {lags[len(lags) // 2] * 1e3:.1f} ms, p99 "
+                f"{lags[int(len(lags) * 0.99)] * 1e3:.1f} ms, worst {lags[-1] * 1e3:.1f} ms")
+
+
 async def client_phase(workload: Workload, concurrency: int, sender_args: dict[str, Any],
                        timeout: float, say: Callable[[str], None], label: str,
-                       rolling: bool = False) -> tuple[list[Outcome], bool, int]:
+                       rolling: bool = False) -> tuple[list[Outcome], bool, int, str]:
     """The run's requests; with ``rolling``, the replicas are restarted in turn meanwhile.
-    Returns the outcomes, whether the deadline cut the run, and the replica failovers."""
+    Returns the outcomes, whether the deadline cut the run, the replica failovers and the
+    clients' own event-loop lag."""
     limits = httpx.Limits(max_connections=2 * concurrency + 8,
                           max_keepalive_connections=2 * concurrency + 8)
     timeouts = httpx.Timeout(connect=10.0, read=300.0, write=30.0, pool=300.0)
@@ -202,6 +232,7 @@ async def client_phase(workload: Workload, concurrency: int, sender_args: dict[s
             state["last"] = now
             say(f"  {label}: {state['done']}/{total} done, {state['errors']} errors")
 
+    lag = LoopLag()
     async with httpx.AsyncClient(limits=limits, timeout=timeouts, trust_env=False) as client:
         sender = Sender(client, **sender_args)
         roller = None
@@ -216,7 +247,8 @@ async def client_phase(workload: Workload, concurrency: int, sender_args: dict[s
             state["finished"] = True
             if roller is not None:
                 await roller  # a restart under way ends before the replicas are stopped
-        return outcomes, timed_out, sender.failovers
+            lag.stop()
+        return outcomes, timed_out, sender.failovers, lag.summary()
 
 
 def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
@@ -265,8 +297,10 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
                            balancer=balancer, replicas=replicas)
         started = time.monotonic()
         rolling = router in REPLICAS and REPLICAS[router][1]
-        outcomes, timed_out, failovers = asyncio.run(client_phase(
+        outcomes, timed_out, failovers, client_lag = asyncio.run(client_phase(
             workload, concurrency, sender_args, args.run_timeout, clock.say, label, rolling))
+        notes.append(client_lag)
+        clock.say(f"  {client_lag}")
         wall = time.monotonic() - started
         if replicas is not None:
             for record in replicas.restarts:

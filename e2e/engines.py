@@ -32,6 +32,8 @@ class EngineSpec:
     max_model_len: int = 1024
     # KV-event batches the replay endpoint keeps (vLLM's default, 10,000, when None).
     buffer_steps: int | None = None
+    # Scheduling niceness for the engine and the processes it spawns (0: as the caller).
+    nice: int = 0
     http_port: int = field(default_factory=free_port)
     events_port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
@@ -54,7 +56,9 @@ class EngineSpec:
         }
         if self.buffer_steps is not None:
             events["buffer_steps"] = self.buffer_steps
+        prefix = ["nice", "-n", str(self.nice)] if self.nice else []
         return [
+            *prefix,
             str(self.venv / "bin" / "vllm"),
             "serve",
             str(self.model_dir),
