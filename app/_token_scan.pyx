@@ -53,8 +53,11 @@ cdef Py_ssize_t _occurrences(const unsigned char* at, const unsigned char* end) 
 
 
 cdef Py_ssize_t _ids(const unsigned char* p, const unsigned char* end, uint32_t* ids,
-                     Py_ssize_t limit) noexcept nogil:
-    """The ids of the array in [p, end) written to ``ids``: their count, or -1."""
+                     Py_ssize_t limit, const unsigned char** stop) noexcept nogil:
+    """The ids of the array starting at ``p`` (after JSON whitespace) written to ``ids``:
+    their count, or -1. With ``stop`` NULL the array must end exactly at ``end`` (trailing
+    whitespace aside); otherwise it may end anywhere before ``end`` and ``stop`` is set to
+    the byte after its ``]``."""
     cdef Py_ssize_t count = 0
     cdef uint64_t value
     cdef const unsigned char* first
@@ -101,6 +104,9 @@ cdef Py_ssize_t _ids(const unsigned char* p, const unsigned char* end, uint32_t*
                 return -1
             while p < end and _space(p[0]):
                 p += 1
+    if stop != NULL:
+        stop[0] = p
+        return count
     while p < end and _space(p[0]):
         p += 1
     return count if p == end else -1
@@ -132,9 +138,68 @@ def scan(const unsigned char[::1] body, const unsigned char[::1] raw, Py_ssize_t
     most = min(size // 2 + 1, limit + 1)  # an id takes two bytes at least ("1,")
     if len(_scratch) < most:
         _scratch = clone(_TEMPLATE, most, False)
-    count = _ids(start, stop, <uint32_t*>_scratch.data.as_voidptr, limit)
+    count = _ids(start, stop, <uint32_t*>_scratch.data.as_voidptr, limit, NULL)
     if count < 0:
         return None
     out = clone(_TEMPLATE, count, False)
     memcpy(out.data.as_voidptr, _scratch.data.as_voidptr, count * 4)
     return out
+
+
+def scan_key(const unsigned char[::1] body, Py_ssize_t limit):
+    """``(ids, start, stop)``: the ids of the array that follows the body's only
+    ``"token_ids":`` and the bytes it spans, ``body[start:stop]``; or None. Taken only when
+    the body holds no backslash at all and spells ``token_ids`` exactly once, right inside
+    double quotes and followed (JSON whitespace aside) by a colon and ``[``; the array's ids
+    must be as ``scan`` takes them.
+
+    Whether that spelling is the top-level key is not decided here: the caller decodes the
+    body with the span replaced by ``null`` and asks ``decoded_at`` whether the top-level
+    ``token_ids`` is exactly that ``null``. Only then are these ids the body's."""
+    global _scratch
+    cdef Py_ssize_t size = body.shape[0]
+    cdef const unsigned char* whole
+    cdef const unsigned char* end
+    cdef const unsigned char* key
+    cdef const unsigned char* p
+    cdef const unsigned char* stop = NULL
+    cdef Py_ssize_t count
+    cdef Py_ssize_t most
+    cdef array out
+    if size == 0 or _TEMPLATE.ob_descr.itemsize != 4:
+        return None
+    whole = &body[0]
+    end = whole + size
+    if memchr(whole, 92, size) != NULL:  # "\\"
+        return None
+    key = <const unsigned char*>memmem(whole, size, _KEY, _KEY_BYTES)
+    if (key == NULL or key == whole or key[-1] != 34 or key + _KEY_BYTES >= end
+            or key[_KEY_BYTES] != 34 or _occurrences(key + _KEY_BYTES, end)):
+        return None
+    p = key + _KEY_BYTES + 1
+    while p < end and _space(p[0]):
+        p += 1
+    if p >= end or p[0] != 58:  # ":"
+        return None
+    p += 1
+    while p < end and _space(p[0]):
+        p += 1
+    if p >= end or p[0] != 91:  # "["
+        return None
+    most = min((end - p) // 2 + 1, limit + 1)  # an id takes two bytes at least ("1,")
+    if len(_scratch) < most:
+        _scratch = clone(_TEMPLATE, most, False)
+    count = _ids(p, end, <uint32_t*>_scratch.data.as_voidptr, limit, &stop)
+    if count < 0:
+        return None
+    out = clone(_TEMPLATE, count, False)
+    memcpy(out.data.as_voidptr, _scratch.data.as_voidptr, count * 4)
+    return out, p - whole, stop - whole
+
+
+def decoded_at(const unsigned char[::1] buffer, const unsigned char[::1] raw,
+               Py_ssize_t start):
+    """Whether ``raw`` (a ``msgspec.Raw`` decoded from ``buffer``) is exactly the four bytes
+    ``null`` at ``buffer[start:start + 4]``: the same memory, not an equal copy."""
+    return (raw.shape[0] == 4 and 0 <= start and start + 4 <= buffer.shape[0]
+            and &raw[0] == &buffer[start])

@@ -14,7 +14,7 @@ import msgspec
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvroute.app import route_decode
+from kvroute.app import _token_scan, route_decode
 from kvroute.app.config import Settings
 from kvroute.app.errors import RequestError
 from kvroute.app.route_decode import route_decoder
@@ -44,14 +44,20 @@ OTHER_FIELD = st.sampled_from([
     '"probe": true', '"probe": 1', '"all_scores": false', '"model": "m"', '"model": 3',
     '"lora_name": null', '"candidates": ["a"]', '"candidates": []', '"unknown": 1',
     '"block_hashes": [1]', '"prompt": "hi"', '"token_ids": [5]', '"token_ids": [-5]',
-    '"token_\\u0069ds": [-5]', '"model": "\\u00e9"', '"token_ids": null'])
+    '"token_\\u0069ds": [-5]', '"model": "\\u00e9"', '"token_ids": null',
+    # The key's name where it is not the top-level key: in a string, in a nested object,
+    # as part of a longer name.
+    '"model": "token_ids"', '"model": "\\"token_ids\\": [2]"', '"candidates": ["token_ids"]',
+    '"messages": [{"role": "u", "token_ids": [1]}]', '"xtoken_ids": [1]',
+    '"model": "token_ids\\":[1]"', '"lora_name": "\\"token_ids\\":[4]"'])
 
 
 @st.composite
 def body(draw: st.DrawFn) -> bytes:
     fields = draw(st.lists(OTHER_FIELD, max_size=3))
     if draw(st.integers(0, 9)):
-        fields.insert(draw(st.integers(0, len(fields))), f'"token_ids":{draw(id_array())}')
+        fields.insert(draw(st.integers(0, len(fields))),
+                      f'"token_ids"{draw(SPACE)}:{draw(SPACE)}{draw(id_array())}')
     text = "{" + draw(SPACE) + ", ".join(fields) + draw(SPACE) + "}"
     if not draw(st.integers(0, 19)):
         text = draw(st.sampled_from(["", "[", "{", "null", "[1,2]", text[:-1], text + "x"]))
@@ -73,8 +79,22 @@ def outcome(decode: Any, payload: bytes) -> tuple[str, Any]:
 @given(body())
 @example(b'{"token_ids": [-5], "token_ids": null}')  # the last is null, the first refused
 @example(b'{"token_\\u0069ds": [-5], "token_\\u0069ds": null}')
+@example(b'{"messages": [{"role": "u", "token_ids": [1]}], "token_ids": null}')
+@example(b'{"model": "\\"token_ids\\": [1]", "token_ids": [2]}')
+@example(b'{"prompt": "token_ids", "token_ids": [2]}')
+@example(b'{"messages": [{"role": "u", "token_ids": [1]}]}')
 def test_the_fast_reader_answers_every_body_as_the_reference(payload: bytes) -> None:
     assert outcome(FAST, payload) == outcome(REFERENCE, payload)
+
+
+def test_a_key_spelled_elsewhere_is_not_taken_for_the_ids() -> None:
+    """`token_ids` spelled once, but inside a message or a string: not the body's ids."""
+    nested = b'{"messages": [{"role": "u", "token_ids": [1, 2]}], "model": "m"}'
+    assert outcome(FAST, nested) == outcome(REFERENCE, nested)
+    assert FAST(nested).token_ids is None and FAST(nested).messages == [
+        {"role": "u", "token_ids": [1, 2]}]
+    quoted = b'{"model": "\\"token_ids\\": [1]", "token_ids": [2, 3]}'
+    assert list(FAST(quoted).token_ids) == [2, 3] and FAST(quoted).model == '"token_ids": [1]'
 
 
 def test_plain_ids_are_read_into_uint32_arrays() -> None:
@@ -83,6 +103,10 @@ def test_plain_ids_are_read_into_uint32_arrays() -> None:
     request = FAST(json.dumps({"token_ids": [0, 7, 2**32 - 1], "probe": True}).encode())
     assert isinstance(request.token_ids, array) and request.token_ids.typecode == "I"
     assert list(request.token_ids) == [0, 7, 2**32 - 1] and request.probe is True
+    # Found by its key, so msgspec never walks the ids: the span is the array's text.
+    body = b'{"probe": true, "token_ids" : [0, 7] }'
+    ids, start, stop = _token_scan.scan_key(body, LIMIT)
+    assert list(ids) == [0, 7] and body[start:stop] == b"[0, 7]"
     # The same body through the reference: a list of the same ints.
     assert REFERENCE(json.dumps({"token_ids": [0, 7, 2**32 - 1]}).encode()).token_ids == [
         0, 7, 2**32 - 1]
