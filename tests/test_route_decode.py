@@ -7,6 +7,7 @@ of range, too many ids, trailing bytes."""
 from __future__ import annotations
 
 import json
+import re
 from array import array
 from typing import Any
 
@@ -24,7 +25,9 @@ SETTINGS = Settings(max_prompt_tokens=LIMIT)
 FAST = route_decoder(SETTINGS, compiled=True)
 REFERENCE = route_decoder(SETTINGS, compiled=False)
 
-PLAIN_ID = st.integers(0, 2**32 - 1).map(str)
+# Every digit count from 1 to 10 (the reader takes up to eight digits at once).
+PLAIN_ID = st.one_of(st.integers(0, 2**32 - 1), st.integers(0, 10**8 + 1),
+                     st.integers(0, 999)).map(str)
 ODD_ID = st.sampled_from(["-1", "-0", "01", "1.0", "3.5", "1e3", "2E1", "4294967296",
                           "99999999999", "true", "null", '"7"', "[1]", "{}", "1 2", ""])
 SPACE = st.sampled_from(["", " ", "\n", "\t ", "\r\n  "])
@@ -121,3 +124,39 @@ def test_refusals_keep_their_shape() -> None:
     assert outcome(FAST, negative) == ("InvalidRequest", {
         "error": "Expected `int` >= 0 - at `$.token_ids[1]`", "field": "token_ids[1]"})
     assert outcome(FAST, b'{"token_ids": [3.0, 4]}') == outcome(REFERENCE, b'{"token_ids": [3, 4]}')
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 2**32 - 1), st.integers(0, 10**9),
+                          st.integers(0, 99)), max_size=40),
+       st.sampled_from([",", ", ", " ,\n", ",\t"]), st.sampled_from(["", "}", ' , "probe": 1}']))
+def test_the_key_reader_reads_ids_of_every_length(ids: list[int], comma: str,
+                                                   after: str) -> None:
+    """Ids of one to ten digits, spelled with any JSON whitespace, up to the body's last
+    bytes: read as JSON reads them (eight digits at a time where eight bytes remain)."""
+    body = ('{"token_ids": [' + comma.join(map(str, ids)) + "]" + after).encode()
+    found = _token_scan.scan_key(body, 64)
+    assert found is not None
+    assert list(found[0]) == ids and json.loads(body[found[1]:found[2]]) == ids
+
+
+# A JSON array of plain ids: no sign, fraction, exponent or leading zero.
+PLAIN_ARRAY = re.compile(r"\[[ \t\r\n]*(?:(?:0|[1-9][0-9]*)[ \t\r\n]*"
+                         r"(?:,[ \t\r\n]*(?:0|[1-9][0-9]*)[ \t\r\n]*)*)?\]")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="0123456789-+.eE ,x]", min_size=1, max_size=14))
+def test_the_key_reader_refuses_what_is_no_plain_id(spelled: str) -> None:
+    """An id with a sign, a fraction, an exponent, a leading zero, over 2**32 - 1, or
+    other bytes among its digits: never read as some other id. What is read is an array
+    of plain ids, and the ids JSON reads in it."""
+    body = ('{"token_ids": [' + spelled + ', 7]}').encode()
+    found = _token_scan.scan_key(body, 64)
+    if found is not None:
+        ids, start, stop = found
+        span = body[start:stop].decode()
+        assert PLAIN_ARRAY.fullmatch(span)
+        assert json.loads(span) == list(ids) and all(i < 2**32 for i in ids)
+    elif PLAIN_ARRAY.fullmatch(body[14:-1].decode()):
+        assert any(int(i) >= 2**32 for i in json.loads(body[14:-1]))  # too large: refused
