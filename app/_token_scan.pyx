@@ -22,6 +22,9 @@ from cpython.array cimport array, clone
 from libc.stdint cimport uint32_t, uint64_t
 from libc.string cimport memchr, memcpy
 
+cdef extern from *:
+    int __builtin_ctzll(unsigned long long) nogil
+
 cdef extern from "string.h" nogil:
     void* memmem(const void* haystack, size_t haystacklen, const void* needle,
                  size_t needlelen)
@@ -31,6 +34,10 @@ cdef array _TEMPLATE = array("I")
 # bytes would allocate (and fault in) several times what the ids need on every call. Only
 # touched with the GIL held, so one per process is safe.
 cdef array _scratch = array("I")
+cdef uint64_t _ALL = 0xFFFFFFFFFFFFFFFFULL
+cdef uint64_t _ONE = 1
+# The eight-digit reader loads bytes as one little-endian word; elsewhere, one at a time.
+cdef bint _LITTLE_ENDIAN = (<unsigned char*>&_ONE)[0] == 1
 cdef const char* _KEY = b"token_ids"
 cdef size_t _KEY_BYTES = 9
 
@@ -52,11 +59,40 @@ cdef Py_ssize_t _occurrences(const unsigned char* at, const unsigned char* end) 
     return found
 
 
+cdef inline int _leading_digits(uint64_t chunk) noexcept nogil:
+    """How many of the eight bytes of ``chunk`` (the first in its lowest byte) are ASCII
+    digits before the first that is not. A byte is a digit iff its high half is 3 and
+    adding 6 keeps it 3 (0x30-0x39). Adding 6 to a byte above 0xF9 carries into the next
+    byte, but such a byte is no digit, so only bytes after the first non-digit can be
+    misread, and they are not counted."""
+    cdef uint64_t odd = (((chunk & 0xF0F0F0F0F0F0F0F0ULL) ^ 0x3030303030303030ULL)
+                         | (((chunk + 0x0606060606060606ULL) & 0xF0F0F0F0F0F0F0F0ULL)
+                            ^ 0x3030303030303030ULL))
+    # The high bit of each byte that is not zero (no carry between bytes: 0x7F + 0x7F).
+    odd = (((odd & 0x7F7F7F7F7F7F7F7FULL) + 0x7F7F7F7F7F7F7F7FULL) | odd) & 0x8080808080808080ULL
+    if odd == 0:
+        return 8
+    return __builtin_ctzll(odd) >> 3
+
+
+cdef inline uint64_t _eight_digits(uint64_t digits) noexcept nogil:
+    """The number the eight digit values in the bytes of ``digits`` spell, the first (most
+    significant) in the lowest byte: pairs, then quads, then all eight, by multiplying."""
+    digits = digits * 10 + (digits >> 8)  # each 16-bit lane's low byte: 10 * first + second
+    return (((digits & 0x000000FF000000FFULL) * (100 + (1000000ULL << 32))
+             + ((digits >> 16) & 0x000000FF000000FFULL) * (1 + (10000ULL << 32))) >> 32)
+
+
 cdef Py_ssize_t _ids(const unsigned char* p, const unsigned char* end, uint32_t* ids,
-                     Py_ssize_t limit) noexcept nogil:
-    """The ids of the array in [p, end) written to ``ids``: their count, or -1."""
+                     Py_ssize_t limit, const unsigned char** stop) noexcept nogil:
+    """The ids of the array starting at ``p`` (after JSON whitespace) written to ``ids``:
+    their count, or -1. With ``stop`` NULL the array must end exactly at ``end`` (trailing
+    whitespace aside); otherwise it may end anywhere before ``end`` and ``stop`` is set to
+    the byte after its ``]``."""
     cdef Py_ssize_t count = 0
     cdef uint64_t value
+    cdef uint64_t chunk
+    cdef int n
     cdef const unsigned char* first
     cdef unsigned char c
     while p < end and _space(p[0]):
@@ -74,6 +110,14 @@ cdef Py_ssize_t _ids(const unsigned char* p, const unsigned char* end, uint32_t*
                 return -1
             first = p
             value = 0
+            if _LITTLE_ENDIAN and end - p >= 8:
+                # Up to eight digits at once (an id has at most ten); the rest one by one.
+                memcpy(&chunk, p, 8)
+                n = _leading_digits(chunk)
+                if n:
+                    chunk = (chunk - 0x3030303030303030ULL) & (_ALL >> (64 - 8 * n))
+                    value = _eight_digits(chunk << (64 - 8 * n))
+                    p += n
             while p < end and <unsigned char>(p[0] - 48) < 10:
                 value = value * 10 + (p[0] - 48)
                 p += 1
@@ -101,6 +145,9 @@ cdef Py_ssize_t _ids(const unsigned char* p, const unsigned char* end, uint32_t*
                 return -1
             while p < end and _space(p[0]):
                 p += 1
+    if stop != NULL:
+        stop[0] = p
+        return count
     while p < end and _space(p[0]):
         p += 1
     return count if p == end else -1
@@ -132,9 +179,68 @@ def scan(const unsigned char[::1] body, const unsigned char[::1] raw, Py_ssize_t
     most = min(size // 2 + 1, limit + 1)  # an id takes two bytes at least ("1,")
     if len(_scratch) < most:
         _scratch = clone(_TEMPLATE, most, False)
-    count = _ids(start, stop, <uint32_t*>_scratch.data.as_voidptr, limit)
+    count = _ids(start, stop, <uint32_t*>_scratch.data.as_voidptr, limit, NULL)
     if count < 0:
         return None
     out = clone(_TEMPLATE, count, False)
     memcpy(out.data.as_voidptr, _scratch.data.as_voidptr, count * 4)
     return out
+
+
+def scan_key(const unsigned char[::1] body, Py_ssize_t limit):
+    """``(ids, start, stop)``: the ids of the array that follows the body's only
+    ``"token_ids":`` and the bytes it spans, ``body[start:stop]``; or None. Taken only when
+    the body holds no backslash at all and spells ``token_ids`` exactly once, right inside
+    double quotes and followed (JSON whitespace aside) by a colon and ``[``; the array's ids
+    must be as ``scan`` takes them.
+
+    Whether that spelling is the top-level key is not decided here: the caller decodes the
+    body with the span replaced by ``null`` and asks ``decoded_at`` whether the top-level
+    ``token_ids`` is exactly that ``null``. Only then are these ids the body's."""
+    global _scratch
+    cdef Py_ssize_t size = body.shape[0]
+    cdef const unsigned char* whole
+    cdef const unsigned char* end
+    cdef const unsigned char* key
+    cdef const unsigned char* p
+    cdef const unsigned char* stop = NULL
+    cdef Py_ssize_t count
+    cdef Py_ssize_t most
+    cdef array out
+    if size == 0 or _TEMPLATE.ob_descr.itemsize != 4:
+        return None
+    whole = &body[0]
+    end = whole + size
+    if memchr(whole, 92, size) != NULL:  # "\\"
+        return None
+    key = <const unsigned char*>memmem(whole, size, _KEY, _KEY_BYTES)
+    if (key == NULL or key == whole or key[-1] != 34 or key + _KEY_BYTES >= end
+            or key[_KEY_BYTES] != 34 or _occurrences(key + _KEY_BYTES, end)):
+        return None
+    p = key + _KEY_BYTES + 1
+    while p < end and _space(p[0]):
+        p += 1
+    if p >= end or p[0] != 58:  # ":"
+        return None
+    p += 1
+    while p < end and _space(p[0]):
+        p += 1
+    if p >= end or p[0] != 91:  # "["
+        return None
+    most = min((end - p) // 2 + 1, limit + 1)  # an id takes two bytes at least ("1,")
+    if len(_scratch) < most:
+        _scratch = clone(_TEMPLATE, most, False)
+    count = _ids(p, end, <uint32_t*>_scratch.data.as_voidptr, limit, &stop)
+    if count < 0:
+        return None
+    out = clone(_TEMPLATE, count, False)
+    memcpy(out.data.as_voidptr, _scratch.data.as_voidptr, count * 4)
+    return out, p - whole, stop - whole
+
+
+def decoded_at(const unsigned char[::1] buffer, const unsigned char[::1] raw,
+               Py_ssize_t start):
+    """Whether ``raw`` (a ``msgspec.Raw`` decoded from ``buffer``) is exactly the four bytes
+    ``null`` at ``buffer[start:start + 4]``: the same memory, not an equal copy."""
+    return (raw.shape[0] == 4 and 0 <= start and start + 4 <= buffer.shape[0]
+            and &raw[0] == &buffer[start])

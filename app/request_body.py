@@ -31,13 +31,18 @@ async def read_body(request: Request, limit: int, *, timeout: float) -> bytes:
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise TooLarge(f"body of {declared} bytes exceeds the limit of {limit}")
-    body = bytearray()
+    # Kept as the chunks that came and joined once: a body of one chunk is not copied at
+    # all, a longer one once (not grown in a buffer and copied out again).
+    chunks: list[bytes] = []
+    size = 0
     try:
         async with asyncio.timeout(timeout):
             async for chunk in request.stream():
-                body += chunk
-                if len(body) > limit:
+                if chunk:
+                    chunks.append(chunk)
+                    size += len(chunk)
+                if size > limit:
                     raise TooLarge(f"body exceeds the limit of {limit} bytes")
     except TimeoutError:
         raise TimedOut(f"the body did not arrive within {timeout:g} s", "body") from None
-    return bytes(body)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)

@@ -3,10 +3,15 @@
 The reference is `json_body.decode_json(body, route_request_type(settings))`: msgspec builds
 the request with `token_ids` as a list of ints, which for a 32k-token prompt is most of a
 route's time (tens of thousands of int objects, then copied again into the uint32 bytes the
-index hashes). The fast reader decodes the same body with `token_ids` left as raw JSON
-(`msgspec.Raw`) and reads that array straight into an `array('I')` in compiled code
+index hashes). The fast reader reads the ids straight into an `array('I')` in compiled code
 (`app/_token_scan.pyx`); the array is a sequence of ints to every caller, and its bytes are
-the index's token bytes already (`index.keys.token_bytes`).
+the index's token bytes already (`index.keys.token_bytes`). It finds them one of two ways:
+- first where the body spells its only `"token_ids":` (`scan_key`); msgspec then decodes
+  the body with that array replaced by `null`, so it never walks the ids at all, and the
+  ids are taken only if the top-level `token_ids` msgspec finds is that very `null`
+  (`decoded_at`: the same bytes in memory), not a nested key or a key inside a string;
+- else msgspec decodes the body with `token_ids` left as raw JSON (`msgspec.Raw`) and the
+  compiled code reads that raw text (`scan`).
 
 Invariant: on every body, the fast reader answers what the reference answers (the same
 request, or the same refusal). It only takes bodies it can read exactly; anything else goes
@@ -37,9 +42,9 @@ from kvroute.app.json_body import decode_json
 from kvroute.app.route_request import RouteRequest, route_request_type
 
 try:  # compiled at install time when a C compiler is there (like index/_fast.pyx)
-    from kvroute.app._token_scan import scan
+    from kvroute.app._token_scan import decoded_at, scan, scan_key
 except ImportError:
-    scan = None
+    decoded_at = scan = scan_key = None
 
 __all__ = ["COMPILED_AVAILABLE", "route_decoder"]
 
@@ -55,16 +60,30 @@ def route_decoder(settings: Settings, *, compiled: bool | None = None,
     kind = route_request_type(settings)
     if compiled is None:
         compiled = COMPILED_AVAILABLE and os.environ.get("KVROUTE_PURE_INDEX", "") in ("", "0")
-    if not compiled or scan is None:
+    if not compiled or scan is None or scan_key is None or decoded_at is None:
         return lambda body: decode_json(body, kind)
     raw_kind = _raw_tokens(kind)
+    lean_decoder = msgspec.json.Decoder(raw_kind)
     names = [name for name in kind.__struct_fields__ if name != "token_ids"]
     limit = settings.max_prompt_tokens
-    read = scan
+    read, read_key, exactly_at = scan, scan_key, decoded_at
 
     def decode(body: bytes) -> RouteRequest:
+        found = read_key(body, limit)
+        if found is not None:
+            # The ids read where the body spells its only `token_ids`; msgspec decodes the
+            # rest with `null` in their place, and they are the body's if the top-level
+            # `token_ids` it finds is that very `null` (not a nested or absent key).
+            ids, start, stop = found
+            rest = body[:start] + b"null" + body[stop:]
+            try:
+                lean = lean_decoder.decode(rest)
+            except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+                return decode_json(body, kind)  # refused: the reference says how
+            if exactly_at(rest, lean.token_ids, start):
+                return kind(token_ids=ids, **{name: getattr(lean, name) for name in names})
         try:
-            lean = msgspec.json.decode(body, type=raw_kind)
+            lean = lean_decoder.decode(body)
         except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
             return decode_json(body, kind)  # refused: the reference says how
         raw = lean.token_ids

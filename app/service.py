@@ -463,9 +463,17 @@ class Service:
         if smallest:
             sizes.append(smallest)
 
+        # A route asks for the chosen worker's score and for those shown, which are
+        # mostly the same workers: each is scored once.
+        made: dict[WorkerKey, Score] = {}
+
         def score(key: WorkerKey) -> Score:
-            return score_workers([self._view(workers[key])], matches, self.weights,
-                                 prompt_tokens=prompt_tokens, held_elsewhere=held)[0]
+            found = made.get(key)
+            if found is None:
+                found = made[key] = score_workers(
+                    [self._view(workers[key])], matches, self.weights,
+                    prompt_tokens=prompt_tokens, held_elsewhere=held)[0]
+            return found
 
         groups = [WorkerGroup.of(keys, cost, score) for cost, keys in by_cost.items()]
         if idle_count:

@@ -123,3 +123,25 @@ def test_asking_for_missing_compiled_loops_is_a_clear_error(monkeypatch) -> None
     with pytest.raises(ValueError, match="not built"):
         PrefixIndex(compiled=True)
     assert PrefixIndex(compiled=False).implementation == "pure"
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 70), min_size=1, max_size=4),
+       cut=st.integers(0, 70), tail=st.integers(0, BLOCK - 1),
+       medium=st.sampled_from([None, "CPU", "STORAGE"]))
+def test_long_walks_agree_wherever_they_end(lengths: list[int], cut: int, tail: int,
+                                            medium: str | None) -> None:
+    """Workers holding one chain to different depths (up to 70 blocks, past several of the
+    compiled walk's look-ahead runs of 16 blocks), one of them on a slower tier; queries
+    that leave the chain at any block, or follow it past every holder: both loops answer
+    the same matches."""
+    index = TwinIndex()
+    chain = [n % 50 for n in range(BLOCK * 70)]
+    for number, blocks in enumerate(lengths):
+        index.apply_stored((f"w{number}", 0), [10**6 * (number + 1) + b for b in range(blocks)],
+                           None, chain[:BLOCK * blocks], BLOCK,
+                           medium=medium if number == 0 else None)
+    query = chain[:BLOCK * cut] + [99] * BLOCK + chain[:tail]  # leaves the chain at `cut`
+    index.match(query)
+    index.match(chain + [1] * tail, matched_only=True)
+    index._check()
