@@ -36,6 +36,7 @@ import httpx
 
 from benchmarks import proc_sched
 from benchmarks.report import emit
+from benchmarks.route_timer import RouteTimer
 
 PUBLISHER_PROCESSES = 4
 MAX_PUBLISHERS = 64
@@ -67,21 +68,6 @@ def _free_port() -> int:
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def _routes_while(http: httpx.Client, prompt: list[int],
-                  busy: threading.Event) -> tuple[list[float], list[float]]:
-    """Route the prompt, then GET /healthz, until `busy` is cleared; latencies, ms."""
-    routes, health = [], []
-    while busy.is_set():
-        t = time.perf_counter()
-        answer = http.post("/v1/route", json={"token_ids": prompt, "probe": True})
-        routes.append((time.perf_counter() - t) * 1000)
-        assert answer.status_code == 200, answer.text
-        t = time.perf_counter()
-        http.get("/healthz")
-        health.append((time.perf_counter() - t) * 1000)
-    return routes, health
 
 
 # kvroute's own histograms read at the edges of each window: its event loop's lag, a
@@ -182,29 +168,33 @@ def change_fleet(base: str, endpoints: list, prompt: list[int], pid: int,
     For both windows, what kvroute's own histograms and Linux's accounting of its process
     (`pid`) and of `others` (publishers, this client) say (benchmarks.proc_sched)."""
     with httpx.Client(base_url=base, timeout=60) as http:
-        idle = threading.Event()
-        idle.set()
-        timer = threading.Timer(CHANGE_IDLE_SECONDS, idle.clear)
-        lags_at_start, sched_at_start = _scrape(http), proc_sched.sample(pid, others)
-        timer.start()
-        before, before_health = _routes_while(http, prompt, idle)
-        lags_idle, sched_idle = _scrape(http), proc_sched.sample(pid, others)
+        timer = RouteTimer(base, prompt).start()
+        try:
+            group = {**others, "router": [timer.pid]}
+            lags_at_start, sched_at_start = _scrape(http), proc_sched.sample(pid, group)
+            timer.go()
+            time.sleep(CHANGE_IDLE_SECONDS)
+            before, before_health = timer.finish()
+            lags_idle, sched_idle = _scrape(http), proc_sched.sample(pid, group)
+        finally:
+            timer.close()
     ids = [f"added{n:03d}" for n in range(CHANGED_INSTANCES)]
     bodies = [{"id": i, "block_size": 16,
                "events": [endpoints[(n * RANKS + r) % len(endpoints)][0] for r in range(RANKS)],
                "replay": [endpoints[(n * RANKS + r) % len(endpoints)][1] for r in range(RANKS)]}
               for n, i in enumerate(ids)]
-    busy = threading.Event()
-    busy.set()
-    with httpx.Client(base_url=base, timeout=60) as router, \
-            concurrent.futures.ThreadPoolExecutor(33) as pool:
-        routing = pool.submit(_routes_while, router, prompt, busy)
-        cycles = []
-        for _ in range(cycles_n):
-            cycles.append(_add_then_remove(base, bodies, pool))
-        busy.clear()
-        during, health = routing.result()
-        lags_changed, sched_changed = _scrape(router), proc_sched.sample(pid, others)
+    with httpx.Client(base_url=base, timeout=60) as http, \
+            concurrent.futures.ThreadPoolExecutor(32) as pool:
+        timer = RouteTimer(base, prompt).start()
+        try:
+            group = {**others, "router": [timer.pid]}
+            lags_changing, sched_changing = _scrape(http), proc_sched.sample(pid, group)
+            timer.go()
+            cycles = [_add_then_remove(base, bodies, pool) for _ in range(cycles_n)]
+            during, health = timer.finish()
+            lags_changed, sched_changed = _scrape(http), proc_sched.sample(pid, group)
+        finally:
+            timer.close()
     lives = [c["live_after"] for c in cycles]
     refused = [reason for c in cycles for reason in c["refused"]]
     return {"change_instances": CHANGED_INSTANCES, "change_cycles": cycles_n,
@@ -222,13 +212,14 @@ def change_fleet(base: str, endpoints: list, prompt: list[int], pid: int,
             else None,
             "change_removed_after_s": max(c["removed_after"] for c in cycles),
             "loop_lag_before": _lag_shares(lags_at_start, lags_idle),
-            "loop_lag_during": _lag_shares(lags_idle, lags_changed),
+            "loop_lag_during": _lag_shares(lags_changing, lags_changed),
             "own_route_before": _own_time(lags_at_start, lags_idle, _ROUTE),
-            "own_route_during": _own_time(lags_idle, lags_changed, _ROUTE),
+            "own_route_during": _own_time(lags_changing, lags_changed, _ROUTE),
             "body_wait_before": _own_time(lags_at_start, lags_idle, _BODY),
-            "body_wait_during": _own_time(lags_idle, lags_changed, _BODY),
+            "body_wait_during": _own_time(lags_changing, lags_changed, _BODY),
             "sched_before": proc_sched.window(sched_at_start, sched_idle, len(before)),
-            "sched_during": proc_sched.window(sched_idle, sched_changed, len(during))}
+            "sched_during": proc_sched.window(sched_changing, sched_changed,
+                                               len(during))}
 
 
 def _echo(stream, said: list[str]) -> None:
@@ -499,7 +490,9 @@ def main() -> None:
                 f"{1000 * own['p99_at_most']:.1f} ms ({100 * own['over_0.0025']:.1f}% over "
                 f"2.5 ms), its body's wait p99 <= {1000 * body['p99_at_most']:.1f} ms; CPU "
                 f"(cores): kvroute {sched['process_cpu_share']:.2f}, publishers "
-                f"{sched['publishers_cpu_share']:.2f}, client {sched['client_cpu_share']:.2f},"
+                f"{sched['publishers_cpu_share']:.2f}, timed routes' client "
+                f"{sched['router_cpu_share']:.2f}, the changes' client "
+                f"{sched['client_cpu_share']:.2f},"
                 f" rest of the machine {sched['rest_of_machine_cores']:.2f} of "
                 f"{sched['cores']} |")
         if r["change_refused"]:
