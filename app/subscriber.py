@@ -241,10 +241,16 @@ class Subscriber(SubscriberReplays):
             delay = min(_OPEN_RETRY_MAX, 2 * delay)
         return False
 
-    async def stop(self, timeout: float = 5.0) -> None:
-        """Ask ``run()`` to return and wait for it (sockets closed when this returns)."""
+    def ask_to_stop(self) -> None:
+        """Ask ``run()`` to return, without waiting: its task wakes in a later pass of the
+        loop (so a remover can ask its subscribers one turn at a time, and their first
+        steps after waking do not all land in one pass)."""
         self._stopping.set()
         self._wake()
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Ask ``run()`` to return and wait for it (sockets closed when this returns)."""
+        self.ask_to_stop()
         if self._task is None or self._stopped.is_set():
             return
         try:
