@@ -48,7 +48,6 @@ CHANGE_CYCLES = 3  # of adding and removing them, routed through all along
 CHANGE_IDLE_SECONDS = 2.0  # routes on the idle fleet just before, the figures beside
 POLL = 0.2  # seconds between listings while waiting for the added instances
 INTERLEAVED_ROUTES = 1000  # to each of two fleets at once, alternately
-FAVOUR_NICE = 10  # --favour-loop: the priority of everything the bench runs but the loop
 
 
 def _rss_mb(pid: int) -> float:
@@ -159,16 +158,30 @@ def _add_then_remove(base: str, bodies: list[dict], pool) -> dict:
                 "refused": refused}
 
 
+def _favour(pid: int) -> None:
+    """The main thread of process `pid` (kvroute's event loop, the timed routes' client)
+    scheduled first in, first out at the lowest real-time priority: it runs as soon as it
+    is ready, whatever else wants a core (the threads it starts later do not inherit this).
+    Its CPU use is what it was, and Linux keeps 5% of each core for other tasks all the
+    same. Needs the privilege to set real-time scheduling."""
+    os.sched_setscheduler(pid, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, os.sched_param(1))
+
+
 def change_fleet(base: str, endpoints: list, prompt: list[int], pid: int,
-                 others: dict[str, list[int]], cycles_n: int = CHANGE_CYCLES) -> dict:
+                 others: dict[str, list[int]], cycles_n: int = CHANGE_CYCLES,
+                 favour: bool = False) -> dict:
     """`cycles_n` times: add CHANGED_INSTANCES instances of RANKS workers at once
     (concurrent POSTs), wait until every one is live, remove them at once (concurrent
     DELETEs), with routes and /healthz answered all along on another connection. Beside
     them, the same routes and /healthz on an idle fleet just before, in the same run.
     For both windows, what kvroute's own histograms and Linux's accounting of its process
-    (`pid`) and of `others` (publishers, this client) say (benchmarks.proc_sched)."""
+    (`pid`) and of `others` (publishers, this client) say (benchmarks.proc_sched).
+    `favour`: the route timer's process scheduled as `_favour` says (kvroute's loop is
+    the caller's to favour)."""
     with httpx.Client(base_url=base, timeout=60) as http:
         timer = RouteTimer(base, prompt).start()
+        if favour:
+            _favour(timer.pid)
         try:
             group = {**others, "router": [timer.pid]}
             lags_at_start, sched_at_start = _scrape(http), proc_sched.sample(pid, group)
@@ -186,6 +199,8 @@ def change_fleet(base: str, endpoints: list, prompt: list[int], pid: int,
     with httpx.Client(base_url=base, timeout=60) as http, \
             concurrent.futures.ThreadPoolExecutor(32) as pool:
         timer = RouteTimer(base, prompt).start()
+        if favour:
+            _favour(timer.pid)
         try:
             group = {**others, "router": [timer.pid]}
             lags_changing, sched_changing = _scrape(http), proc_sched.sample(pid, group)
@@ -228,7 +243,7 @@ def _echo(stream, said: list[str]) -> None:
         said.append(line)
 
 
-def _publishers(workers: int, nice: int = 0) -> tuple[list[subprocess.Popen], list]:
+def _publishers(workers: int) -> tuple[list[subprocess.Popen], list]:
     publishers_n = min(MAX_PUBLISHERS, workers)
     per_process = -(-publishers_n // PUBLISHER_PROCESSES)
     procs, endpoints = [], []
@@ -236,8 +251,7 @@ def _publishers(workers: int, nice: int = 0) -> tuple[list[subprocess.Popen], li
         count = min(per_process, publishers_n - first)
         proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.fleet_publishers", "--count", str(count),
-             "--first", str(first)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            preexec_fn=(lambda: os.nice(nice)) if nice else None)
+             "--first", str(first)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         procs.append(proc)
         endpoints += json.loads(proc.stdout.readline())
     return procs, endpoints
@@ -328,17 +342,9 @@ def interleaved(small: int, large: int, workdir: Path) -> dict:
             proc.wait(30)
 
 
-def _lower_threads_but_main(pid: int, nice: int) -> None:
-    """Every thread of process `pid` but its main one (kvroute's event loop) at `nice`:
-    ZeroMQ's I/O threads and any worker thread that exists by now."""
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        if int(task.name) != pid:
-            os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
-
-
 def run_one(workers: int, workdir: Path, kvroute_cores: set[int] | None = None,
-            cycles_n: int = CHANGE_CYCLES, favour_loop: bool = False) -> dict:
-    procs, endpoints = _publishers(workers, FAVOUR_NICE if favour_loop else 0)
+            cycles_n: int = CHANGE_CYCLES, favour: bool = False) -> dict:
+    procs, endpoints = _publishers(workers)
     publishers_n = len(endpoints)
     kvroute = None
     try:
@@ -374,11 +380,11 @@ def run_one(workers: int, workdir: Path, kvroute_cores: set[int] | None = None,
             time.sleep(IDLE_SECONDS)
             idle_cpu = (proc_sched.cpu_seconds(kvroute.pid) - cpu0) / IDLE_SECONDS
             rss = _rss_mb(kvroute.pid)
-        if favour_loop:
-            _lower_threads_but_main(kvroute.pid, FAVOUR_NICE)
+        if favour:
+            _favour(kvroute.pid)
         change = change_fleet(base, endpoints, prompt, kvroute.pid,
                               {"publishers": [p.pid for p in procs], "client": [os.getpid()]},
-                              cycles_n)
+                              cycles_n, favour)
         stop_at = time.monotonic()
         kvroute.send_signal(signal.SIGTERM)
         kvroute.wait(60)
@@ -413,10 +419,12 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true",
                         help="kvroute on the first core alone, the publishers and this client "
                              "on the others (other users of the machine are not moved)")
-    parser.add_argument("--favour-loop", action="store_true",
-                        help=f"the publishers and kvroute's threads but its event loop at "
-                             f"nice {FAVOUR_NICE}, so the loop rarely waits for a core behind "
-                             "them (this client stays at the usual priority)")
+    parser.add_argument("--favour", action="store_true",
+                        help="kvroute's event loop and the timed routes' client at real-time "
+                             "priority (first in, first out) once the fleet is live, so "
+                             "neither waits for a core behind the publishers, ZeroMQ's "
+                             "threads or anything else: the change-phase latency left is "
+                             "kvroute's own work (needs privilege)")
     parser.add_argument("--out", type=Path, default=Path("bench-out/fleet"))
     args = parser.parse_args()
     kvroute_cores, all_cores = None, os.sched_getaffinity(0)
@@ -425,7 +433,7 @@ def main() -> None:
         os.sched_setaffinity(0, os.sched_getaffinity(0) - kvroute_cores or kvroute_cores)
     sizes = [int(s) for s in args.sizes.split(",")] + ([4096] if args.huge else [])
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [run_one(size, Path(tmp), kvroute_cores, args.cycles, args.favour_loop)
+        rows = [run_one(size, Path(tmp), kvroute_cores, args.cycles, args.favour)
                 for size in sizes]
         compared = None
         if args.compare:
@@ -512,7 +520,7 @@ def main() -> None:
             f"(p50 / p99); ratio {c['p50_ratio']:.2f}x p50, {c['p99_ratio']:.2f}x p99")
     result = {"benchmark": "fleet", "rows": rows, "rss_kb_per_worker": per_worker,
               "interleaved": compared, "cycles": args.cycles, "pinned": args.pin,
-              "favour_loop": args.favour_loop}
+              "favour": args.favour}
     emit(result, "\n".join(table), out_file=args.out / "fleet.json")
     try:
         import matplotlib
