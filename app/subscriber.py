@@ -287,6 +287,13 @@ class Subscriber(SubscriberReplays):
                     await self._reopen_if_given_up()
                     await self._wait_or_stop(self._live.connected.wait(), _POLL_MS / 1000)
                 elif self._needs_rebuild:
+                    # The rebuild starts in a turn of the fleet's: the connections of a
+                    # hundred instances added at once come up together, and their
+                    # subscribers, all woken in one pass, each began a rebuild there (a
+                    # drain, a replay request): passes of several milliseconds.
+                    await self._pacing.turn()
+                    if self._stopping.is_set() or not self._live.connected.is_set():
+                        continue
                     self._needs_rebuild = False
                     await self._drain()
                     saved, self._saved = self._saved, None
