@@ -2,19 +2,24 @@
 idle cost as the fleet grows (issue: fleets of a thousand workers).
 
 Per fleet size: publishers in separate processes (64 at most, shared by the workers: each
-worker is one data-parallel rank of an instance, its events on a publisher), one
-publisher in eight holding a 64-block prefix; kvroute as its own process. Measured: time
-until every worker is live, `POST /v1/route` of a 1,040-token prompt starting with the
-prefix (p50/p99, answer bytes) beside `/healthz` of the same server in the same run (the
-floor), kvroute's CPU over 10 s idle (share of one core, from /proc), its RSS, routes
-and /healthz while 100 instances (800 workers) are added through the API at once and then
-removed at once, three times (p50/p99 beside those of the same requests on the idle fleet
-just before, how long until every added worker was live), and the time from SIGTERM to its
-exit. Then two fleets (`--compare`, 32 and 1,024 workers) run at once, their routes sent
-alternately, so the ratio of their latencies is measured under the same machine noise.
-The load monitor runs as configured by default; the simulated publishers have no HTTP
-server, so the instances have no `url`. Prints JSON and a table (benchmarks.report); writes
-bench-out/fleet/fleet.json and, when matplotlib is installed, fleet.png.
+worker is one data-parallel rank of an instance, its events on a publisher), one publisher
+in eight holding a 64-block prefix; kvroute as its own process. Measured: time until every
+worker is live, `POST /v1/route` of a 1,040-token prompt starting with the prefix (p50/p99,
+answer bytes) beside `/healthz` of the same server in the same run (the floor), kvroute's
+CPU over 10 s idle (share of one core, from /proc), its RSS, routes and /healthz while 100
+instances (800 workers) are added through the API at once and then removed at once, three
+times (p50/p99 beside those of the same requests on the idle fleet just before, how long
+until every added worker was live; the routes timed from a process of their own,
+benchmarks.route_timer), and the time from SIGTERM to its exit. For both of those windows,
+what kvroute's own histograms say (loop lag, a route's own time, the wait for its body) and
+what Linux says of its event loop (time on a core, time ready but waiting for one) beside
+the CPU of everything else (benchmarks.proc_sched): kvroute's own work apart from its wait
+for a core. `--pin` and `--favour` take that wait away two ways. Then two fleets
+(`--compare`, 32 and 1,024 workers) run at once, their routes sent alternately, so the
+ratio of their latencies is measured under the same machine noise. The load monitor runs as
+configured by default; the simulated publishers have no HTTP server, so the instances have
+no `url`. Prints JSON and a table (benchmarks.report); writes bench-out/fleet/fleet.json
+and, when matplotlib is installed, fleet.png.
 """
 
 from __future__ import annotations
