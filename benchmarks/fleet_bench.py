@@ -14,7 +14,7 @@ benchmarks.route_timer), and the time from SIGTERM to its exit. For both of thos
 what kvroute's own histograms say (loop lag, a route's own time, the wait for its body) and
 what Linux says of its event loop (time on a core, time ready but waiting for one) beside
 the CPU of everything else (benchmarks.proc_sched): kvroute's own work apart from its wait
-for a core. `--pin` and `--favour` take that wait away two ways. Then two fleets
+for a core. `--pin` and `--favour` try two ways to take that wait away. Then two fleets
 (`--compare`, 32 and 1,024 workers) run at once, their routes sent alternately, so the
 ratio of their latencies is measured under the same machine noise. The load monitor runs as
 configured by default; the simulated publishers have no HTTP server, so the instances have
