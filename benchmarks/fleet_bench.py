@@ -169,7 +169,11 @@ def _favour(pid: int) -> None:
     is ready, whatever else wants a core (the threads it starts later do not inherit this).
     Its CPU use is what it was, and Linux keeps 5% of each core for other tasks all the
     same. Needs the privilege to set real-time scheduling."""
-    os.sched_setscheduler(pid, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, os.sched_param(1))
+    try:
+        os.sched_setscheduler(pid, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, os.sched_param(1))
+    except PermissionError:
+        raise SystemExit("--favour needs the privilege to set real-time scheduling "
+                         "(CAP_SYS_NICE)") from None
 
 
 def change_fleet(base: str, endpoints: list, prompt: list[int], pid: int,
