@@ -9,16 +9,17 @@ Invariants:
 - Idle checks (a replay from `last_seq + 1` after `idle_check` quiet seconds) start at most
   `idle_checks_per_second` times a second across the fleet, and each worker's interval is
   jittered, so checks of workers that went quiet together spread over time.
-- Opening and closing sockets (a subscriber's live connection, a replay channel) is done in
-  turns (`turn`), handed out in order of asking: in one pass of the event loop at most
-  `turns_per_pass` of them, and none once `pass_budget` seconds have passed since the pass's
-  first turn was taken (what runs after a turn until its task next waits counts too). So a
-  pass holds at most `pass_budget` plus one piece of such work, whatever the pieces cost: a
-  hundred instances added or removed at once start and stop in pieces of about a
-  millisecond, with routes answered between them, not in one stall. After a pass that took
-  turns, while others wait, no turn is taken for `rest` times as long as that pass's turns
-  took, so a burst of this work keeps to about 1 / (1 + rest) of the process's time.
-  (`app.paced_changes` makes API registrations and removals wait for a turn as well.)
+- Opening and closing sockets (a subscriber's live connection, a replay channel) and the
+  start of a rebuild once a live connection is up are done in turns (`turn`), handed out in
+  order of asking: in one pass of the event loop at most `turns_per_pass` of them, and none
+  once `pass_budget` seconds have passed since the pass's first turn was taken (what runs
+  after a turn until its task next waits counts too). So a pass holds at most `pass_budget`
+  plus one piece of such work, whatever the pieces cost: a hundred instances added or
+  removed at once start and stop in pieces of about half a millisecond, with routes answered
+  between them, not in one stall. After a pass that took turns, while others wait, no turn
+  is taken for `rest` times as long as that pass's turns took, so a burst of this work keeps
+  to about 1 / (1 + rest) of the process's time. (`app.paced_changes` makes API
+  registrations and removals wait for a turn as well.)
 - The replay channels kept open between requests are bounded fleet-wide
   (`replay_channels`).
 Made on the event loop that runs the subscribers; not thread-safe.
@@ -41,7 +42,7 @@ __all__ = ["FleetPacing"]
 class FleetPacing:
     def __init__(self, replay_concurrency: int = 32, idle_checks_per_second: float = 50.0,
                  *, jitter: float = 0.5, rng: random.Random | None = None,
-                 turns_per_pass: int = 16, pass_budget: float = 0.001, rest: float = 3.0,
+                 turns_per_pass: int = 16, pass_budget: float = 0.0005, rest: float = 3.0,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         if replay_concurrency < 1 or idle_checks_per_second <= 0:
             raise ValueError("replay_concurrency and idle_checks_per_second must be positive")

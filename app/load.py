@@ -253,8 +253,9 @@ class LoadMonitor:
         self._task = None
 
     def _joined(self, instance: Instance, joined: bool) -> None:
-        """An instance (or its workers) just joined: read at once, not at the next round."""
-        if joined and instance.workers:
+        """An instance (or its workers) just joined: read at once, not at the next round
+        (an instance without a `url` has no /metrics to read)."""
+        if joined and instance.url and instance.workers:
             self._arrivals[instance.id] = instance
             self._arrived.set()
 

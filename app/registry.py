@@ -225,7 +225,7 @@ class Registry:
         del self._instances[instance_id]
         self._changed(instance, joined=False)
         await cancel_and_wait(self._discovery_tasks.pop(instance_id, None))
-        await self._stop_workers(instance.workers)
+        await self._stop_workers(instance.workers, paced=True)
         for worker in instance.workers:
             self.index.drop_worker(worker.key)
         self._size_replay_channels(self._followed())
@@ -355,7 +355,21 @@ class Registry:
                 subscriber.run(), name=f"subscriber {instance.id} rank {endpoint.dp_rank}")
             instance.workers.append(worker)
 
-    async def _stop_workers(self, workers: list[Worker]) -> None:
+    async def _stop_workers(self, workers: list[Worker], *, paced: bool = False) -> None:
+        """Stop the workers' subscribers and wait for their tasks. `paced`: each is asked
+        in a turn of the fleet's pacing, one turn each, so a hundred removals at once wake
+        at most `turns_per_pass` subscribers a pass (asked all at once, the first steps
+        of a few hundred stopping subscribers, each small, filled single passes of the
+        loop for several milliseconds); unpaced (closing), all are asked at once."""
+        if paced:
+            try:
+                for worker in workers:
+                    await self.pacing.turn()
+                    worker.subscriber.ask_to_stop()
+            except BaseException:  # cancelled while waiting: none is left running
+                for worker in workers:
+                    worker.subscriber.ask_to_stop()
+                raise
         await asyncio.gather(*(worker.subscriber.stop() for worker in workers))
         for worker in workers:
             if worker.task is not None and not worker.task.done():

@@ -40,6 +40,8 @@ class KeptChannels:
         """A new bound, applied at once: channels not in use beyond it are closed now, before
         the workers that made it smaller open their sockets."""
         self.capacity = capacity
+        if len(self._open) <= capacity:  # the usual case: no copy of a fleet's channels
+            return
         for channel in list(self._open.values()):
             if len(self._open) <= capacity:
                 return

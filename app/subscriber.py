@@ -241,10 +241,16 @@ class Subscriber(SubscriberReplays):
             delay = min(_OPEN_RETRY_MAX, 2 * delay)
         return False
 
-    async def stop(self, timeout: float = 5.0) -> None:
-        """Ask ``run()`` to return and wait for it (sockets closed when this returns)."""
+    def ask_to_stop(self) -> None:
+        """Ask ``run()`` to return, without waiting: its task wakes in a later pass of the
+        loop (so a remover can ask its subscribers one turn at a time, and their first
+        steps after waking do not all land in one pass)."""
         self._stopping.set()
         self._wake()
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Ask ``run()`` to return and wait for it (sockets closed when this returns)."""
+        self.ask_to_stop()
         if self._task is None or self._stopped.is_set():
             return
         try:
@@ -281,6 +287,13 @@ class Subscriber(SubscriberReplays):
                     await self._reopen_if_given_up()
                     await self._wait_or_stop(self._live.connected.wait(), _POLL_MS / 1000)
                 elif self._needs_rebuild:
+                    # The rebuild starts in a turn of the fleet's: the connections of a
+                    # hundred instances added at once come up together, and their
+                    # subscribers, all woken in one pass, each began a rebuild there (a
+                    # drain, a replay request): passes of several milliseconds.
+                    await self._pacing.turn()
+                    if self._stopping.is_set() or not self._live.connected.is_set():
+                        continue
                     self._needs_rebuild = False
                     await self._drain()
                     saved, self._saved = self._saved, None

@@ -2,19 +2,24 @@
 idle cost as the fleet grows (issue: fleets of a thousand workers).
 
 Per fleet size: publishers in separate processes (64 at most, shared by the workers: each
-worker is one data-parallel rank of an instance, its events on a publisher), one
-publisher in eight holding a 64-block prefix; kvroute as its own process. Measured: time
-until every worker is live, `POST /v1/route` of a 1,040-token prompt starting with the
-prefix (p50/p99, answer bytes) beside `/healthz` of the same server in the same run (the
-floor), kvroute's CPU over 10 s idle (share of one core, from /proc), its RSS, routes
-and /healthz while 100 instances (800 workers) are added through the API at once and then
-removed at once, three times (p50/p99 beside those of the same requests on the idle fleet
-just before, how long until every added worker was live), and the time from SIGTERM to its
-exit. Then two fleets (`--compare`, 32 and 1,024 workers) run at once, their routes sent
-alternately, so the ratio of their latencies is measured under the same machine noise.
-The load monitor runs as configured by default; the simulated publishers have no HTTP
-server, so the instances have no `url`. Prints JSON and a table (benchmarks.report); writes
-bench-out/fleet/fleet.json and, when matplotlib is installed, fleet.png.
+worker is one data-parallel rank of an instance, its events on a publisher), one publisher
+in eight holding a 64-block prefix; kvroute as its own process. Measured: time until every
+worker is live, `POST /v1/route` of a 1,040-token prompt starting with the prefix (p50/p99,
+answer bytes) beside `/healthz` of the same server in the same run (the floor), kvroute's
+CPU over 10 s idle (share of one core, from /proc), its RSS, routes and /healthz while 100
+instances (800 workers) are added through the API at once and then removed at once, three
+times (p50/p99 beside those of the same requests on the idle fleet just before, how long
+until every added worker was live; the routes timed from a process of their own,
+benchmarks.route_timer), and the time from SIGTERM to its exit. For both of those windows,
+what kvroute's own histograms say (loop lag, a route's own time, the wait for its body) and
+what Linux says of its event loop (time on a core, time ready but waiting for one) beside
+the CPU of everything else (benchmarks.proc_sched): kvroute's own work apart from its wait
+for a core. `--pin` and `--favour` try two ways to take that wait away. Then two fleets
+(`--compare`, 32 and 1,024 workers) run at once, their routes sent alternately, so the
+ratio of their latencies is measured under the same machine noise. The load monitor runs as
+configured by default; the simulated publishers have no HTTP server, so the instances have
+no `url`. Prints JSON and a table (benchmarks.report); writes bench-out/fleet/fleet.json
+and, when matplotlib is installed, fleet.png.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks import proc_sched
 from benchmarks.report import emit
+from benchmarks.route_timer import RouteTimer
 
 PUBLISHER_PROCESSES = 4
 MAX_PUBLISHERS = 64
@@ -46,12 +53,6 @@ CHANGE_CYCLES = 3  # of adding and removing them, routed through all along
 CHANGE_IDLE_SECONDS = 2.0  # routes on the idle fleet just before, the figures beside
 POLL = 0.2  # seconds between listings while waiting for the added instances
 INTERLEAVED_ROUTES = 1000  # to each of two fleets at once, alternately
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
 
 
 def _rss_mb(pid: int) -> float:
@@ -73,48 +74,65 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _routes_while(http: httpx.Client, prompt: list[int],
-                  busy: threading.Event) -> tuple[list[float], list[float]]:
-    """Route the prompt, then GET /healthz, until `busy` is cleared; latencies, ms."""
-    routes, health = [], []
-    while busy.is_set():
-        t = time.perf_counter()
-        answer = http.post("/v1/route", json={"token_ids": prompt, "probe": True})
-        routes.append((time.perf_counter() - t) * 1000)
-        assert answer.status_code == 200, answer.text
-        t = time.perf_counter()
-        http.get("/healthz")
-        health.append((time.perf_counter() - t) * 1000)
-    return routes, health
+# kvroute's own histograms read at the edges of each window: its event loop's lag, a
+# route's own time once its body has arrived, and the wait for that body.
+_HISTOGRAMS = ("kvroute_event_loop_lag_seconds", "kvroute_route_latency_seconds",
+               "kvroute_route_body_seconds")
 
 
-def _loop_lags(http: httpx.Client) -> dict[str, float]:
-    """kvroute's own event-loop lag histogram (app.loop_lag): cumulative counts by bucket,
-    and how long the scrape took (ms, "scrape")."""
+def _scrape(http: httpx.Client) -> dict:
+    """kvroute's histograms (`_HISTOGRAMS`, summed over labels): cumulative counts by
+    bucket bound and the sum of observations, and how long the scrape took (ms,
+    "scrape")."""
     t = time.perf_counter()
     text = http.get("/metrics").text
-    counts = {"scrape": (time.perf_counter() - t) * 1000}
+    read: dict = {"scrape": (time.perf_counter() - t) * 1000}
     for line in text.splitlines():
-        if line.startswith("kvroute_event_loop_lag_seconds_bucket"):
-            bound = line.split('le="')[1].split('"')[0]
-            counts[bound] = float(line.rsplit(" ", 1)[1])
-    return counts
+        for name in _HISTOGRAMS:
+            if line.startswith(name + "_bucket"):
+                bound = line.split('le="')[1].split('"')[0]
+                buckets = read.setdefault(name, {})
+                buckets[bound] = buckets.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
+            elif line.startswith(name + "_sum"):
+                read[name + "_sum"] = read.get(name + "_sum", 0.0) + \
+                    float(line.rsplit(" ", 1)[1])
+    return read
 
 
-def _lag_shares(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+def _own_time(before: dict, after: dict, name: str) -> dict[str, float]:
+    """Of one of kvroute's histograms between two scrapes: how many observations, their
+    total (s), the share over 1, 2.5 and 5 ms, and the 99th percentile as the bound of the
+    bucket that holds it (so "<= 1 ms" reads 0.001)."""
+    b, a = before[name], after[name]
+    bounds = sorted((k for k in a if k != "+Inf"), key=float)
+    total = a["+Inf"] - b["+Inf"]
+    shown = {"count": total, "sum_s": after[name + "_sum"] - before[name + "_sum"]}
+    for bound in ("0.001", "0.0025", "0.005"):
+        shown[f"over_{bound}"] = (total - (a[bound] - b[bound])) / max(total, 1)
+    shown["p99_at_most"] = next((float(k) for k in bounds
+                                 if a[k] - b[k] >= 0.99 * total), float("inf"))
+    return shown
+
+
+_LAG, _ROUTE, _BODY = _HISTOGRAMS
+
+
+def _lag_shares(before: dict, after: dict) -> dict[str, float]:
     """Of the loop-lag monitor's wake-ups between two scrapes (one every 10 ms), the share
     that woke more than 2.5, 5 and 10 ms late: stalls of kvroute's own loop, apart from
     whatever delays the client and the machine add to the latencies measured outside.
     The scrape that opened the window held the loop itself (its answer was made before the
     monitor saw that): that one late wake-up is not counted."""
-    total = after["+Inf"] - before["+Inf"]
+    lags_before, lags_after = before[_LAG], after[_LAG]
+    total = lags_after["+Inf"] - lags_before["+Inf"]
     shares = {}
     for bound in ("0.0025", "0.005", "0.01"):
-        late = total - (after[bound] - before[bound])
+        late = total - (lags_after[bound] - lags_before[bound])
         if before["scrape"] > float(bound) * 1000:
             late = max(0.0, late - 1)
         shares[f"over_{bound}"] = late / max(total, 1)
     shares["scrape_ms"] = before["scrape"]
+    shares["sum_s"] = after[_LAG + "_sum"] - before[_LAG + "_sum"]
     return shares
 
 
@@ -145,38 +163,65 @@ def _add_then_remove(base: str, bodies: list[dict], pool) -> dict:
                 "refused": refused}
 
 
-def change_fleet(base: str, endpoints: list, prompt: list[int]) -> dict:
-    """CHANGE_CYCLES times: add CHANGED_INSTANCES instances of RANKS workers at once
+def _favour(pid: int) -> None:
+    """The main thread of process `pid` (kvroute's event loop, the timed routes' client)
+    scheduled first in, first out at the lowest real-time priority: it runs as soon as it
+    is ready, whatever else wants a core (the threads it starts later do not inherit this).
+    Its CPU use is what it was, and Linux keeps 5% of each core for other tasks all the
+    same. Needs the privilege to set real-time scheduling."""
+    try:
+        os.sched_setscheduler(pid, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, os.sched_param(1))
+    except PermissionError:
+        raise SystemExit("--favour needs the privilege to set real-time scheduling "
+                         "(CAP_SYS_NICE)") from None
+
+
+def change_fleet(base: str, endpoints: list, prompt: list[int], pid: int,
+                 others: dict[str, list[int]], cycles_n: int = CHANGE_CYCLES,
+                 favour: bool = False) -> dict:
+    """`cycles_n` times: add CHANGED_INSTANCES instances of RANKS workers at once
     (concurrent POSTs), wait until every one is live, remove them at once (concurrent
     DELETEs), with routes and /healthz answered all along on another connection. Beside
-    them, the same routes and /healthz on an idle fleet just before, in the same run."""
+    them, the same routes and /healthz on an idle fleet just before, in the same run.
+    For both windows, what kvroute's own histograms and Linux's accounting of its process
+    (`pid`) and of `others` (publishers, this client) say (benchmarks.proc_sched).
+    `favour`: the route timer's process scheduled as `_favour` says (kvroute's loop is
+    the caller's to favour)."""
     with httpx.Client(base_url=base, timeout=60) as http:
-        idle = threading.Event()
-        idle.set()
-        timer = threading.Timer(CHANGE_IDLE_SECONDS, idle.clear)
-        lags_at_start = _loop_lags(http)
-        timer.start()
-        before, before_health = _routes_while(http, prompt, idle)
-        lags_idle = _loop_lags(http)
+        timer = RouteTimer(base, prompt).start()
+        if favour:
+            _favour(timer.pid)
+        try:
+            group = {**others, "router": [timer.pid]}
+            lags_at_start, sched_at_start = _scrape(http), proc_sched.sample(pid, group)
+            timer.go()
+            time.sleep(CHANGE_IDLE_SECONDS)
+            before, before_health = timer.finish()
+            lags_idle, sched_idle = _scrape(http), proc_sched.sample(pid, group)
+        finally:
+            timer.close()
     ids = [f"added{n:03d}" for n in range(CHANGED_INSTANCES)]
     bodies = [{"id": i, "block_size": 16,
                "events": [endpoints[(n * RANKS + r) % len(endpoints)][0] for r in range(RANKS)],
                "replay": [endpoints[(n * RANKS + r) % len(endpoints)][1] for r in range(RANKS)]}
               for n, i in enumerate(ids)]
-    busy = threading.Event()
-    busy.set()
-    with httpx.Client(base_url=base, timeout=60) as router, \
-            concurrent.futures.ThreadPoolExecutor(33) as pool:
-        routing = pool.submit(_routes_while, router, prompt, busy)
-        cycles = []
-        for _ in range(CHANGE_CYCLES):
-            cycles.append(_add_then_remove(base, bodies, pool))
-        busy.clear()
-        during, health = routing.result()
-        lags_changed = _loop_lags(router)
+    with httpx.Client(base_url=base, timeout=60) as http, \
+            concurrent.futures.ThreadPoolExecutor(32) as pool:
+        timer = RouteTimer(base, prompt).start()
+        if favour:
+            _favour(timer.pid)
+        try:
+            group = {**others, "router": [timer.pid]}
+            lags_changing, sched_changing = _scrape(http), proc_sched.sample(pid, group)
+            timer.go()
+            cycles = [_add_then_remove(base, bodies, pool) for _ in range(cycles_n)]
+            during, health = timer.finish()
+            lags_changed, sched_changed = _scrape(http), proc_sched.sample(pid, group)
+        finally:
+            timer.close()
     lives = [c["live_after"] for c in cycles]
     refused = [reason for c in cycles for reason in c["refused"]]
-    return {"change_instances": CHANGED_INSTANCES, "change_cycles": CHANGE_CYCLES,
+    return {"change_instances": CHANGED_INSTANCES, "change_cycles": cycles_n,
             "change_route_before_p50_ms": statistics.median(before),
             "change_route_before_p99_ms": _percentile(before, 0.99),
             "change_healthz_before_p50_ms": statistics.median(before_health),
@@ -191,7 +236,14 @@ def change_fleet(base: str, endpoints: list, prompt: list[int]) -> dict:
             else None,
             "change_removed_after_s": max(c["removed_after"] for c in cycles),
             "loop_lag_before": _lag_shares(lags_at_start, lags_idle),
-            "loop_lag_during": _lag_shares(lags_idle, lags_changed)}
+            "loop_lag_during": _lag_shares(lags_changing, lags_changed),
+            "own_route_before": _own_time(lags_at_start, lags_idle, _ROUTE),
+            "own_route_during": _own_time(lags_changing, lags_changed, _ROUTE),
+            "body_wait_before": _own_time(lags_at_start, lags_idle, _BODY),
+            "body_wait_during": _own_time(lags_changing, lags_changed, _BODY),
+            "sched_before": proc_sched.window(sched_at_start, sched_idle, len(before)),
+            "sched_during": proc_sched.window(sched_changing, sched_changed,
+                                               len(during))}
 
 
 def _echo(stream, said: list[str]) -> None:
@@ -214,10 +266,11 @@ def _publishers(workers: int) -> tuple[list[subprocess.Popen], list]:
     return procs, endpoints
 
 
-def _kvroute(workers: int, endpoints: list, workdir: Path) -> tuple[subprocess.Popen, str,
-                                                                      list[str]]:
-    """`kvroute serve --config` following `workers` workers on `endpoints`: the process, its
-    base URL, and the lines it says (echoed; its last one says why, if it exits)."""
+def _kvroute(workers: int, endpoints: list, workdir: Path,
+             cores: set[int] | None = None) -> tuple[subprocess.Popen, str, list[str]]:
+    """`kvroute serve --config` following `workers` workers on `endpoints` (on `cores`
+    only, if given): the process, its base URL, and the lines it says (echoed; its last one
+    says why, if it exits)."""
     port = _free_port()
     lines = [f"port = {port}", 'log_level = "warning"',
              f"max_instances = {workers + CHANGED_INSTANCES * RANKS}"]
@@ -229,7 +282,9 @@ def _kvroute(workers: int, endpoints: list, workdir: Path) -> tuple[subprocess.P
     config = workdir / f"fleet-{workers}.toml"
     config.write_text("\n".join(lines) + "\n")
     kvroute = subprocess.Popen([sys.executable, "-m", "kvroute.app.cli", "serve",
-                                "--config", str(config)], stderr=subprocess.PIPE, text=True)
+                                "--config", str(config)], stderr=subprocess.PIPE, text=True,
+                               preexec_fn=None if cores is None
+                               else lambda: os.sched_setaffinity(0, cores))
     said: list[str] = []
     threading.Thread(target=_echo, args=(kvroute.stderr, said), daemon=True).start()
     return kvroute, f"http://127.0.0.1:{port}", said
@@ -296,13 +351,14 @@ def interleaved(small: int, large: int, workdir: Path) -> dict:
             proc.wait(30)
 
 
-def run_one(workers: int, workdir: Path) -> dict:
+def run_one(workers: int, workdir: Path, kvroute_cores: set[int] | None = None,
+            cycles_n: int = CHANGE_CYCLES, favour: bool = False) -> dict:
     procs, endpoints = _publishers(workers)
     publishers_n = len(endpoints)
     kvroute = None
     try:
         started = time.monotonic()
-        kvroute, base, said = _kvroute(workers, endpoints, workdir)
+        kvroute, base, said = _kvroute(workers, endpoints, workdir, kvroute_cores)
         with httpx.Client(base_url=base, timeout=30) as http:
             live_after = None
             while time.monotonic() - started < 180:
@@ -329,11 +385,15 @@ def run_one(workers: int, workdir: Path) -> dict:
                 http.get("/healthz")
                 health_ms.append((time.perf_counter() - t) * 1000)
             matched = answer.json().get("matched_blocks")
-            cpu0 = _cpu_seconds(kvroute.pid)
+            cpu0 = proc_sched.cpu_seconds(kvroute.pid)
             time.sleep(IDLE_SECONDS)
-            idle_cpu = (_cpu_seconds(kvroute.pid) - cpu0) / IDLE_SECONDS
+            idle_cpu = (proc_sched.cpu_seconds(kvroute.pid) - cpu0) / IDLE_SECONDS
             rss = _rss_mb(kvroute.pid)
-        change = change_fleet(base, endpoints, prompt)
+        if favour:
+            _favour(kvroute.pid)
+        change = change_fleet(base, endpoints, prompt, kvroute.pid,
+                              {"publishers": [p.pid for p in procs], "client": [os.getpid()]},
+                              cycles_n, favour)
         stop_at = time.monotonic()
         kvroute.send_signal(signal.SIGTERM)
         kvroute.wait(60)
@@ -363,14 +423,31 @@ def main() -> None:
     parser.add_argument("--compare", default="32,1024",
                         help="two fleet sizes whose routes are compared interleaved, both up "
                              "at once ('' to skip)")
+    parser.add_argument("--cycles", type=int, default=CHANGE_CYCLES,
+                        help="times the instances are added and removed")
+    parser.add_argument("--pin", action="store_true",
+                        help="kvroute on the first core alone, the publishers and this client "
+                             "on the others (other users of the machine are not moved)")
+    parser.add_argument("--favour", action="store_true",
+                        help="kvroute's event loop and the timed routes' client at real-time "
+                             "priority (first in, first out) once the fleet is live, so "
+                             "neither waits for a core behind the publishers, ZeroMQ's "
+                             "threads or anything else: the change-phase latency left is "
+                             "kvroute's own work (needs privilege)")
     parser.add_argument("--out", type=Path, default=Path("bench-out/fleet"))
     args = parser.parse_args()
+    kvroute_cores, all_cores = None, os.sched_getaffinity(0)
+    if args.pin:
+        kvroute_cores = {min(os.sched_getaffinity(0))}
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - kvroute_cores or kvroute_cores)
     sizes = [int(s) for s in args.sizes.split(",")] + ([4096] if args.huge else [])
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [run_one(size, Path(tmp)) for size in sizes]
+        rows = [run_one(size, Path(tmp), kvroute_cores, args.cycles, args.favour)
+                for size in sizes]
         compared = None
         if args.compare:
             small, large = (int(s) for s in args.compare.split(","))
+            os.sched_setaffinity(0, all_cores)  # both fleets alike, wherever they run
             compared = interleaved(small, large, Path(tmp))
     ran = [r for r in rows if "error" not in r]
     base = ran[0]
@@ -392,7 +469,7 @@ def main() -> None:
             f" | {r['rss_mb']:.0f} MB | {r['shutdown_s']:.1f} s |")
     table += ["", f"| workers | idle just before: route p50 / p99, /healthz p50 / p99 | "
               f"while {CHANGED_INSTANCES} instances are added, then removed "
-              f"({CHANGE_CYCLES} times): route p50 / p99, /healthz p50 / p99 | "
+              f"({args.cycles} times): route p50 / p99, /healthz p50 / p99 | "
               "added all live after (worst) | removed in (worst) |",
               "|---|---|---|---|---|"]
     for r in rows:
@@ -416,6 +493,25 @@ def main() -> None:
                      f"{100 * lag_d['over_0.0025']:.1f} / {100 * lag_d['over_0.005']:.1f} / "
                      f"{100 * lag_d['over_0.01']:.1f}% (a /metrics scrape itself held it "
                      f"{lag_d['scrape_ms']:.0f} ms) |")
+        for when in ("before", "during"):
+            sched, own = r[f"sched_{when}"], r[f"own_route_{when}"]
+            body = r[f"body_wait_{when}"]
+            table.append(
+                f"| | {'idle' if when == 'before' else 'changing'}: kvroute's loop on a core "
+                f"{100 * sched['loop_on_core_share']:.0f}% of the time, ready but waiting "
+                f"for one {100 * sched['loop_queued_share']:.0f}% "
+                f"({sched['loop_queued_ms_per_route']:.2f} ms per route, preempted "
+                f"{sched['loop_preempted_per_s']:.0f}/s); loop lag in all "
+                f"{1000 * r[f'loop_lag_{when}']['sum_s']:.0f} ms over "
+                f"{sched['seconds']:.1f} s; a route's own time p99 <= "
+                f"{1000 * own['p99_at_most']:.1f} ms ({100 * own['over_0.0025']:.1f}% over "
+                f"2.5 ms), its body's wait p99 <= {1000 * body['p99_at_most']:.1f} ms; CPU "
+                f"(cores): kvroute {sched['process_cpu_share']:.2f}, publishers "
+                f"{sched['publishers_cpu_share']:.2f}, timed routes' client "
+                f"{sched['router_cpu_share']:.2f}, the changes' client "
+                f"{sched['client_cpu_share']:.2f},"
+                f" rest of the machine {sched['rest_of_machine_cores']:.2f} of "
+                f"{sched['cores']} |")
         if r["change_refused"]:
             table.append(f"| | {r['change_refused']} of the {CHANGED_INSTANCES} refused: "
                          f"{r['change_refused_reason']} |")
@@ -432,7 +528,8 @@ def main() -> None:
             f"{c['large']:,} workers {c['large_p50_ms']:.2f} / {c['large_p99_ms']:.2f} ms "
             f"(p50 / p99); ratio {c['p50_ratio']:.2f}x p50, {c['p99_ratio']:.2f}x p99")
     result = {"benchmark": "fleet", "rows": rows, "rss_kb_per_worker": per_worker,
-              "interleaved": compared}
+              "interleaved": compared, "cycles": args.cycles, "pinned": args.pin,
+              "favour": args.favour}
     emit(result, "\n".join(table), out_file=args.out / "fleet.json")
     try:
         import matplotlib

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
+
 from kvroute.app.auth import admin_guard
-from kvroute.app.config import Settings
+from kvroute.app.config import InstanceConfig, Settings
 from kvroute.app.fleet_pacing import FleetPacing
 from kvroute.app.paced_changes import PacedFleetChanges, changes_fleet
+from kvroute.app.registry import Registry
 from kvroute.app.subscriber import Subscriber
+from kvroute.index import PrefixIndex
 from kvroute.sim.publisher import EventPublisher
 from tests.conftest import wait_until
 from tests.support.events import (
@@ -115,11 +119,57 @@ def test_a_subscriber_opens_and_closes_its_sockets_in_turns_and_reuses_its_chann
                              pacing=pacing)
             async with Running(sub):
                 await wait_until(lambda: caught_up(sub, ledger, ("live",)), "the rebuild")
-                # One turn to open the live connection, one to open the replay channel.
-                assert pacing.turns == 2
+                # One turn to open the live connection, one to start the rebuild once it
+                # is up, one to open the replay channel.
+                assert pacing.turns == 3
                 assert sub._replay_channel is not None and sub._replay_channel.is_open
-            assert pacing.turns == 3  # and one to close them
+            assert pacing.turns == 4  # and one to close them
             assert not sub._replay_channel.is_open
+    run(scenario)
+
+
+def test_a_removal_asks_its_subscribers_to_stop_one_turn_each():
+    """Asked all at once, the subscribers of a hundred instances removed together woke in
+    one pass of the loop and their first steps filled it; asked in turns, a pass wakes at
+    most `turns_per_pass` of them. Eight ranks on one real publisher, a real registry."""
+    async def scenario(ctx):
+        with EventPublisher() as pub:
+            async with httpx.AsyncClient() as client:
+                pacing = FleetPacing(turns_per_pass=2, pass_budget=1.0, rest=0.0)
+                registry = Registry(PrefixIndex(), client, ctx, max_instances=4,
+                                    pacing=pacing)
+                try:
+                    await registry.add(InstanceConfig(
+                        id="gone", block_size=16, events=(pub.endpoint,) * 8,
+                        replay=(pub.replay_endpoint,) * 8))
+                    await wait_until(
+                        lambda: all(w.state == "live" for w in registry.workers()),
+                        "every rank live")
+                    counter = _PassCounter()
+                    asked: list[int] = []  # the pass of each subscriber's first ask
+
+                    def recording(sub: Subscriber):
+                        ask = sub.ask_to_stop
+
+                        def ask_to_stop() -> None:
+                            if not sub._stopping.is_set():
+                                asked.append(counter.passes)
+                            ask()
+                        return ask_to_stop
+
+                    for worker in registry.workers():
+                        worker.subscriber.ask_to_stop = recording(worker.subscriber)
+                    removed = await asyncio.wait_for(registry.remove("gone"), 30)
+                    counter.stop()
+                    assert removed.workers == [] and list(registry.workers()) == []
+                    assert len(asked) == 8
+                    per_pass: dict[int, int] = {}
+                    for seen in asked:
+                        per_pass[seen] = per_pass.get(seen, 0) + 1
+                    assert max(per_pass.values()) <= 2, per_pass
+                    assert len(per_pass) >= 4, per_pass
+                finally:
+                    await registry.close()
     run(scenario)
 
 

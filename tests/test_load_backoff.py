@@ -94,3 +94,33 @@ def test_an_instance_that_joins_is_read_at_once_not_at_the_next_round():
                 assert monitor._joined not in registry.instance_listeners
 
         run_async(scenario, timeout=60)
+
+
+def test_an_instance_without_a_url_that_joins_leaves_the_monitor_running():
+    """An instance registered with explicit event endpoints and no `url` has no /metrics to
+    read: its joining is not a scrape (it once killed the monitor's task with a TypeError,
+    seen only when kvroute stopped), and the instances that have one are still read."""
+    routes = {"/metrics": (200, PAGE)}
+    asked: Counter[str] = Counter()
+    with EventPublisher() as first, EventPublisher() as second, EventPublisher() as third, \
+            canned_http(routes, asked) as url:
+        async def scenario() -> None:
+            async with watching("first", url, first.endpoint, interval=60.0) as (monitor,
+                                                                                 registry):
+                monitor.start()
+                try:
+                    await wait_until(lambda: monitor.get(("first", 0)), "the first round")
+                    await registry.add(InstanceConfig(id="no-url", events=(second.endpoint,)),
+                                       wait_for_discovery=False)
+                    await registry.add(InstanceConfig(id="third", url=url,
+                                                      events=(third.endpoint,)),
+                                       wait_for_discovery=False)
+                    await wait_until(lambda: monitor.last(("third", 0)),
+                                     "the instance with a url read as it joined",
+                                     timeout=10.0)
+                    assert monitor.last(("no-url", 0)) is None
+                    assert not monitor._task.done()
+                finally:
+                    await monitor.stop()  # raised the TypeError before
+
+        run_async(scenario, timeout=60)
