@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Sample", "cpu_seconds", "sample", "window"]
+__all__ = ["Sample", "cpu_seconds", "machine_major_faults", "major_faults", "sample", "window"]
 
 TICK = os.sysconf("SC_CLK_TCK")
 CORES = os.cpu_count() or 1
@@ -34,6 +34,25 @@ def cpu_seconds(pid: int) -> float:
     except (FileNotFoundError, ProcessLookupError):
         return 0.0
     return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+
+
+def major_faults(pid: int) -> int:
+    """Page faults of a process that had to read the page back from disk (0 once it is
+    gone). Where the kernel pages out memory it finds cold, a process that wakes after a
+    quiet spell can stall on these for hundreds of milliseconds."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+    return int(fields[9])
+
+
+def machine_major_faults() -> int:
+    """Major page faults of every process since boot (`pgmajfault` in /proc/vmstat)."""
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        if line.startswith("pgmajfault "):
+            return int(line.split()[1])
+    return 0
 
 
 def _machine_busy() -> float:

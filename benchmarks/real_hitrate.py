@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -148,6 +149,48 @@ def _csv(text: str, cast: Callable[[str], Any] = str) -> list[Any]:
     return [cast(x.strip()) for x in text.split(",") if x.strip()]
 
 
+def _cores(text: str) -> frozenset[int] | str:
+    """``--engine-cores``: 'shared', or cores as taskset spells them (1 / 2-3 / 1,3)."""
+    if text == "shared":
+        return text
+    cores: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.partition("-")
+            cores.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of cores: {text!r}") from None
+    if not cores:
+        raise argparse.ArgumentTypeError("no core given")
+    return frozenset(cores)
+
+
+def split_cores(requested: frozenset[int] | str | None,
+                available: set[int]) -> tuple[frozenset[int] | None, frozenset[int] | None]:
+    """(the engines' cores, everyone else's), or (None, None) to share every core.
+
+    On this rig the engines' compute is a GPU's in a deployment, and vLLM's engine and
+    worker processes wait for each other in loops that yield the core and spin again (for a
+    second after each message). Sharing cores with them, the clients and kvroute were held
+    off a core for up to a second at a time, and that was measured as routing time; the
+    split keeps each side on cores of its own, as separate machines would."""
+    if requested == "shared":
+        return None, None
+    if requested is None:
+        if len(available) < 2:
+            return None, None
+        requested = frozenset(sorted(available)[1:])
+    missing = requested - available
+    rest = frozenset(available - requested)
+    if missing or not rest:
+        raise SystemExit(f"--engine-cores: cores {sorted(requested)} leave no core of "
+                         f"{sorted(available)} for the clients and kvroute"
+                         if not missing else
+                         f"--engine-cores: cores {sorted(missing)} are not available to this "
+                         f"process (it may use {sorted(available)})")
+    return requested, rest
+
+
 def _git_state() -> dict[str, Any]:
     def git(*argv: str) -> str:
         result = subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True,
@@ -179,12 +222,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=20261123)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--num-blocks", type=int, default=64, help="KV blocks per engine")
-    parser.add_argument("--engine-nice", type=int, default=10,
-                        help="scheduling niceness of the engines (default 10; 0: the "
-                             "caller's). On this rig the engines' model compute shares the "
-                             "cores with the routers and the clients; in a deployment it runs "
-                             "on GPUs, and a router or client waiting for a core behind it "
-                             "would be measured as routing time")
+    parser.add_argument("--engine-cores", type=_cores, default=None,
+                        help="the cores the engines run on, e.g. 1 or 2-3 (default: every core "
+                             "but the first, which the clients, kvroute and the balancers "
+                             "keep; 'shared': no split)")
     parser.add_argument("--buffer-steps", type=int, default=None,
                         help="KV-event batches each engine's replay keeps (default: vLLM's "
                              "10,000); short, a kvroute started from nothing misses what was "
@@ -243,6 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     clock.say(f"vLLM {VLLM_VERSION}: creating or reusing its virtual environment")
     venv = setup_vllm(work, clock.say)
     model = write_model_dir(work / "real-hitrate" / "model-tiny-llama")
+    engine_cores, own_cores = split_cores(args.engine_cores, os.sched_getaffinity(0))
+    if own_cores is not None:
+        os.sched_setaffinity(0, own_cores)  # kvroute, the balancers, redis-server inherit it
+        clock.say(f"engines on cores {sorted(engine_cores or ())}; clients, kvroute and "
+                  f"balancers on {sorted(own_cores)}")
     procs = ProcessSet()
     engines: list[Engine] = []
     fleet: Fleet | None = None
@@ -251,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i in range(args.engines):
             spec = EngineSpec(f"vllm-{i}", venv, model, logs, num_blocks=args.num_blocks,
-                              buffer_steps=args.buffer_steps, nice=args.engine_nice)
+                              buffer_steps=args.buffer_steps, cpus=engine_cores)
             engines.append(Engine(spec, procs))
             clock.say(f"starting {spec.name}: {spec.url}, events :{spec.events_port}, "
                       f"{spec.num_blocks} blocks of {spec.block_size} tokens "
@@ -309,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         "block_size": engines[0].spec.block_size if engines else None,
         "num_blocks": args.num_blocks,
         "buffer_steps": args.buffer_steps,
-        "engine_nice": args.engine_nice,
+        "engine_cores": sorted(engine_cores) if engine_cores else "shared",
         "max_model_len": engines[0].spec.max_model_len if engines else None,
         "max_tokens": args.max_tokens,
         "abandon_every": args.abandon_every,

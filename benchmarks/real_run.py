@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.proc_sched import machine_major_faults, major_faults
 from benchmarks.real_fleet import Fleet, inflight_check, start_kvroute
 from benchmarks.real_parts import (
     BALANCERS,
@@ -297,10 +299,14 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
                            balancer=balancer, replicas=replicas)
         started = time.monotonic()
         rolling = router in REPLICAS and REPLICAS[router][1]
+        faults = (machine_major_faults(), major_faults(os.getpid()))
         outcomes, timed_out, failovers, client_lag = asyncio.run(client_phase(
             workload, concurrency, sender_args, args.run_timeout, clock.say, label, rolling))
-        notes.append(client_lag)
-        clock.say(f"  {client_lag}")
+        waits = (f"{client_lag}; major page faults meanwhile: "
+                 f"{machine_major_faults() - faults[0]} on the machine, "
+                 f"{major_faults(os.getpid()) - faults[1]} in the clients")
+        notes.append(waits)
+        clock.say(f"  {waits}")
         wall = time.monotonic() - started
         if replicas is not None:
             for record in replicas.restarts:

@@ -32,8 +32,8 @@ class EngineSpec:
     max_model_len: int = 1024
     # KV-event batches the replay endpoint keeps (vLLM's default, 10,000, when None).
     buffer_steps: int | None = None
-    # Scheduling niceness for the engine and the processes it spawns (0: as the caller).
-    nice: int = 0
+    # The cores the engine and the processes it spawns may run on (None: the caller's).
+    cpus: frozenset[int] | None = None
     http_port: int = field(default_factory=free_port)
     events_port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
@@ -56,7 +56,7 @@ class EngineSpec:
         }
         if self.buffer_steps is not None:
             events["buffer_steps"] = self.buffer_steps
-        prefix = ["nice", "-n", str(self.nice)] if self.nice else []
+        prefix = ["taskset", "-c", ",".join(map(str, sorted(self.cpus)))] if self.cpus else []
         return [
             *prefix,
             str(self.venv / "bin" / "vllm"),

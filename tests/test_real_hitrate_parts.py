@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from benchmarks.real_hitrate import parse_args
+from benchmarks.real_hitrate import parse_args, split_cores
 from benchmarks.real_parts import (
     BALANCERS,
     BASELINES,
@@ -370,3 +370,22 @@ def test_the_hit_rate_right_after_the_restart_points() -> None:
     assert row["hit_rate_after_restarts"] == rate and row["restart_windows"] == [(300, 450),
                                                                                 (600, 750)]
     assert "right after the restart points" in table([row])
+
+
+def test_engines_get_every_core_but_the_first_unless_told_otherwise() -> None:
+    assert split_cores(None, {0, 1}) == ({1}, {0})
+    assert split_cores(None, {0, 1, 2, 3}) == ({1, 2, 3}, {0})
+    assert split_cores(None, {3}) == (None, None)  # one core: nothing to split
+    assert split_cores("shared", {0, 1}) == (None, None)
+    assert split_cores(parse_args(["--engine-cores", "2-3"]).engine_cores, {0, 1, 2, 3}) == (
+        {2, 3}, {0, 1})
+    assert parse_args(["--engine-cores", "1,3"]).engine_cores == {1, 3}
+
+
+def test_an_engine_core_split_that_leaves_nothing_or_names_missing_cores_says_so() -> None:
+    with pytest.raises(SystemExit, match="leave no core of"):
+        split_cores(frozenset({0, 1}), {0, 1})
+    with pytest.raises(SystemExit, match=r"cores \[5\] are not available"):
+        split_cores(frozenset({5}), {0, 1})
+    with pytest.raises(SystemExit):
+        parse_args(["--engine-cores", "one"])
