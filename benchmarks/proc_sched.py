@@ -27,24 +27,27 @@ TICK = os.sysconf("SC_CLK_TCK")
 CORES = os.cpu_count() or 1
 
 
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (None once the process is gone):
+    [9] major faults, [11] user time, [12] system time."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
 def cpu_seconds(pid: int) -> float:
     """A process's CPU time, all its threads, in seconds (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+    fields = _stat(pid)
+    return (int(fields[11]) + int(fields[12])) / TICK if fields else 0.0
 
 
 def major_faults(pid: int) -> int:
     """Page faults of a process that had to read the page back from disk (0 once it is
     gone). Where the kernel pages out memory it finds cold, a process that wakes after a
     quiet spell can stall on these for hundreds of milliseconds."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return 0
-    return int(fields[9])
+    fields = _stat(pid)
+    return int(fields[9]) if fields else 0
 
 
 def machine_major_faults() -> int:
