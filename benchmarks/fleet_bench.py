@@ -35,13 +35,17 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
 from benchmarks import proc_sched
 from benchmarks.report import emit
 from benchmarks.route_timer import RouteTimer
+
+T = TypeVar("T")
 
 PUBLISHER_PROCESSES = 4
 MAX_PUBLISHERS = 64
@@ -176,6 +180,29 @@ def _favour(pid: int) -> None:
                          "(CAP_SYS_NICE)") from None
 
 
+def _timed_window(base: str, prompt: list[int], pid: int, others: dict[str, list[int]],
+                  favour: bool, work: Callable[[], T]) -> tuple[dict, T]:
+    """Routes and /healthz timed from a process of their own (the route timer) while `work`
+    runs, beside kvroute's histograms and Linux's accounting of its process (`pid`) and of
+    `others` plus the timer, read before and after. `favour`: the timer's process
+    scheduled as `_favour` says. Returns what the window measured, and what `work` did."""
+    with httpx.Client(base_url=base, timeout=60) as http:
+        timer = RouteTimer(base, prompt).start()
+        if favour:
+            _favour(timer.pid)
+        try:
+            group = {**others, "router": [timer.pid]}
+            lags_start, sched_start = _scrape(http), proc_sched.sample(pid, group)
+            timer.go()
+            done = work()
+            routes, health = timer.finish()
+            lags_end, sched_end = _scrape(http), proc_sched.sample(pid, group)
+        finally:
+            timer.close()
+    return {"routes": routes, "health": health, "lags": (lags_start, lags_end),
+            "sched": (sched_start, sched_end)}, done
+
+
 def change_fleet(base: str, endpoints: list, prompt: list[int], pid: int,
                  others: dict[str, list[int]], cycles_n: int = CHANGE_CYCLES,
                  favour: bool = False) -> dict:
@@ -187,63 +214,38 @@ def change_fleet(base: str, endpoints: list, prompt: list[int], pid: int,
     (`pid`) and of `others` (publishers, this client) say (benchmarks.proc_sched).
     `favour`: the route timer's process scheduled as `_favour` says (kvroute's loop is
     the caller's to favour)."""
-    with httpx.Client(base_url=base, timeout=60) as http:
-        timer = RouteTimer(base, prompt).start()
-        if favour:
-            _favour(timer.pid)
-        try:
-            group = {**others, "router": [timer.pid]}
-            lags_at_start, sched_at_start = _scrape(http), proc_sched.sample(pid, group)
-            timer.go()
-            time.sleep(CHANGE_IDLE_SECONDS)
-            before, before_health = timer.finish()
-            lags_idle, sched_idle = _scrape(http), proc_sched.sample(pid, group)
-        finally:
-            timer.close()
+    idle, _ = _timed_window(base, prompt, pid, others, favour,
+                            lambda: time.sleep(CHANGE_IDLE_SECONDS))
     ids = [f"added{n:03d}" for n in range(CHANGED_INSTANCES)]
     bodies = [{"id": i, "block_size": 16,
                "events": [endpoints[(n * RANKS + r) % len(endpoints)][0] for r in range(RANKS)],
                "replay": [endpoints[(n * RANKS + r) % len(endpoints)][1] for r in range(RANKS)]}
               for n, i in enumerate(ids)]
-    with httpx.Client(base_url=base, timeout=60) as http, \
-            concurrent.futures.ThreadPoolExecutor(32) as pool:
-        timer = RouteTimer(base, prompt).start()
-        if favour:
-            _favour(timer.pid)
-        try:
-            group = {**others, "router": [timer.pid]}
-            lags_changing, sched_changing = _scrape(http), proc_sched.sample(pid, group)
-            timer.go()
-            cycles = [_add_then_remove(base, bodies, pool) for _ in range(cycles_n)]
-            during, health = timer.finish()
-            lags_changed, sched_changed = _scrape(http), proc_sched.sample(pid, group)
-        finally:
-            timer.close()
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        changing, cycles = _timed_window(
+            base, prompt, pid, others, favour,
+            lambda: [_add_then_remove(base, bodies, pool) for _ in range(cycles_n)])
     lives = [c["live_after"] for c in cycles]
     refused = [reason for c in cycles for reason in c["refused"]]
-    return {"change_instances": CHANGED_INSTANCES, "change_cycles": cycles_n,
-            "change_route_before_p50_ms": statistics.median(before),
-            "change_route_before_p99_ms": _percentile(before, 0.99),
-            "change_healthz_before_p50_ms": statistics.median(before_health),
-            "change_healthz_before_p99_ms": _percentile(before_health, 0.99),
-            "change_route_during_p50_ms": statistics.median(during),
-            "change_route_during_p99_ms": _percentile(during, 0.99),
-            "change_healthz_during_p50_ms": statistics.median(health),
-            "change_healthz_during_p99_ms": _percentile(health, 0.99),
-            "change_routes": len(during),
-            "change_live_after_s": None if None in lives else max(lives),
-            "change_refused": len(refused), "change_refused_reason": refused[0] if refused
-            else None,
-            "change_removed_after_s": max(c["removed_after"] for c in cycles),
-            "loop_lag_before": _lag_shares(lags_at_start, lags_idle),
-            "loop_lag_during": _lag_shares(lags_changing, lags_changed),
-            "own_route_before": _own_time(lags_at_start, lags_idle, _ROUTE),
-            "own_route_during": _own_time(lags_changing, lags_changed, _ROUTE),
-            "body_wait_before": _own_time(lags_at_start, lags_idle, _BODY),
-            "body_wait_during": _own_time(lags_changing, lags_changed, _BODY),
-            "sched_before": proc_sched.window(sched_at_start, sched_idle, len(before)),
-            "sched_during": proc_sched.window(sched_changing, sched_changed,
-                                               len(during))}
+    shown: dict = {"change_instances": CHANGED_INSTANCES, "change_cycles": cycles_n}
+    for when, window in (("before", idle), ("during", changing)):
+        routes, health, lags = window["routes"], window["health"], window["lags"]
+        shown.update({
+            f"change_route_{when}_p50_ms": statistics.median(routes),
+            f"change_route_{when}_p99_ms": _percentile(routes, 0.99),
+            f"change_healthz_{when}_p50_ms": statistics.median(health),
+            f"change_healthz_{when}_p99_ms": _percentile(health, 0.99),
+            f"loop_lag_{when}": _lag_shares(*lags),
+            f"own_route_{when}": _own_time(*lags, _ROUTE),
+            f"body_wait_{when}": _own_time(*lags, _BODY),
+            f"sched_{when}": proc_sched.window(*window["sched"], len(routes))})
+    shown.update({
+        "change_routes": len(changing["routes"]),
+        "change_live_after_s": None if None in lives else max(lives),
+        "change_refused": len(refused),
+        "change_refused_reason": refused[0] if refused else None,
+        "change_removed_after_s": max(c["removed_after"] for c in cycles)})
+    return shown
 
 
 def _echo(stream, said: list[str]) -> None:
