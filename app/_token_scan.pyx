@@ -153,18 +153,33 @@ cdef Py_ssize_t _ids(const unsigned char* p, const unsigned char* end, uint32_t*
     return count if p == end else -1
 
 
+cdef object _read_ids(const unsigned char* p, const unsigned char* end, Py_ssize_t limit,
+                      const unsigned char** stop):
+    """``_ids`` of [p, end) as a fresh ``array('I')``, or None. The ids are read into the
+    shared scratch array (grown to what [p, end) could hold, at most ``limit + 1``) and
+    copied out at their count."""
+    global _scratch
+    cdef Py_ssize_t most = min((end - p) // 2 + 1, limit + 1)  # an id takes two bytes ("1,")
+    cdef Py_ssize_t count
+    cdef array out
+    if len(_scratch) < most:
+        _scratch = clone(_TEMPLATE, most, False)
+    count = _ids(p, end, <uint32_t*>_scratch.data.as_voidptr, limit, stop)
+    if count < 0:
+        return None
+    out = clone(_TEMPLATE, count, False)
+    memcpy(out.data.as_voidptr, _scratch.data.as_voidptr, count * 4)
+    return out
+
+
 def scan(const unsigned char[::1] body, const unsigned char[::1] raw, Py_ssize_t limit):
     """The ids of ``raw`` (the body's ``token_ids`` text) as ``array('I')``, or None (see
     the module docstring)."""
-    global _scratch
     cdef Py_ssize_t size = raw.shape[0]
     cdef Py_ssize_t body_size = body.shape[0]
     cdef const unsigned char* start
     cdef const unsigned char* stop
     cdef const unsigned char* whole
-    cdef Py_ssize_t count
-    cdef Py_ssize_t most
-    cdef array out
     if size == 0 or body_size == 0 or _TEMPLATE.ob_descr.itemsize != 4:
         return None
     whole = &body[0]
@@ -176,15 +191,7 @@ def scan(const unsigned char[::1] body, const unsigned char[::1] raw, Py_ssize_t
             or memchr(stop, 92, whole + body_size - stop) != NULL
             or _occurrences(whole, start) != 1 or _occurrences(stop, whole + body_size)):
         return None
-    most = min(size // 2 + 1, limit + 1)  # an id takes two bytes at least ("1,")
-    if len(_scratch) < most:
-        _scratch = clone(_TEMPLATE, most, False)
-    count = _ids(start, stop, <uint32_t*>_scratch.data.as_voidptr, limit, NULL)
-    if count < 0:
-        return None
-    out = clone(_TEMPLATE, count, False)
-    memcpy(out.data.as_voidptr, _scratch.data.as_voidptr, count * 4)
-    return out
+    return _read_ids(start, stop, limit, NULL)
 
 
 def scan_key(const unsigned char[::1] body, Py_ssize_t limit):
@@ -197,16 +204,13 @@ def scan_key(const unsigned char[::1] body, Py_ssize_t limit):
     Whether that spelling is the top-level key is not decided here: the caller decodes the
     body with the span replaced by ``null`` and asks ``decoded_at`` whether the top-level
     ``token_ids`` is exactly that ``null``. Only then are these ids the body's."""
-    global _scratch
     cdef Py_ssize_t size = body.shape[0]
     cdef const unsigned char* whole
     cdef const unsigned char* end
     cdef const unsigned char* key
     cdef const unsigned char* p
     cdef const unsigned char* stop = NULL
-    cdef Py_ssize_t count
-    cdef Py_ssize_t most
-    cdef array out
+    cdef object out
     if size == 0 or _TEMPLATE.ob_descr.itemsize != 4:
         return None
     whole = &body[0]
@@ -227,15 +231,8 @@ def scan_key(const unsigned char[::1] body, Py_ssize_t limit):
         p += 1
     if p >= end or p[0] != 91:  # "["
         return None
-    most = min((end - p) // 2 + 1, limit + 1)  # an id takes two bytes at least ("1,")
-    if len(_scratch) < most:
-        _scratch = clone(_TEMPLATE, most, False)
-    count = _ids(p, end, <uint32_t*>_scratch.data.as_voidptr, limit, &stop)
-    if count < 0:
-        return None
-    out = clone(_TEMPLATE, count, False)
-    memcpy(out.data.as_voidptr, _scratch.data.as_voidptr, count * 4)
-    return out, p - whole, stop - whole
+    out = _read_ids(p, end, limit, &stop)
+    return None if out is None else (out, p - whole, stop - whole)
 
 
 def decoded_at(const unsigned char[::1] buffer, const unsigned char[::1] raw,
