@@ -360,6 +360,15 @@ def merge(records: Sequence[RunRecord]) -> RunRecord:
         [h for r in records for h in (r.repeat_hit_rates or [hit_rate(r.deltas.values())])])
 
 
+def _by_repeat(outcomes: Iterable[Outcome]) -> list[list[float]]:
+    """The TTFTs of each repetition, in repetition order."""
+    times: dict[int, list[float]] = {}
+    for o in outcomes:
+        if o.ttft_s is not None:
+            times.setdefault(o.repeat, []).append(o.ttft_s)
+    return [times[k] for k in sorted(times)]
+
+
 def summarize(run: RunRecord) -> dict[str, Any]:
     ok = [o for o in run.outcomes if o.error is None]
     errors = [o for o in run.outcomes if o.error is not None]
@@ -399,6 +408,7 @@ def summarize(run: RunRecord) -> dict[str, Any]:
         "sent_requests": sent_requests,
         "ttft_p50_ms": ms(percentile(ttft, 50)),
         "ttft_p90_ms": ms(percentile(ttft, 90)),
+        "ttft_p90_repeats_ms": [ms(percentile(times, 90)) for times in _by_repeat(ok)],
         "latency_p50_ms": ms(percentile(latency, 50)),
         "route_p50_ms": ms(percentile(route, 50)),
         "route_p99_ms": ms(percentile(route, 99)),
@@ -536,9 +546,16 @@ def _spread(values: list[float | None] | None) -> str:
     return f"{100 * min(known):.0f}-{100 * max(known):.0f}%"
 
 
+def _ms_spread(values: list[float | None] | None) -> str:
+    known = [v for v in values or [] if v is not None]
+    if len(known) < 2:
+        return "-"
+    return f"{min(known):.0f}-{max(known):.0f}"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'workload':<22} {'conc':>4} {'router':<15} {'hit':>6} {'runs':>9} {'usage':>6} "
-            f"{'of part':>7} {'TTFT50':>6} {'TTFT90':>6} {'hdr50':>6} {'hdr99':>6} "
+            f"{'of part':>7} {'TTFT50':>6} {'TTFT90':>6} {'runs':>9} {'hdr50':>6} {'hdr99':>6} "
             f"{'added 50/99':>12} {'fb':>3} {'err':>3} {'wall':>6}  "
             f"{'tokens sent/engine':<20} {'inflight':<10}")
     lines = [head, "-" * len(head)]
@@ -557,7 +574,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{_pct(r['hit_rate'])} {_spread(r.get('hit_rate_repeats')):>9} "
             f"{_pct(r['hit_rate_usage'])} "
             f"{_pct(r.get('share_of_partition')):>7} {_ms(r['ttft_p50_ms'])} "
-            f"{_ms(r['ttft_p90_ms'])} {_ms1(r.get('headers_p50_ms'))} "
+            f"{_ms(r['ttft_p90_ms'])} {_ms_spread(r.get('ttft_p90_repeats_ms')):>9} "
+            f"{_ms1(r.get('headers_p50_ms'))} "
             f"{_ms1(r.get('headers_p99_ms'))} {_added(r):>12} {r.get('fallbacks', 0):>3} "
             f"{r['errors']:>3} {r['wall_s']:5.0f}s  "
             f"{_tokens(r['sent_prompt_tokens'], r.get('sent_requests')):<20} "
@@ -575,8 +593,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         "summed; over all repetitions); runs: lowest-highest of the repetitions' own hit rates",
         "usage: cached_tokens / prompt_tokens as each response reported them; of part: hit / "
         "the static partition's hit",
-        "TTFT: ms at the client to the first SSE event, routing included; tokens sent/engine: "
-        "prompt tokens the client sent to each engine",
+        "TTFT: ms at the client to the first SSE event, routing included (its runs: lowest-"
+        "highest of the repetitions' own p90); tokens sent/engine: prompt tokens the client "
+        "sent to each engine",
         "hdr: ms at the client to the response's headers, routing included; added: hdr p50/p99 "
         "minus the baseline's in the same run",
         "  (kvroute-route and -proxy: round-robin; nginx- and haproxy-kvroute: the same balancer "

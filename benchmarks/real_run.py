@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks import proc_sched
 from benchmarks.proc_sched import machine_major_faults, major_faults
 from benchmarks.real_fleet import Fleet, inflight_check, start_kvroute
 from benchmarks.real_parts import (
@@ -300,8 +301,14 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
         started = time.monotonic()
         rolling = router in REPLICAS and REPLICAS[router][1]
         faults = (machine_major_faults(), major_faults(os.getpid()))
+        kv_pid = kv.proc.pid if kv is not None and kv.proc is not None else None
+        sched_before = _sched_sample(kv_pid)
         outcomes, timed_out, failovers, client_lag = asyncio.run(client_phase(
             workload, concurrency, sender_args, args.run_timeout, clock.say, label, rolling))
+        sched = _sched_note(sched_before, _sched_sample(kv_pid), len(outcomes))
+        if sched:
+            notes.append(sched)
+            clock.say(f"  {sched}")
         waits = (f"{client_lag}; major page faults meanwhile: "
                  f"{machine_major_faults() - faults[0]} on the machine, "
                  f"{major_faults(os.getpid()) - faults[1]} in the clients")
@@ -364,6 +371,30 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
               f"{row['errors']} errors, {row['fallbacks']} not routed, {wall:.0f}s, "
               f"prompt tokens {row['engine_prompt_tokens']}")
     return record
+
+
+def _sched_sample(kv_pid: int | None) -> proc_sched.Sample | None:
+    """kvroute's main thread as Linux accounts it, with the clients' process beside it."""
+    if kv_pid is None:
+        return None
+    try:
+        return proc_sched.sample(kv_pid, {"clients": [os.getpid()]})
+    except (OSError, ValueError):  # kvroute gone: the run's own checks say why
+        return None
+
+
+def _sched_note(first: proc_sched.Sample | None, last: proc_sched.Sample | None,
+                requests: int) -> str | None:
+    """Whether kvroute's loop waited for a core during the run: a route's time at the client
+    beyond kvroute's own is either that wait or the clients' own."""
+    if first is None or last is None:
+        return None
+    w = proc_sched.window(first, last, requests)
+    return (f"kvroute's loop on a core {100 * w['loop_on_core_share']:.0f}% of the run, "
+            f"ready but waiting for one {100 * w['loop_queued_share']:.1f}% "
+            f"({w['loop_queued_ms_per_route']:.2f} ms per request), kvroute "
+            f"{w['process_cpu_share']:.2f} of a core, the clients "
+            f"{w['clients_cpu_share']:.2f}, the machine {w['machine_busy_cores']:.2f} cores")
 
 
 def own_timings(kv: Kvroute) -> str | None:

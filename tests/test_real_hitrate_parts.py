@@ -235,6 +235,17 @@ def test_repetitions_pool_requests_and_counters_and_keep_each_hit_rate() -> None
     assert "10-40%" in table([row])
 
 
+def test_each_repetition_keeps_its_own_ttft_p90() -> None:
+    slow = _record("round-robin", 500.0, repeat=1)
+    for outcome in slow.outcomes:
+        if outcome.ttft_s is not None:
+            outcome.ttft_s *= 10
+    row = summarize(merge([_record("round-robin", 500.0), slow]))
+    assert row["ttft_p90_repeats_ms"] == [300.0, 3000.0]
+    assert "300-3000" in table([row])
+    assert row["ttft_p90_ms"] == 3000.0  # pooled over both
+
+
 def test_summary_share_and_table() -> None:
     leak = {"engines": ["vllm-0", "vllm-1"], "after_run": [1, 0], "settled": [1, 0],
             "waited_s": 10.0, "leak": True}
