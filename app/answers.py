@@ -59,11 +59,14 @@ class MediumCounts(msgspec.Struct, forbid_unknown_fields=True):
 class CostTerms(msgspec.Struct, forbid_unknown_fields=True):
     """A worker's cost in prefill tokens, by term: the prompt's tokens it would compute
     (`prefill`), those of them another eligible worker holds, priced again for the cache
-    space a second copy takes (`copy`), and the work queued there (`queue`)."""
+    space a second copy takes (`copy`), the price of storing the tokens it would compute
+    where more other prefixes must be held than on the least crowded loaded worker
+    (`crowding`), and the work queued there (`queue`)."""
 
     prefill: float
     copy: float
     queue: float
+    crowding: float
 
 
 class LoadReadings(msgspec.Struct, forbid_unknown_fields=True):
@@ -82,8 +85,7 @@ class LoadReadings(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class WorkerScore(msgspec.Struct, forbid_unknown_fields=True):
-    """One eligible worker's score; `cost` = `cost_terms.prefill` + `cost_terms.queue`, in
-    prefill tokens."""
+    """One eligible worker's score; `cost` is the sum of `cost_terms`, in prefill tokens."""
 
     instance: str
     dp_rank: int

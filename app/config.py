@@ -225,6 +225,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
     cost_queued_prefill_token: NonNegative = _COSTS.queued_prefill_token
     cost_running_request: NonNegative = _COSTS.running_request
     cost_copied_token: NonNegative = _COSTS.copied_token
+    cost_crowded_token: NonNegative = _COSTS.crowded_token
     overload_waiting: Positive = _COSTS.overload_waiting
     overload_kv_usage: NonNegative = _COSTS.overload_kv_usage
     # Seconds between scrapes of each instance's /metrics for load; 0 turns scraping off.

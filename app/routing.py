@@ -8,9 +8,12 @@ Each eligible worker gets a cost in *prefill tokens*, the unit an engine spends:
               (tokens cached on GPU cost nothing)
     copy    = copied_token * uncached tokens of this prompt that another eligible
               worker holds
+    crowding = crowded_token * uncached tokens of this prompt
+              * (others - least others) / others, between workers that carry load
+              (others: the prompts of other prefixes sent there lately, `app.demand`)
     queue   = queued_prefill_token * prefill tokens queued ahead of it
             + running_request * requests running there (decode pressure)
-    cost    = prefill + copy + queue
+    cost    = prefill + copy + crowding + queue
 
 So "the prefix is cached on the busy worker" and "the idle worker must compute the
 whole prompt" are compared in the same unit. A queued token weighs less than a token to
@@ -23,11 +26,21 @@ and time to first token (benchmarks/hitrate.py --clients shows it). So the busy 
 keeps its prefix until the work queued ahead of it is several times the prefill it saves.
 The `copy` term prices that second copy where it is made: computing tokens another
 worker already holds takes as much cache space from other prefixes, whose next requests
-miss. A prefix nobody holds pays no copy, so cold prompts still go where the queue is
-shortest; a held one moves only when its holder's queue outweighs twice what it saves.
+miss. A held prefix moves only when its holder's queue outweighs twice what it saves.
 (Measured on two real CPU engines with 16 concurrent clients sharing six system prompts,
 route mode: without it a prefix moved 3 to 13 times a run and each move evicted another;
 with it, most runs moved none and matched a static partition's hit rate.)
+The `crowding` term prices the cache space of a prompt nobody holds, and of the uncached
+part of any prompt, where it is stored: a worker that must already hold more prefixes
+than another evicts sooner. `others` is a worker's recent demand (`app.demand`: the latest
+prompt of each prefix sent there, fading) without this prompt's own prefix, so a prefix
+that its holder evicted under load goes back where it was sent lately instead of joining
+another worker's set; and a burst of new prefixes lands where fewer others are held, not
+by a coincidence of the queues. (Same bench: without it, the queues alone placed six cold
+system prompts four to two in 2 of 5 runs per mode, and prefixes evicted from their
+holder under load moved to the other engine; each such run lost 10-15 points of hit rate.
+Priced at one token per token, 2 runs of 10 still did; at two, none of 8.)
+It weighs only between workers that carry load: between idle ones demand breaks the tie.
 
 What kvroute knows of a worker's queue, and which of it counts:
 - in proxy mode, exactly the requests it forwarded and has not seen end (`inflight`), each
@@ -118,6 +131,9 @@ class CostWeights:
     # A token to compute here that another eligible worker holds: on top of its miss, the
     # cache space the second copy takes from other prefixes (see the module docstring).
     copied_token: float = 1.0
+    # A token to compute on a worker that must hold more other prefixes than the least
+    # crowded loaded worker, times the share of its demand above that one's.
+    crowded_token: float = 2.0
     overload_waiting: int = 64
     overload_kv_usage: float = 0.98
 
@@ -137,6 +153,8 @@ class WorkerView:
     queued_prefill: int = 0  # uncached prompt tokens of both, not yet computed
     waiting_prefill: float | None = None  # the price of one `waiting` request; None: unknown
     recent_demand: float = 0.0  # prompt tokens routed there lately (app.demand): breaks ties
+    # recent_demand without this prompt's own prefix (None: the same), for `crowding`
+    other_demand: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,10 +175,11 @@ class Score:
     load: LoadReadings
     pending_blocks: int = 0
     saturated: bool = False  # overloaded, or its KV cache at the limit: only shedding reads it
+    crowding_cost: float = 0.0
 
     @property
     def cost(self) -> float:
-        return self.prefill_cost + self.copy_cost + self.queue_cost
+        return self.prefill_cost + self.copy_cost + self.crowding_cost + self.queue_cost
 
     def answer(self) -> WorkerScore:
         """This score as the API shows it."""
@@ -176,6 +195,7 @@ class Score:
             cost=round(self.cost, 3),
             cost_terms=CostTerms(prefill=round(self.prefill_cost, 3),
                                  copy=round(self.copy_cost, 3),
+                                 crowding=round(self.crowding_cost, 3),
                                  queue=round(self.queue_cost, 3)),
             queued_prefill_tokens=self.queued_prefill,
             running_requests=self.running,
@@ -221,10 +241,14 @@ def score_workers(
 
     The prefill cost counts against `prompt_tokens`, or for a block-hash query
     against `prompt_blocks` times each worker's block size; `held_elsewhere` is the
-    longest match (tokens) among all the eligible workers, `workers` or not.
+    longest match (tokens) among all the eligible workers, `workers` or not. The crowding
+    term compares `workers` among themselves: the service scores one by one only those
+    that carry load (the others are grouped, `WorkerGroup`, and pay none).
     """
     scores = []
-    for view in workers:
+    others = [v.recent_demand if v.other_demand is None else v.other_demand for v in workers]
+    least = min(others, default=0.0)
+    for view, other in zip(workers, others, strict=True):
         match = matches.get(view.key)
         by_medium = dict.fromkeys(MEDIA, 0)
         blocks = tokens = pending = 0
@@ -248,6 +272,8 @@ def score_workers(
             matched_tokens=tokens, block_size=block_size, by_medium=by_medium,
             state=view.state, prefill_cost=prefill,
             copy_cost=copy_cost(weights, total, tokens, held_elsewhere),
+            crowding_cost=(weights.crowded_token * max(total - tokens, 0) * (other - least)
+                           / other if other > 0 else 0.0),
             queue_cost=(weights.queued_prefill_token * queued
                         + weights.running_request * running),
             queued_prefill=queued, running=running, overloaded=overloaded,

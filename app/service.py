@@ -154,6 +154,7 @@ class Service:
             queued_prefill_token=settings.cost_queued_prefill_token,
             running_request=settings.cost_running_request,
             copied_token=settings.cost_copied_token,
+            crowded_token=settings.cost_crowded_token,
             overload_waiting=settings.overload_waiting,
             overload_kv_usage=settings.overload_kv_usage)
         self.load = LoadMonitor(self.registry, self.client, interval=settings.load_interval,
@@ -364,7 +365,8 @@ class Service:
                                                      held)
         prompt_tokens = len(tokens) if tokens is not None else None
         prompt_blocks = len(request.block_hashes or ())
-        scores = score_workers([self._view(w) for w in scored], matches, self.weights,
+        prefix = ties.key(block_size or DEFAULT_BLOCK_SIZE)  # the prompt's key in demand
+        scores = score_workers([self._view(w, prefix) for w in scored], matches, self.weights,
                                prompt_tokens=prompt_tokens, prompt_blocks=prompt_blocks,
                                held_elsewhere=held)
         best, shown = choose(scores, groups, ties,
@@ -377,7 +379,7 @@ class Service:
                        f"{self.weights.overload_kv_usage}); retry later")
         worker = eligible.workers[(best.instance, best.dp_rank)]
         if not request.probe:
-            self.demand.add(worker.key, ties.key(block_size or DEFAULT_BLOCK_SIZE),
+            self.demand.add(worker.key, prefix,
                             prompt_tokens if prompt_tokens is not None
                             else prompt_blocks * (best.block_size or DEFAULT_BLOCK_SIZE), now)
         guess_expires = None
@@ -491,7 +493,10 @@ class Service:
         (configured or discovered; the same on every replica), else the index's."""
         return worker.instance.block_size or self.index.block_size(worker.key)
 
-    def _view(self, worker: Worker) -> WorkerView:
+    def _view(self, worker: Worker, prefix: bytes | None = None) -> WorkerView:
+        """What the policy knows of `worker`; with `prefix` (the prompt's key in
+        `app.demand`), its demand from other prefixes than that one too."""
+        now = time.monotonic()
         load = self.load.get(worker.key)
         forwarded = self.inflight.get(worker.key)
         answered = self.answers.get(worker.key)
@@ -509,7 +514,9 @@ class Service:
             queued_prefill=(forwarded.queued_prefill_tokens + answered.queued_prefill_tokens
                             + peers.queued_prefill),
             waiting_prefill=self.answers.typical_prefill(worker.key) if queue else None,
-            recent_demand=self.demand.of(worker.key, time.monotonic()))
+            recent_demand=self.demand.of(worker.key, now),
+            other_demand=None if prefix is None else self.demand.without(worker.key, prefix,
+                                                                          now))
 
     async def route(self, body: bytes) -> tuple[str, RouteAnswer]:
         """(input kind, answer) for a POST /v1/route body; raises a RequestError."""

@@ -121,7 +121,7 @@ class Sender:
             choice = answer.json()
             out.scores = " ".join(
                 f"{s['instance']} {s['matched_tokens']}/{s['cost_terms']['prefill']:.0f}"
-                f"+c{s['cost_terms']['copy']:.0f}"
+                f"+c{s['cost_terms']['copy']:.0f}+s{s['cost_terms'].get('crowding', 0):.0f}"
                 f"+{s['cost_terms']['queue']:.0f}(q{s['queued_prefill_tokens']:.0f},"
                 f"r{s['running_requests']:.0f};a{s['load']['answered']}"
                 f",m{_count(s['load']['running'])}/{_count(s['load']['waiting'])})"

@@ -13,11 +13,11 @@ HALF = 10.0
 
 
 def model_of(history: list[tuple[tuple[str, int], bytes, int, float]], limit: int,
-             key: tuple[str, int], now: float) -> float:
+             key: tuple[str, int], now: float, without: bytes | None = None) -> float:
     """The definition: after each route, the pairs whose latest prompt is more than
     FORGET_AFTER half-lives old are forgotten, then the least recently routed beyond
     `limit`; `key`'s demand is the sum of its remembered pairs' latest prompts, each
-    decayed since it was sent."""
+    decayed since it was sent (`without`: leaving that prefix's pair out)."""
     latest: dict[tuple[tuple[str, int], bytes], tuple[int, float]] = {}
     for worker, prefix, tokens, at in history:
         latest.pop((worker, prefix), None)  # re-routed: most recent again
@@ -26,7 +26,8 @@ def model_of(history: list[tuple[tuple[str, int], bytes, int, float]], limit: in
                   if prompt[1] > at - FORGET_AFTER * HALF}
         latest = dict(list(latest.items())[-limit:])
     return sum(tokens * 0.5 ** ((now - at) / HALF)
-               for (worker, _), (tokens, at) in latest.items() if worker == key)
+               for (worker, prefix), (tokens, at) in latest.items()
+               if worker == key and prefix != without)
 
 
 def test_a_prefix_counts_its_latest_prompt_once():
@@ -96,6 +97,9 @@ def test_demand_matches_the_definition(steps, limit, later):
         for key in (("a", 0), ("b", 0), ("b", 1)):
             expected = model_of(history, limit, key, now)
             assert math.isclose(demand.of(key, now), expected, rel_tol=1e-9, abs_tol=1e-6)
+            others = model_of(history, limit, key, now, without=prefix)
+            assert math.isclose(demand.without(key, prefix, now), others, rel_tol=1e-9,
+                                abs_tol=1e-6)
     for key in (("a", 0), ("b", 0), ("b", 1)):
         assert math.isclose(demand.of(key, now + later), model_of(history, limit, key, now + later),
                             rel_tol=1e-9, abs_tol=1e-6)

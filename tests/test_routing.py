@@ -36,8 +36,8 @@ def test_idle_fleet_prefers_the_longest_match():
     assert best.instance == "b"
     costs = {s.instance: msgspec.to_builtins(s.answer())["cost_terms"] for s in scores}
     # a would copy the 160 tokens b holds beyond its own: priced again.
-    assert costs == {"a": {"prefill": 1024 - 160, "copy": 160.0, "queue": 0.0},
-                     "b": {"prefill": 1024 - 320, "copy": 0.0, "queue": 0.0}}
+    assert costs == {"a": {"prefill": 1024 - 160, "copy": 160.0, "queue": 0.0, "crowding": 0.0},
+                     "b": {"prefill": 1024 - 320, "copy": 0.0, "queue": 0.0, "crowding": 0.0}}
 
 
 def test_a_cpu_hit_costs_more_than_a_gpu_hit_and_less_than_a_miss():
@@ -73,8 +73,9 @@ def test_a_cached_prefix_on_a_busy_worker_and_an_idle_worker_compare_in_prefill_
     best, scores = pick([holder, view("idle")], hit, prompt_tokens=540)
     cost = {s.instance: msgspec.to_builtins(s.answer())["cost_terms"] for s in scores}
     assert cost == {"holder": {"prefill": 60.0, "copy": 0.0,
-                               "queue": W.queued_prefill_token * 60 + 2 * W.running_request},
-                    "idle": {"prefill": 540.0, "copy": 480.0, "queue": 0.0}}
+                               "queue": W.queued_prefill_token * 60 + 2 * W.running_request,
+                               "crowding": 0.0},
+                    "idle": {"prefill": 540.0, "copy": 480.0, "queue": 0.0, "crowding": 0.0}}
     assert best.instance == "holder"
     # Four cold 540-token prompts queued ahead (2,160 tokens, 4.5 times the saving): kept.
     busy = view("holder", inflight=4, queued_prefill=4 * 540)
@@ -88,6 +89,36 @@ def test_a_cached_prefix_on_a_busy_worker_and_an_idle_worker_compare_in_prefill_
     no_copy = CostWeights(copied_token=0.0)
     best, _ = pick([busy, view("idle")], hit, prompt_tokens=540, weights=no_copy)
     assert best.instance == "idle"
+
+
+def test_a_cold_prompt_under_load_is_stored_where_fewer_other_prefixes_are_held():
+    """Two loaded workers and a 600-token prompt neither holds (a new system prompt, or one
+    its holder evicted): the queues differ by a coincidence of the burst (20 tokens), the
+    prefixes each must hold by a whole prompt. The crowded one pays for the space its
+    uncached tokens take, by the share of its other demand above the least: twice (the
+    default weight) 600 x 600/1800.
+    (On two real engines the queues alone put four cold system prompts on one engine and
+    two on the other; evicting each other there, they moved back and forth all run.)"""
+    crowded = view("crowded", inflight=4, queued_prefill=400, recent_demand=1800.0,
+                   other_demand=1800.0)
+    # Its own prefix, sent here last, does not count against it: the space is its own.
+    home = view("home", inflight=4, queued_prefill=480, recent_demand=1800.0,
+                other_demand=1200.0)
+    best, scores = pick([crowded, home], {}, prompt_tokens=600)
+    cost = {s.instance: msgspec.to_builtins(s.answer())["cost_terms"] for s in scores}
+    assert cost["crowded"]["crowding"] == 2 * 200.0 and cost["home"]["crowding"] == 0.0
+    assert best.instance == "home"
+    # Without the price the shorter queue won.
+    best, _ = pick([crowded, home], {}, prompt_tokens=600, weights=CostWeights(crowded_token=0))
+    assert best.instance == "crowded"
+    # Only what is to be computed pays: a held prefix's question (60 tokens) pays 2 x 20.
+    held = {("crowded", 0): Match(blocks=15, tokens=540, block_size=36,
+                                  by_medium={"GPU": 15, "CPU": 0, "STORAGE": 0})}
+    _, scores = pick([crowded, home], held, prompt_tokens=600)
+    assert next(s for s in scores if s.instance == "crowded").crowding_cost == 2 * 20.0
+    # No demand anywhere (a fresh kvroute): nothing to price.
+    best, scores = pick([view("a", inflight=1), view("b", inflight=2)], {}, prompt_tokens=600)
+    assert all(s.crowding_cost == 0.0 for s in scores) and best.instance == "a"
 
 
 def test_waiting_requests_are_priced_like_the_answers_kvroute_sent_there():
