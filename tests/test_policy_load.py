@@ -99,3 +99,34 @@ def test_hot_prefix_spreads_when_its_holder_is_busy_and_returns_when_load_falls(
             back = wait_for(lambda: (a := best())["instance"] == holder and a,
                             "the hot prefix to come back once the holder's load fell")
             assert back["matched_tokens"] == 20 * BLOCK
+
+
+def test_under_load_new_tokens_pay_for_space_where_other_prefixes_were_sent():
+    """Both instances busy, so each is scored with its load: a prompt sent to one makes the
+    next new prefix pay `crowding` there (its tokens x 2 x the share of that worker's demand
+    above the other's), while the same prompt asked again pays none anywhere: a worker's own
+    prefix is not counted against it."""
+    with SimCluster(n=2, block_size=BLOCK, num_blocks=2048, time_scale=1.0) as sim:
+        settings = Settings(host="127.0.0.1", port=0, log_level="warning",
+                            load_interval=0.1, placement_ttl=0.0)
+        with BackgroundServer(settings) as server, httpx.Client(base_url=server.url,
+                                                                timeout=HTTP_TIMEOUT) as client, \
+                Streams(sim.urls[0], 2), Streams(sim.urls[1], 2):
+            for url in sim.urls:
+                client.post("/v1/instances", json={"url": url})
+            first = [(i * 37) % 20000 + 1 for i in range(10 * BLOCK)]
+            second = [(i * 41) % 20000 + 7 for i in range(6 * BLOCK)]
+
+            def scores(tokens: list[int]) -> dict[str, dict]:
+                answer = client.post("/v1/route", json={"token_ids": tokens, "probe": True})
+                return {s["instance"]: s for s in answer.json().get("scores", [])}
+
+            wait_for(lambda: len(s := scores(second)) == 2
+                     and all((w["load"]["running"] or 0) >= 1 for w in s.values()),
+                     "both instances to be scored with their running requests")
+            sent = client.post("/v1/route", json={"token_ids": first}).json()["instance"]
+            crowded = scores(second)
+            assert crowded[sent]["cost_terms"]["crowding"] == 2.0 * len(second)
+            assert [w["cost_terms"]["crowding"] for i, w in crowded.items() if i != sent] == [0.0]
+            again = scores(first)
+            assert [w["cost_terms"]["crowding"] for w in again.values()] == [0.0, 0.0]
