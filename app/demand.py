@@ -82,12 +82,11 @@ class RecentDemand:
         entry = self._workers.get(key)
         return 0.0 if entry is None else self._decayed(entry[0], entry[1], now)
 
-    def without(self, key: WorkerKey, prefix: bytes, now: float) -> float:
-        """`key`'s demand at `now` less the prompt it was last sent with `prefix`: what the
-        other prefixes routed there ask its cache to hold."""
+    def latest(self, key: WorkerKey, prefix: bytes, now: float) -> float:
+        """What the prompt last sent to `key` with `prefix` adds to its demand at `now` (0.0
+        when none is remembered): `of` less this is what other prefixes ask of its cache."""
         prompt = self._prompts.get((key, prefix))
-        own = 0.0 if prompt is None else self._decayed(prompt[0], prompt[1], now)
-        return max(self.of(key, now) - own, 0.0)
+        return 0.0 if prompt is None else self._decayed(prompt[0], prompt[1], now)
 
     def _take(self, pair: tuple[WorkerKey, bytes], now: float) -> None:
         """Forget one remembered prompt and what it adds to its worker's sum."""

@@ -497,6 +497,7 @@ class Service:
         """What the policy knows of `worker`; with `prefix` (the prompt's key in
         `app.demand`), its demand from other prefixes than that one too."""
         now = time.monotonic()
+        demand = self.demand.of(worker.key, now)
         load = self.load.get(worker.key)
         forwarded = self.inflight.get(worker.key)
         answered = self.answers.get(worker.key)
@@ -514,9 +515,9 @@ class Service:
             queued_prefill=(forwarded.queued_prefill_tokens + answered.queued_prefill_tokens
                             + peers.queued_prefill),
             waiting_prefill=self.answers.typical_prefill(worker.key) if queue else None,
-            recent_demand=self.demand.of(worker.key, now),
-            other_demand=None if prefix is None else self.demand.without(worker.key, prefix,
-                                                                          now))
+            recent_demand=demand,
+            other_demand=None if prefix is None else max(
+                demand - self.demand.latest(worker.key, prefix, now), 0.0))
 
     async def route(self, body: bytes) -> tuple[str, RouteAnswer]:
         """(input kind, answer) for a POST /v1/route body; raises a RequestError."""

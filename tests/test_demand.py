@@ -98,8 +98,8 @@ def test_demand_matches_the_definition(steps, limit, later):
             expected = model_of(history, limit, key, now)
             assert math.isclose(demand.of(key, now), expected, rel_tol=1e-9, abs_tol=1e-6)
             others = model_of(history, limit, key, now, without=prefix)
-            assert math.isclose(demand.without(key, prefix, now), others, rel_tol=1e-9,
-                                abs_tol=1e-6)
+            assert math.isclose(demand.of(key, now) - demand.latest(key, prefix, now), others,
+                                rel_tol=1e-9, abs_tol=1e-6)
     for key in (("a", 0), ("b", 0), ("b", 1)):
         assert math.isclose(demand.of(key, now + later), model_of(history, limit, key, now + later),
                             rel_tol=1e-9, abs_tol=1e-6)
