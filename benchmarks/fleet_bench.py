@@ -515,7 +515,9 @@ def main() -> None:
                 f" rest of the machine {sched['rest_of_machine_cores']:.2f} of "
                 f"{sched['cores']} |")
         if r["change_refused"]:
-            table.append(f"| | {r['change_refused']} of the {CHANGED_INSTANCES} refused: "
+            asked = CHANGED_INSTANCES * r["change_cycles"]
+            table.append(f"| | {r['change_refused']} of the {asked} registrations "
+                         f"({r['change_cycles']} cycles of {CHANGED_INSTANCES}) refused: "
                          f"{r['change_refused_reason']} |")
     if per_worker is not None:
         table.append(f"\nmemory per idle worker: {per_worker:.0f} KB "
