@@ -39,7 +39,7 @@ another worker's set; and a burst of new prefixes lands where fewer others are h
 by a coincidence of the queues. (Same bench: without it, the queues alone placed six cold
 system prompts four to two in 2 of 5 runs per mode, and prefixes evicted from their
 holder under load moved to the other engine; each such run lost 10-15 points of hit rate.
-Priced at one token per token, 2 runs of 10 still did; at two, none of 8.)
+Priced at one token per token, 1 run of 10 still did; at two, none of 18.)
 It weighs only between workers that carry load: between idle ones demand breaks the tie.
 
 What kvroute knows of a worker's queue, and which of it counts:
@@ -99,7 +99,7 @@ import heapq
 import sys
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from xxhash import xxh3_64_intdigest, xxh3_128_digest
 
@@ -242,13 +242,12 @@ def score_workers(
     The prefill cost counts against `prompt_tokens`, or for a block-hash query
     against `prompt_blocks` times each worker's block size; `held_elsewhere` is the
     longest match (tokens) among all the eligible workers, `workers` or not. The crowding
-    term compares `workers` among themselves: the service scores one by one only those
-    that carry load (the others are grouped, `WorkerGroup`, and pay none).
+    term compares those of `workers` that carry load (a queue cost above 0) among
+    themselves; the others pay none.
     """
     scores = []
-    others = [v.recent_demand if v.other_demand is None else v.other_demand for v in workers]
-    least = min(others, default=0.0)
-    for view, other in zip(workers, others, strict=True):
+    uncached = []
+    for view in workers:
         match = matches.get(view.key)
         by_medium = dict.fromkeys(MEDIA, 0)
         blocks = tokens = pending = 0
@@ -272,8 +271,6 @@ def score_workers(
             matched_tokens=tokens, block_size=block_size, by_medium=by_medium,
             state=view.state, prefill_cost=prefill,
             copy_cost=copy_cost(weights, total, tokens, held_elsewhere),
-            crowding_cost=(weights.crowded_token * max(total - tokens, 0) * (other - least)
-                           / other if other > 0 else 0.0),
             queue_cost=(weights.queued_prefill_token * queued
                         + weights.running_request * running),
             queued_prefill=queued, running=running, overloaded=overloaded,
@@ -284,6 +281,16 @@ def score_workers(
             pending_blocks=pending,
             saturated=overloaded or (view.kv_usage or 0.0) >= weights.overload_kv_usage,
         ))
+        uncached.append(max(total - tokens, 0))
+    loaded = [i for i, score in enumerate(scores) if score.queue_cost > 0]
+    if weights.crowded_token and len(loaded) > 1:
+        others = {i: workers[i].recent_demand if workers[i].other_demand is None
+                  else workers[i].other_demand for i in loaded}
+        least = min(others.values())
+        for i, other in others.items():
+            if other > least:
+                scores[i] = replace(scores[i], crowding_cost=(
+                    weights.crowded_token * uncached[i] * (other - least) / other))
     return scores
 
 

@@ -108,6 +108,10 @@ def test_a_cold_prompt_under_load_is_stored_where_fewer_other_prefixes_are_held(
     cost = {s.instance: msgspec.to_builtins(s.answer())["cost_terms"] for s in scores}
     assert cost["crowded"]["crowding"] == 2 * 200.0 and cost["home"]["crowding"] == 0.0
     assert best.instance == "home"
+    # A worker without load scored beside them (a block-hash query scores every one) pays
+    # none and is not what the loaded ones compare with.
+    _, scores = pick([crowded, home, view("idle")], {}, prompt_tokens=600)
+    assert [s.crowding_cost for s in scores] == [400.0, 0.0, 0.0]
     # Without the price the shorter queue won.
     best, _ = pick([crowded, home], {}, prompt_tokens=600, weights=CostWeights(crowded_token=0))
     assert best.instance == "crowded"
