@@ -17,23 +17,25 @@ from tests.conftest import HTTP_TIMEOUT, wait_for
 
 BLOCK = 16
 BUSY = 24  # requests kept running on the holder
+LONG = 20_000  # tokens: a minute or more of steps, whatever the machine's speed
 
 
 
 
 class Streams:
-    """`n` long streaming completions held open on one instance until `close()`."""
+    """`n` long streaming completions (`max_tokens` each, a few ms a step) held open on one
+    instance until `close()`."""
 
-    def __init__(self, url: str, n: int) -> None:
-        self._url, self._n = url, n
+    def __init__(self, url: str, n: int, max_tokens: int = 1000) -> None:
+        self._url, self._n, self._max_tokens = url, n, max_tokens
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
     async def _run(self) -> None:
         async with httpx.AsyncClient(timeout=HTTP_TIMEOUT) as client:
             async def one(i: int) -> None:
-                body = {"model": "sim-model", "prompt": [9000 + i] * 40, "max_tokens": 1000,
-                        "stream": True}
+                body = {"model": "sim-model", "prompt": [9000 + i] * 40,
+                        "max_tokens": self._max_tokens, "stream": True}
                 with contextlib.suppress(httpx.HTTPError):
                     async with client.stream("POST", f"{self._url}/v1/completions",
                                              json=body) as response:
@@ -111,7 +113,7 @@ def test_under_load_new_tokens_pay_for_space_where_other_prefixes_were_sent():
                             load_interval=0.1, placement_ttl=0.0)
         with BackgroundServer(settings) as server, httpx.Client(base_url=server.url,
                                                                 timeout=HTTP_TIMEOUT) as client, \
-                Streams(sim.urls[0], 2), Streams(sim.urls[1], 2):
+                Streams(sim.urls[0], 2, LONG), Streams(sim.urls[1], 2, LONG):
             for url in sim.urls:
                 client.post("/v1/instances", json={"url": url})
             first = [(i * 37) % 20000 + 1 for i in range(10 * BLOCK)]
