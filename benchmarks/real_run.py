@@ -22,7 +22,6 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks import proc_sched
-from benchmarks.proc_sched import machine_major_faults, major_faults
 from benchmarks.real_fleet import Fleet, inflight_check, start_kvroute
 from benchmarks.real_parts import (
     BALANCERS,
@@ -300,7 +299,7 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
                            balancer=balancer, replicas=replicas)
         started = time.monotonic()
         rolling = router in REPLICAS and REPLICAS[router][1]
-        faults = (machine_major_faults(), major_faults(os.getpid()))
+        faults = (proc_sched.machine_major_faults(), proc_sched.major_faults(os.getpid()))
         kv_pid = kv.proc.pid if kv is not None and kv.proc is not None else None
         sched_before = _sched_sample(kv_pid)
         outcomes, timed_out, failovers, client_lag = asyncio.run(client_phase(
@@ -310,8 +309,8 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
             notes.append(sched)
             clock.say(f"  {sched}")
         waits = (f"{client_lag}; major page faults meanwhile: "
-                 f"{machine_major_faults() - faults[0]} on the machine, "
-                 f"{major_faults(os.getpid()) - faults[1]} in the clients")
+                 f"{proc_sched.machine_major_faults() - faults[0]} on the machine, "
+                 f"{proc_sched.major_faults(os.getpid()) - faults[1]} in the clients")
         notes.append(waits)
         clock.say(f"  {waits}")
         wall = time.monotonic() - started
