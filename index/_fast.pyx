@@ -461,7 +461,8 @@ def apply_run(index, worker, list events, Py_ssize_t start, Py_ssize_t work_left
             try:
                 if groups.get(0) is not True:
                     groups[0] = True
-                w.block_size = bound_size
+                if w.block_size != bound_size:
+                    index._set_block_size(w, bound_size)
                 held_delta += blocks - _store_gpu_chain(index, w, hashes, parent_key, packed,
                                                         size * 4, bit, flag, fp_field)
             except Exception as exc:  # only an internal limit (see index.runs)

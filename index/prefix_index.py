@@ -10,6 +10,8 @@ Layout (chosen for CPython: few objects, work batched per event):
   bit ``SLOT_SHIFT + s`` - the worker in slot ``s`` holds the block in some medium.
   A flat dict keyed by chained content keys needs no explicit tree: a key already stands
   for its whole prefix, and a match walks the keys of the query from the first block.
+- ``_sized: dict[block_size, mask]``: the bits of the workers of each block size, so a
+  match over every worker walks each size once and visits only the workers it finds.
 - ``_tiered: dict[key, [cpu_mask, storage_mask]]`` only for blocks some worker holds
   with CPU or STORAGE as its fastest tier (same bit positions as the holder mask).
 - Per worker (``_Worker``): ``handles: dict[engine_hash, key]`` for every engine hash it
@@ -26,6 +28,7 @@ Invariants (``PrefixIndex._check()`` verifies them; the property tests call it):
   and such an entry is never all zero;
 - a worker's aggregated count for a key is ``node_counts.get(key, GPU_ONCE)`` while its bit
   is set, and is what decides its fastest tier;
+- a worker's bit is in ``_sized[size]`` iff its block size is ``size`` (never 0);
 - a worker has a handle for an engine hash iff it holds that hash in some medium (stored
   counts are never zero); so ``len(handles)`` is the number of blocks it holds, which
   ``blocks_held`` reports in O(1) and store, remove, clear and drop keep exact;
@@ -194,6 +197,9 @@ class PrefixIndex:
         self._workers: dict[WorkerKey, _Worker] = {}
         self._by_slot: list[_Worker | None] = []
         self._free_slots: list[int] = []
+        # block size -> the bits of the workers of that size: a match walks each size's
+        # workers at once without visiting the fleet (``_set_block_size`` keeps it).
+        self._sized: dict[int, int] = {}
         self._orphaned_blocks = 0
         self._unknown_removals = 0
         self._ignored_blocks = 0
@@ -272,7 +278,8 @@ class PrefixIndex:
         if w is None:
             w = self._worker(worker)
         w.groups[group_idx] = True
-        w.block_size = block_size
+        if w.block_size != block_size:
+            self._set_block_size(w, block_size)
         if parent_hash is None:
             parent_key = root_key(block_size, lora_name)
             flag = FIRST
@@ -605,6 +612,7 @@ class PrefixIndex:
         if w is None:
             return
         self.clear_worker(worker)
+        self._set_block_size(w, 0)
         del self._workers[worker]
         self._by_slot[w.slot] = None
         heapq.heappush(self._free_slots, w.slot)
@@ -613,6 +621,19 @@ class PrefixIndex:
                 self._by_slot.pop()
             self._free_slots = [s for s in self._free_slots if s < len(self._by_slot)]
             heapq.heapify(self._free_slots)
+
+    def _set_block_size(self, w: _Worker, size: int) -> None:
+        """The one way a worker's block size changes (0: none), so ``_sized`` follows."""
+        sized = self._sized
+        if w.block_size:
+            rest = sized[w.block_size] & w.keep
+            if rest:
+                sized[w.block_size] = rest
+            else:
+                del sized[w.block_size]
+        w.block_size = size
+        if size:
+            sized[size] = sized.get(size, 0) | w.bit
 
     def _worker(self, worker: WorkerKey) -> _Worker:
         w = self._workers.get(worker)
@@ -669,7 +690,7 @@ class PrefixIndex:
         w = w or self._worker(worker)
         if not pieces:
             return 0
-        w.block_size = pieces[0].block_size
+        self._set_block_size(w, pieces[0].block_size)
         w.groups = dict(pieces[0].groups)
         nodes = self._nodes
         place = nodes.setdefault
@@ -726,7 +747,7 @@ class PrefixIndex:
         if not pieces:
             return 0
         if not w.block_size:
-            w.block_size = pieces[0].block_size
+            self._set_block_size(w, pieces[0].block_size)
         real = w.handles
         unconfirmed = w.unconfirmed
         for piece in pieces:
@@ -878,12 +899,24 @@ class PrefixIndex:
             self.placements.expire(now)
             if self._unconfirmed_until:
                 self.expire_unconfirmed(now)
-        targets = self._select(workers)
         tokens = token_bytes(token_ids)
+        result: dict[WorkerKey, Match] = {}
+        if workers is None and matched_only:
+            # Every worker, each size's at once: the walk and the answer cost the holders.
+            for block_size, alive in self._sized.items():
+                ended, tiered_hits = self._walk_tokens(
+                    root_key(block_size, lora_name), tokens, block_size, alive)
+                self._assemble_holders(result, ended, tiered_hits, block_size)
+            if self.placements or self._unconfirmed_until:
+                known = self._workers
+                wanted = {*self.placements.workers(), *self._unconfirmed_until}
+                self._add_guesses(result, [known[key] for key in wanted if key in known],
+                                  tokens, lora_name)
+            return result
+        targets = self._select(workers)
         by_size: dict[int, list[_Worker]] = {}
         for w in targets:
             by_size.setdefault(w.block_size, []).append(w)
-        result: dict[WorkerKey, Match] = {}
         for block_size, members in by_size.items():
             if not block_size:
                 if not matched_only:
@@ -938,7 +971,7 @@ class PrefixIndex:
             return 0
         w = w or self._worker(worker)
         if not w.block_size:
-            w.block_size = block_size
+            self._set_block_size(w, block_size)
         bit = w.bit
         nodes = self._nodes
         keys = chain_keys(token_ids, w.block_size, lora_name)
@@ -1110,22 +1143,9 @@ class PrefixIndex:
                   block_size: int | None) -> None:
         """Turn a walk into one ``Match`` per member (``block_size`` None: each its own).
 
-        ``ended`` holds (workers, blocks matched) in walk order, every member in one entry;
-        non-GPU tiers are tallied per distinct holder mask, then spread over the bits.
+        ``ended`` holds (workers, blocks matched) in walk order, every member in one entry.
         """
-        slow: dict[int, list[int]] = {}
-        if tiered_hits:
-            tally: Counter[tuple[int, int]] = Counter()
-            tiered = self._tiered
-            for key, holders in tiered_hits:
-                cpu_mask, storage_mask = tiered[key]
-                tally[(cpu_mask & holders, storage_mask & holders)] += 1
-            for (cpu_mask, storage_mask), count in tally.items():
-                for tier_index, mask in ((0, cpu_mask), (1, storage_mask)):
-                    while mask:
-                        low = mask & -mask
-                        mask ^= low
-                        slow.setdefault(low, [0, 0])[tier_index] += count
+        slow = self._slow_tiers(tiered_hits)
         make = _new_match
         for w in members:
             bit = w.bit
@@ -1140,6 +1160,53 @@ class PrefixIndex:
                 blocks, blocks * size, size,
                 {"GPU": blocks - cpu - storage, "CPU": cpu, "STORAGE": storage},
             )
+
+    def _assemble_holders(self, result: dict[WorkerKey, Match], ended: list[tuple[int, int]],
+                          tiered_hits: list[tuple[bytes, int]], block_size: int) -> None:
+        """``_assemble`` for the workers that matched a block, found from ``ended`` alone.
+        Those that ended together with every block on GPU share one ``Match`` (immutable):
+        the holders of a shared prefix cost one, not one each."""
+        slow = self._slow_tiers(tiered_hits)
+        by_slot = self._by_slot
+        make = _new_match
+        for mask, blocks in ended:
+            if blocks <= 0:
+                continue
+            on_gpu = None
+            while mask:
+                low = mask & -mask
+                mask ^= low
+                w = by_slot[low.bit_length() - 1 - SLOT_SHIFT]
+                if w is None:
+                    continue
+                cpu, storage = slow.get(low, _NO_SLOW_TIERS) if slow else _NO_SLOW_TIERS
+                if cpu or storage:
+                    result[w.worker] = make(
+                        blocks, blocks * block_size, block_size,
+                        {"GPU": blocks - cpu - storage, "CPU": cpu, "STORAGE": storage})
+                else:
+                    if on_gpu is None:
+                        on_gpu = make(blocks, blocks * block_size, block_size,
+                                      {"GPU": blocks, "CPU": 0, "STORAGE": 0})
+                    result[w.worker] = on_gpu
+
+    def _slow_tiers(self, tiered_hits: list[tuple[bytes, int]]) -> dict[int, list[int]]:
+        """Per worker bit, [CPU, STORAGE] blocks among a walk's ``tiered_hits``: tallied
+        per distinct holder mask, then spread over the bits."""
+        slow: dict[int, list[int]] = {}
+        if tiered_hits:
+            tally: Counter[tuple[int, int]] = Counter()
+            tiered = self._tiered
+            for key, holders in tiered_hits:
+                cpu_mask, storage_mask = tiered[key]
+                tally[(cpu_mask & holders, storage_mask & holders)] += 1
+            for (cpu_mask, storage_mask), count in tally.items():
+                for tier_index, mask in ((0, cpu_mask), (1, storage_mask)):
+                    while mask:
+                        low = mask & -mask
+                        mask ^= low
+                        slow.setdefault(low, [0, 0])[tier_index] += count
+        return slow
 
     def _select(self, workers: Iterable[WorkerKey] | None) -> list[_Worker]:
         if workers is None:
@@ -1248,6 +1315,11 @@ class PrefixIndex:
         require(sorted(self._free_slots)
                 == [slot for slot, w in enumerate(self._by_slot) if w is None],
                 "free slots differ from the empty ones")
+        sized: dict[int, int] = {}
+        for w in self._workers.values():
+            if w.block_size:
+                sized[w.block_size] = sized.get(w.block_size, 0) | w.bit
+        require(self._sized == sized, "the workers of each block size differ from _sized")
 
 
 class HoldingsCapture:

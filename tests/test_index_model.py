@@ -430,7 +430,10 @@ class IndexMachine(RuleBasedStateMachine):
     def token_queries_agree(self):
         subset = sorted(self.model.workers)[::2] + [NOT_A_WORKER]
         for tokens, lora in self._queries():
-            assert self.index.match(tokens, lora_name=lora) == self.model.match(tokens, lora)
+            everyone = self.model.match(tokens, lora)
+            assert self.index.match(tokens, lora_name=lora) == everyone
+            assert self.index.match(tokens, lora_name=lora, matched_only=True) == {
+                name: match for name, match in everyone.items() if match.blocks or match.pending}
             assert self.index.match(tokens, lora_name=lora, workers=subset) == \
                 self.model.match(tokens, lora, subset)
             assert self.index.match(tokens, lora_name=None if lora else LORA) == \
