@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvroute.app.registry import Instance, Registry, Worker
@@ -136,11 +136,16 @@ class Eligible:
         if not any(w.key in self.workers for w in instance.workers):
             del self.instances[instance.id]
             self.adapter_instances -= model in instance.lora_adapters
-    def smallest_block_size(self, others: Iterable[WorkerKey],
+    def smallest_block_size(self, others: Collection[WorkerKey],
                             index_size: Callable[[WorkerKey], int | None]) -> int | None:
         """The smallest block size among the eligible workers that are not in `others`
         (keys of eligible workers, each at most once): costs `others` and the workers that
         declare no block size, not the fleet."""
+        declared = self.declared_sizes
+        if declared and not self.undeclared:
+            least = min(declared)
+            if declared[least] > len(others):  # some worker of that size is not in others
+                return least
         taken: Counter[int] = Counter()
         for key in others:
             size = self.workers[key].instance.block_size

@@ -95,6 +95,7 @@ joining or leaving the tie moves only the prefixes it wins or won.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import sys
 from array import array
@@ -345,7 +346,7 @@ class TieBreaker:
         key = self.key(block_size)
         # Ordered by weight; a (practically impossible) equal weight falls back to the key.
         return max(self._least_demanded(tied) if idle else tied, key=lambda w: (
-            xxh3_64_intdigest(f"{w[0]}\0{w[1]}\0".encode() + key), w[0], w[1]))
+            xxh3_64_intdigest(_rendezvous_name(w) + key), w[0], w[1]))
 
     def _least_demanded(self, tied: Iterable[WorkerKey]) -> Iterable[WorkerKey]:
         if self._demand is None:
@@ -357,6 +358,13 @@ class TieBreaker:
         least = min(demands)
         ceiling = max(least * DEMAND_SLACK, least + self._slack)
         return [key for key, demand in zip(keys, demands, strict=True) if demand <= ceiling]
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _rendezvous_name(worker: WorkerKey) -> bytes:
+    """A worker's part of its rendezvous weight (kept: a tie among the holders of a shared
+    prefix weighs each of them, route after route)."""
+    return f"{worker[0]}\0{worker[1]}\0".encode()
 
 
 def best_of(scores: list[Score], ties: TieBreaker) -> Score:

@@ -450,14 +450,19 @@ class Service:
         # Each as its score will say: the match's block size, else the worker's.
         sizes = [size for w in scored if (size := (
             matches[w.key].block_size if w.key in matches else None) or self._block_size(w))]
+        # Holders of a shared prefix mostly match alike: one cost per distinct match.
+        costs: dict[tuple[int, int, int, int], float] = {}
         for key, match in matches.items():
             if key in busy or key not in workers or key in exclude:
                 continue
-            size = match.block_size or self._block_size(workers[key])
-            if size:
-                sizes.append(size)
-            cost = idle_cost(self.weights, prompt_tokens, match.tokens,
-                             match.by_medium["CPU"], match.by_medium["STORAGE"], size or 0, held)
+            size = match.block_size or self._block_size(workers[key]) or 0
+            by_medium = match.by_medium
+            alike = (match.tokens, by_medium["CPU"], by_medium["STORAGE"], size)
+            cost = costs.get(alike)
+            if cost is None:
+                cost = costs[alike] = idle_cost(self.weights, prompt_tokens, *alike, held)
+                if size:
+                    sizes.append(size)
             by_cost.setdefault(cost, []).append(key)
         taken = {*(w.key for w in scored), *(k for keys in by_cost.values() for k in keys)}
         idle_count = len(workers) - len(exclude) - len(taken)
