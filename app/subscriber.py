@@ -24,7 +24,8 @@ Sequence tracking (docs/decisions.md; each seq is classified by ``sequence.class
   ``last_seq + 1`` picks up batches whose live copies were dropped at the end of a burst
   (a gap is otherwise only visible when the next batch arrives). Each check that finds
   nothing doubles the next quiet spell, up to ``IDLE_CHECK_BACKOFF`` times, until a live
-  batch arrives; a quiet worker's task sleeps until its next check is due.
+  batch arrives; a quiet worker's task sleeps until its next check is due. A worker that
+  has had no batch yet has no tail to check, and its quiet spells double all the same.
 - ``degraded`` means the worker's entry may under-report what the engine holds (history
   lost, a gap that could not be filled, a store skipped for a cap). It ends when the state
   is known to be exact again: an ``AllBlocksCleared`` was applied after the last skip, or a
@@ -318,11 +319,12 @@ class Subscriber(SubscriberReplays):
                         await self._on_live(frames)
                         frames = None
                 elif time.monotonic() - idle_since >= quiet_for:
+                    found = False  # no batch yet: no tail to look for, a longer sleep
                     if self.status.last_seq is not None or self._unfinished_rebuild:
                         await self._pacing.idle_check_slot()
                         self._check_connection()
                         found = await self._idle_check()
-                        backoff = 1 if found else min(2 * backoff, IDLE_CHECK_BACKOFF)
+                    backoff = 1 if found else min(2 * backoff, IDLE_CHECK_BACKOFF)
                     quiet_for = self._pacing.idle_after(self.options.idle_check * backoff)
                     idle_since = time.monotonic()
             except Disconnected:

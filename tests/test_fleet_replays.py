@@ -203,6 +203,37 @@ def test_idle_checks_that_find_nothing_back_off_until_a_live_batch_arrives():
     run(scenario)
 
 
+def test_a_worker_that_never_had_a_batch_wakes_ever_less_often():
+    """Most workers of a large idle fleet never hear a batch; each used to wake at the
+    set pace for nothing (no tail to check): some 180 wake-ups a second at 1,024 workers."""
+    options = dataclasses.replace(TEST_OPTIONS, idle_check=0.05)
+
+    async def scenario(ctx):
+        with EventPublisher() as pub:
+            sub = Subscriber(endpoint_of(pub), OpLog(), ctx=ctx,
+                             options=options, pacing=FleetPacing(jitter=0.0))
+            waits = 0
+            wait_for_live = sub._wait_for_live
+
+            async def counted(seconds: float) -> bool:
+                nonlocal waits
+                waits += 1
+                return await wait_for_live(seconds)
+
+            sub._wait_for_live = counted  # type: ignore[method-assign]
+            async with Running(sub):
+                await wait_until(lambda: sub.status.state == "live", "the worker live")
+                first = waits
+                await asyncio.sleep(2.0)
+                # At the fixed 0.05 s pace about 40 wake-ups; doubling to at most
+                # IDLE_CHECK_BACKOFF (8) times 0.05 s, fewer than 12 (fewer still on a slow
+                # machine, so this cannot fail for being slow).
+                assert waits - first < 12
+                assert sub.status.last_seq is None  # still nothing heard
+                assert pub.replays_served == 1  # the rebuild's: no check asked for
+    run(scenario)
+
+
 def test_stopping_a_quiet_worker_ends_its_wait_at_once():
     async def scenario(ctx):
         with EventPublisher() as pub:
