@@ -43,7 +43,7 @@ from kvroute.app.saved_state import (
 )
 from kvroute.app.state_store import StateStore, StateStoreError
 from kvroute.app.subscription import WorkerEndpoint, WorkerKey
-from kvroute.app.tasks import cancel_and_wait
+from kvroute.app.tasks import cancel_and_wait, cancel_requested
 from kvroute.index import PrefixIndex
 
 __all__ = ["SaveReport", "StateCollector", "StateKeeper", "encode_worker"]
@@ -152,7 +152,7 @@ class StateKeeper:
                         "stays", self.store.where, timeout)
 
     async def _save_periodically(self) -> None:
-        while True:
+        while not cancel_requested():  # a store's client may swallow the cancellation
             await asyncio.sleep(self.interval)
             try:
                 await self.save()

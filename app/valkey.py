@@ -60,7 +60,7 @@ from redis.exceptions import RedisError
 from kvroute.app.answers import ReplicasStatus
 from kvroute.app.state_store import StateStoreError
 from kvroute.app.subscription import WorkerKey
-from kvroute.app.tasks import cancel_and_wait
+from kvroute.app.tasks import cancel_and_wait, cancel_requested
 from kvroute.index import PrefixIndex
 
 __all__ = ["NO_LOAD", "PeerLoad", "Peers", "PeersCollector", "ValkeyStore", "redacted"]
@@ -393,7 +393,8 @@ class Peers:
         channel = self._channel(client)
         last_loads: Mapping[WorkerKey, PeerLoad] | None = None
         last_snapshot = next_tick = time.monotonic()  # a snapshot at once: peers learn of us
-        while True:
+        # Ends when the group cancels it, even if the client swallowed that (app.tasks).
+        while not cancel_requested():
             if not self._queue:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
@@ -447,7 +448,7 @@ class Peers:
 
     async def _receive(self, pubsub: aredis.client.PubSub) -> None:
         heard = time.monotonic()
-        while True:
+        while not cancel_requested():
             message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
             now = time.monotonic()
             if message is None:
