@@ -311,6 +311,9 @@ class BackgroundServer:
         self._server.should_exit = True
         if self._thread.is_alive():
             self._thread.join(timeout)
+            if self._thread.is_alive():  # said, not left to be found by what it does later
+                log.error("kvroute on %s did not stop within %.0f s; its thread runs on",
+                          self.url, timeout)
         self._socket.close()
 
     def __enter__(self) -> BackgroundServer:
