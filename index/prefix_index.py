@@ -929,8 +929,9 @@ class PrefixIndex:
                 root_key(block_size, lora_name), tokens, block_size, alive
             )
             if matched_only:
-                members = self._holders(ended)
-            self._assemble(result, members, ended, tiered_hits, block_size)
+                self._assemble_holders(result, ended, tiered_hits, block_size)
+            else:
+                self._assemble(result, members, ended, tiered_hits, block_size)
         if self.placements or self._unconfirmed_until:
             guessed = targets
             if matched_only and len(targets) > 1:
@@ -941,21 +942,6 @@ class PrefixIndex:
                            if key in selected and key in self._workers]
             self._add_guesses(result, guessed, tokens, lora_name)
         return result
-
-    def _holders(self, ended: list[tuple[int, int]]) -> list[_Worker]:
-        """The workers a walk's ``ended`` says matched at least one block."""
-        holders: list[_Worker] = []
-        by_slot = self._by_slot
-        for mask, count in ended:
-            if count <= 0:
-                continue
-            while mask:
-                low = mask & -mask
-                mask ^= low
-                w = by_slot[low.bit_length() - 1 - SLOT_SHIFT]
-                if w is not None:
-                    holders.append(w)
-        return holders
 
     def place(self, worker: WorkerKey, token_ids: Sequence[int] | bytes, *,
               block_size: int | None = None,

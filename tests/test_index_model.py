@@ -434,8 +434,10 @@ class IndexMachine(RuleBasedStateMachine):
             assert self.index.match(tokens, lora_name=lora) == everyone
             assert self.index.match(tokens, lora_name=lora, matched_only=True) == {
                 name: match for name, match in everyone.items() if match.blocks or match.pending}
-            assert self.index.match(tokens, lora_name=lora, workers=subset) == \
-                self.model.match(tokens, lora, subset)
+            chosen = self.model.match(tokens, lora, subset)
+            assert self.index.match(tokens, lora_name=lora, workers=subset) == chosen
+            assert self.index.match(tokens, lora_name=lora, workers=subset, matched_only=True) \
+                == {name: match for name, match in chosen.items() if match.blocks or match.pending}
             assert self.index.match(tokens, lora_name=None if lora else LORA) == \
                 self.model.match(tokens, None if lora else LORA)
 
