@@ -539,18 +539,12 @@ def _inflight(check: dict[str, Any] | None) -> str:
     return text
 
 
-def _spread(values: list[float | None] | None) -> str:
+def _spread(values: list[float | None] | None, scale: float = 1.0, unit: str = "") -> str:
+    """Lowest-highest of the repetitions' own figures ("-" for fewer than two)."""
     known = [v for v in values or [] if v is not None]
     if len(known) < 2:
         return "-"
-    return f"{100 * min(known):.0f}-{100 * max(known):.0f}%"
-
-
-def _ms_spread(values: list[float | None] | None) -> str:
-    known = [v for v in values or [] if v is not None]
-    if len(known) < 2:
-        return "-"
-    return f"{min(known):.0f}-{max(known):.0f}"
+    return f"{scale * min(known):.0f}-{scale * max(known):.0f}{unit}"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -571,10 +565,10 @@ def table(rows: list[dict[str, Any]]) -> str:
             continue
         lines.append(
             f"{r['workload']:<22} {r['concurrency']:>4} {r['router']:<15} "
-            f"{_pct(r['hit_rate'])} {_spread(r.get('hit_rate_repeats')):>9} "
+            f"{_pct(r['hit_rate'])} {_spread(r.get('hit_rate_repeats'), 100, '%'):>9} "
             f"{_pct(r['hit_rate_usage'])} "
             f"{_pct(r.get('share_of_partition')):>7} {_ms(r['ttft_p50_ms'])} "
-            f"{_ms(r['ttft_p90_ms'])} {_ms_spread(r.get('ttft_p90_repeats_ms')):>9} "
+            f"{_ms(r['ttft_p90_ms'])} {_spread(r.get('ttft_p90_repeats_ms')):>9} "
             f"{_ms1(r.get('headers_p50_ms'))} "
             f"{_ms1(r.get('headers_p99_ms'))} {_added(r):>12} {r.get('fallbacks', 0):>3} "
             f"{r['errors']:>3} {r['wall_s']:5.0f}s  "
