@@ -8,20 +8,19 @@ worker is live, `POST /v1/route` of a 1,040-token prompt starting with the prefi
 answer bytes) beside `/healthz` of the same server in the same run (the floor), kvroute's
 CPU idle (share of one core, from /proc) over the 10 s right after, and over 20 s from a
 minute after the fleet went live (settled: quiet workers' idle checks have backed off), its
-RSS, routes and /healthz while 100
-instances (800 workers) are added through the API at once and then removed at once, three
-times (p50/p99 beside those of the same requests on the idle fleet just before, how long
-until every added worker was live; the routes timed from a process of their own,
-benchmarks.route_timer), and the time from SIGTERM to its exit. For both of those windows,
-what kvroute's own histograms say (loop lag, a route's own time, the wait for its body) and
-what Linux says of its event loop (time on a core, time ready but waiting for one) beside
-the CPU of everything else (benchmarks.proc_sched): kvroute's own work apart from its wait
-for a core. `--pin` and `--favour` try two ways to take that wait away. Then two fleets
-(`--compare`, 32 and 1,024 workers) run at once, their routes sent alternately, so the
-ratio of their latencies is measured under the same machine noise. The load monitor runs as
-configured by default; the simulated publishers have no HTTP server, so the instances have
-no `url`. Prints JSON and a table (benchmarks.report); writes bench-out/fleet/fleet.json
-and, when matplotlib is installed, fleet.png.
+RSS, routes and /healthz while 100 instances (800 workers) are added through the API at
+once and then removed at once, three times (p50/p99 beside those of the same requests on
+the idle fleet just before, how long until every added worker was live; the routes timed
+from a process of their own, benchmarks.route_timer), and the time from SIGTERM to its
+exit. For both of those windows, what kvroute's own histograms say (loop lag, a route's own
+time, the wait for its body) and what Linux says of its event loop (time on a core, time
+ready but waiting for one) beside the CPU of everything else (benchmarks.proc_sched):
+kvroute's own work apart from its wait for a core. `--pin` and `--favour` try two ways to
+take that wait away. Then two fleets (`--compare`, 32 and 1,024 workers) run at once, their
+routes sent alternately, so the ratio of their latencies is measured under the same machine
+noise. The load monitor runs as configured by default; the simulated publishers have no
+HTTP server, so the instances have no `url`. Prints JSON and a table (benchmarks.report);
+writes bench-out/fleet/fleet.json and, when matplotlib is installed, fleet.png.
 """
 
 from __future__ import annotations
