@@ -908,10 +908,7 @@ class PrefixIndex:
                     root_key(block_size, lora_name), tokens, block_size, alive)
                 self._assemble_holders(result, ended, tiered_hits, block_size)
             if self.placements or self._unconfirmed_until:
-                known = self._workers
-                wanted = {*self.placements.workers(), *self._unconfirmed_until}
-                self._add_guesses(result, [known[key] for key in wanted if key in known],
-                                  tokens, lora_name)
+                self._add_guesses(result, self._guessed_among(None), tokens, lora_name)
             return result
         targets = self._select(workers)
         by_size: dict[int, list[_Worker]] = {}
@@ -935,13 +932,16 @@ class PrefixIndex:
         if self.placements or self._unconfirmed_until:
             guessed = targets
             if matched_only and len(targets) > 1:
-                # Only workers with guesses can gain a match from them: visit those.
-                selected = {w.worker for w in targets}
-                wanted = {*self.placements.workers(), *self._unconfirmed_until}
-                guessed = [self._workers[key] for key in wanted
-                           if key in selected and key in self._workers]
+                guessed = self._guessed_among({w.worker for w in targets})
             self._add_guesses(result, guessed, tokens, lora_name)
         return result
+
+    def _guessed_among(self, selected: set[WorkerKey] | None) -> list[_Worker]:
+        """The known workers (of ``selected``; None: all) with placement guesses or
+        unconfirmed blocks: the only ones a match over many can gain blocks from them."""
+        known = self._workers
+        return [known[key] for key in {*self.placements.workers(), *self._unconfirmed_until}
+                if key in known and (selected is None or key in selected)]
 
     def place(self, worker: WorkerKey, token_ids: Sequence[int] | bytes, *,
               block_size: int | None = None,

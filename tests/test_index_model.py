@@ -234,6 +234,12 @@ class Model:
         return len({c for w in self.workers.values() for c in w.content_of.values()})
 
 
+def _matched(matches: dict) -> dict:
+    """What ``match(..., matched_only=True)`` answers of ``matches``: the workers with a
+    block held or pending."""
+    return {name: match for name, match in matches.items() if match.blocks or match.pending}
+
+
 workers_st = st.sampled_from(sorted(SPECS))
 token_st = st.integers(0, 2)
 
@@ -432,12 +438,12 @@ class IndexMachine(RuleBasedStateMachine):
         for tokens, lora in self._queries():
             everyone = self.model.match(tokens, lora)
             assert self.index.match(tokens, lora_name=lora) == everyone
-            assert self.index.match(tokens, lora_name=lora, matched_only=True) == {
-                name: match for name, match in everyone.items() if match.blocks or match.pending}
+            assert self.index.match(tokens, lora_name=lora, matched_only=True) == \
+                _matched(everyone)
             chosen = self.model.match(tokens, lora, subset)
             assert self.index.match(tokens, lora_name=lora, workers=subset) == chosen
             assert self.index.match(tokens, lora_name=lora, workers=subset, matched_only=True) \
-                == {name: match for name, match in chosen.items() if match.blocks or match.pending}
+                == _matched(chosen)
             assert self.index.match(tokens, lora_name=None if lora else LORA) == \
                 self.model.match(tokens, None if lora else LORA)
 
