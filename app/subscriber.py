@@ -26,6 +26,12 @@ Sequence tracking (docs/decisions.md; each seq is classified by ``sequence.class
   nothing doubles the next quiet spell, up to ``IDLE_CHECK_BACKOFF`` times, until a live
   batch arrives; a quiet worker's task sleeps until its next check is due. A worker that
   has had no batch yet has no tail to check, and its quiet spells double all the same.
+- Except right after a rebuild or resume: its first check comes ``SUBSCRIBE_SETTLE``
+  seconds after it (sooner if ``idle_check`` is), with or without a batch. A PUB socket
+  drops what it sends before the subscription has reached it, and the subscription
+  travels on its own after the handshake: batches sent between the rebuild's replay and
+  its arrival reach neither, and on an engine that then goes quiet nothing else reveals
+  them.
 - ``degraded`` means the worker's entry may under-report what the engine holds (history
   lost, a gap that could not be filled, a store skipped for a cap). It ends when the state
   is known to be exact again: an ``AllBlocksCleared`` was applied after the last skip, or a
@@ -103,6 +109,9 @@ _OPEN_RETRY_MAX = 30.0
 _MESSAGES_PER_WAKEUP = 256
 # Quiet spells between idle checks that find nothing grow to at most this many idle_checks.
 IDLE_CHECK_BACKOFF = 8
+# Seconds from the end of a rebuild to its check for batches the subscription missed on its
+# way to the publisher (module docstring): well past that trip even on a loaded machine.
+SUBSCRIBE_SETTLE = 1.0
 _MAX_REPLAYED_FINGERPRINTS = 20_000
 
 
@@ -281,6 +290,7 @@ class Subscriber(SubscriberReplays):
         idle_since = time.monotonic()
         backoff = 1  # idle checks in a row that found nothing new, doubled (see _idle_check)
         quiet_for = self._pacing.idle_after(self.options.idle_check)
+        subscribing = False  # the next check is a rebuild's first (see SUBSCRIBE_SETTLE)
         while not self._stopping.is_set():
             self._working_generation = self._generation
             try:
@@ -303,6 +313,9 @@ class Subscriber(SubscriberReplays):
                     else:
                         await self._rebuild()
                     idle_since = time.monotonic()
+                    backoff, subscribing = 1, True
+                    quiet_for = self._pacing.idle_after(
+                        min(self.options.idle_check, SUBSCRIBE_SETTLE))
                 elif (frames := self._live.queued()) is not None or await self._wait_for_live(
                         idle_since + quiet_for - time.monotonic()):
                     idle_since = time.monotonic()
@@ -320,10 +333,12 @@ class Subscriber(SubscriberReplays):
                         frames = None
                 elif time.monotonic() - idle_since >= quiet_for:
                     found = False  # no batch yet: no tail to look for, a longer sleep
-                    if self.status.last_seq is not None or self._unfinished_rebuild:
+                    if (self.status.last_seq is not None or self._unfinished_rebuild
+                            or subscribing):
                         await self._pacing.idle_check_slot()
                         self._check_connection()
                         found = await self._idle_check()
+                    subscribing = False
                     backoff = 1 if found else min(2 * backoff, IDLE_CHECK_BACKOFF)
                     quiet_for = self._pacing.idle_after(self.options.idle_check * backoff)
                     idle_since = time.monotonic()
