@@ -18,6 +18,7 @@ import msgspec
 import pytest
 import zmq
 
+from kvroute.app import subscriber as subscriber_module
 from kvroute.app.subscriber import Subscriber
 from kvroute.app.subscription import COUNTERS, SubscriberHooks, WorkerEndpoint
 from kvroute.app.wire import (
@@ -117,11 +118,16 @@ def test_dropped_tail_batches_are_found_when_the_stream_goes_quiet():
 
 
 @pytest.mark.parametrize("backlog", [0, 3])
-def test_batches_sent_while_the_subscription_travels_are_found_soon_after_a_rebuild(backlog):
+def test_batches_sent_while_the_subscription_travels_are_found_soon_after_a_rebuild(
+        backlog, monkeypatch):
     """A PUB drops what it sends before a new subscription has reached it, and the rebuild's
     replay may have been answered before those batches were sent. With the usual idle check
     an hour away, the check that follows every rebuild finds them, also when no batch had
     been heard before (an empty replay: no tail to check by the usual rule)."""
+    # Seconds enough for the batches below to be sent before that check, however slow the
+    # machine (the check that comes first would find nothing, and the next is an hour away).
+    monkeypatch.setattr(subscriber_module, "SUBSCRIBE_SETTLE", 4.0)
+
     async def scenario(ctx):
         options = dataclasses.replace(TEST_OPTIONS, idle_check=3600.0)
         async with subscribed(ctx, 4, options=options, backlog=backlog) as (
