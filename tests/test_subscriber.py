@@ -124,8 +124,9 @@ def test_batches_sent_while_the_subscription_travels_are_found_soon_after_a_rebu
     replay may have been answered before those batches were sent. With the usual idle check
     an hour away, the check that follows every rebuild finds them, also when no batch had
     been heard before (an empty replay: no tail to check by the usual rule)."""
-    # Seconds enough for the batches below to be sent before that check, however slow the
-    # machine (the check that comes first would find nothing, and the next is an hour away).
+    # Time for the batches below to be sent before that check (at 2-6 s with its jitter),
+    # even on a loaded machine: a check that came first would find nothing, and the next
+    # one is an hour away.
     monkeypatch.setattr(subscriber_module, "SUBSCRIBE_SETTLE", 4.0)
 
     async def scenario(ctx):
