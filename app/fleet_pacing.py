@@ -7,8 +7,10 @@ Invariants:
   attempts holds none), so a thousand workers connecting at once rebuild in waves, not one
   by one and not all at once against the publishers and the event loop.
 - Idle checks (a replay from `last_seq + 1` after `idle_check` quiet seconds) start at most
-  `idle_checks_per_second` times a second across the fleet, and each worker's interval is
-  jittered, so checks of workers that went quiet together spread over time.
+  `idle_checks_per_second` times a second across the fleet, in order of asking
+  (`ask_check`), and each worker's interval is jittered, so checks of workers that went
+  quiet together spread over time. A check given up while it waits (its worker heard a
+  batch, or stops) takes no slot.
 - Opening and closing sockets (a subscriber's live connection, a replay channel) and the
   start of a rebuild once a live connection is up are done in turns (`turn`), handed out in
   order of asking: in one pass of the event loop at most `turns_per_pass` of them, and none
@@ -51,7 +53,9 @@ class FleetPacing:
         self.replays_running = 0
         self.most_replays_running = 0  # the high-water mark, for tests and benchmarks
         self._interval = 1.0 / idle_checks_per_second
-        self._next_check = 0.0  # time.monotonic() of the next free idle-check slot
+        self._next_check = 0.0  # loop.time() of the next free idle-check slot
+        self._check_waiters: deque[asyncio.Future[None]] = deque()  # in order of asking
+        self._check_timer: asyncio.TimerHandle | None = None  # the next slot's, if any wait
         self._jitter = jitter
         self._rng = rng or random.Random()
         self._turns_per_pass = turns_per_pass
@@ -84,14 +88,42 @@ class FleetPacing:
         `jitter` of it."""
         return idle_check * (1 + self._jitter * (2 * self._rng.random() - 1))
 
-    async def idle_check_slot(self) -> None:
-        """Wait for this check's turn under the fleet's rate bound (slots are handed out in
-        order of asking, one every 1/idle_checks_per_second seconds)."""
-        now = time.monotonic()
-        slot = max(now, self._next_check)
-        self._next_check = slot + self._interval
-        if slot > now:
-            await asyncio.sleep(slot - now)
+    def ask_check(self) -> asyncio.Future[None]:
+        """A place in the fleet's queue of idle checks: the future is done when this check
+        may start (places are given in order of asking, one every 1 / idle_checks_per_second
+        seconds). Cancelled before then, it gives its place up and takes no slot: a worker
+        that hears a batch or stops while it waits does not delay the checks behind it."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._check_waiters.append(waiter)
+        if self._check_timer is None:
+            self._give_checks()
+        return waiter
+
+    @property
+    def checks_waiting(self) -> int:
+        """Idle checks waiting for their place (for tests and benchmarks)."""
+        return sum(not waiter.done() for waiter in self._check_waiters)
+
+    def _give_checks(self, slot_came: bool = False) -> None:
+        """Give the first waiting check its place if its slot has come (`slot_came`: this
+        is the timer set for it, which the loop may run a little early); come back at the
+        next slot while any wait."""
+        self._check_timer = None
+        loop = asyncio.get_running_loop()
+        waiters = self._check_waiters
+        while waiters and waiters[0].done():  # cancelled: their places are given up
+            waiters.popleft()
+        if not waiters:
+            return
+        now = loop.time()
+        if slot_came or now >= self._next_check:
+            waiters.popleft().set_result(None)
+            self._next_check = max(now, self._next_check) + self._interval
+            while waiters and waiters[0].done():
+                waiters.popleft()
+            if not waiters:
+                return
+        self._check_timer = loop.call_at(self._next_check, self._give_checks, True)
 
     async def turn(self) -> None:
         """Wait for a turn to do a piece of work that cannot be cut (a subscriber opening or

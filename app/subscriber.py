@@ -31,7 +31,13 @@ Sequence tracking (docs/decisions.md; each seq is classified by ``sequence.class
   drops what it sends before the subscription has reached it, and the subscription
   travels on its own after the handshake: batches sent between the rebuild's replay and
   its arrival reach neither, and on an engine that then goes quiet nothing else reveals
-  them.
+  them. A live batch makes that check unneeded: whatever the subscription missed before it
+  shows as a gap.
+- A due check waits for its place under the fleet's rate bound (``FleetPacing.ask_check``)
+  while the worker still takes live batches; a batch heard or a stop asked for meanwhile
+  gives the place up. (A worker waiting for its place used to stop taking batches, and a
+  stop waited for it: after a hundred instances were added, their settle checks queued for
+  some 16 s and removing them took 14 s.)
 - ``degraded`` means the worker's entry may under-report what the engine holds (history
   lost, a gap that could not be filled, a store skipped for a cap). It ends when the state
   is known to be exact again: an ``AllBlocksCleared`` was applied after the last skip, or a
@@ -113,6 +119,16 @@ IDLE_CHECK_BACKOFF = 8
 # way to the publisher (module docstring): well past that trip even on a loaded machine.
 SUBSCRIBE_SETTLE = 1.0
 _MAX_REPLAYED_FINGERPRINTS = 20_000
+# Seconds a worker waiting for its check's place sleeps at most: the place's coming wakes
+# it (a thousand workers queued at start-up once woke every second or so for nothing).
+_LONGEST_WAIT = 60.0
+
+
+def _give_up(check: asyncio.Future[None] | None) -> None:
+    """Give up a place in the fleet's idle-check queue (`FleetPacing.ask_check`), if any:
+    it takes no slot then. (Once given, cancelling it does nothing.)"""
+    if check is not None:
+        check.cancel()
 
 
 def _weakly(method: Callable[..., None]) -> Callable[..., None]:
@@ -291,71 +307,91 @@ class Subscriber(SubscriberReplays):
         backoff = 1  # idle checks in a row that found nothing new, doubled (see _idle_check)
         quiet_for = self._pacing.idle_after(self.options.idle_check)
         subscribing = False  # the next check is a rebuild's first (see SUBSCRIBE_SETTLE)
-        while not self._stopping.is_set():
-            self._working_generation = self._generation
-            try:
-                if not self._live.connected.is_set():
-                    await self._reopen_if_given_up()
-                    await self._wait_or_stop(self._live.connected.wait(), _POLL_MS / 1000)
-                elif self._needs_rebuild:
-                    # The rebuild starts in a turn of the fleet's: the connections of a
-                    # hundred instances added at once come up together, and their
-                    # subscribers, all woken in one pass, each began a rebuild there (a
-                    # drain, a replay request): passes of several milliseconds.
-                    await self._pacing.turn()
-                    if self._stopping.is_set() or not self._live.connected.is_set():
-                        continue
-                    self._needs_rebuild = False
-                    await self._drain()
-                    saved, self._saved = self._saved, None
-                    if saved is not None:
-                        await self._resume(saved)
-                    else:
-                        await self._rebuild()
-                    idle_since = time.monotonic()
-                    backoff, subscribing = 1, True
-                    quiet_for = self._pacing.idle_after(
-                        min(self.options.idle_check, SUBSCRIBE_SETTLE))
-                elif (frames := self._live.queued()) is not None or await self._wait_for_live(
-                        idle_since + quiet_for - time.monotonic()):
-                    idle_since = time.monotonic()
-                    if backoff > 1:
-                        backoff = 1
-                        quiet_for = self._pacing.idle_after(self.options.idle_check)
-                    # Every message queued, up to a bound, in this wake-up: the applier
-                    # yields between bounded pieces of work all the same.
-                    for _ in range(_MESSAGES_PER_WAKEUP):
-                        frames = frames or self._live.queued()
-                        if frames is None:
-                            break
-                        self._check_connection()
-                        await self._on_live(frames)
-                        frames = None
-                elif time.monotonic() - idle_since >= quiet_for:
-                    found = False  # no batch yet: no tail to look for, a longer sleep
-                    if (self.status.last_seq is not None or self._unfinished_rebuild
-                            or subscribing):
-                        await self._pacing.idle_check_slot()
+        check: asyncio.Future[None] | None = None  # a place in the fleet's check queue
+        try:
+            while not self._stopping.is_set():
+                self._working_generation = self._generation
+                try:
+                    if not self._live.connected.is_set():
+                        await self._reopen_if_given_up()
+                        await self._wait_or_stop(self._live.connected.wait(), _POLL_MS / 1000)
+                    elif self._needs_rebuild:
+                        # The rebuild starts in a turn of the fleet's: the connections of a
+                        # hundred instances added at once come up together, and their
+                        # subscribers, all woken in one pass, each began a rebuild there (a
+                        # drain, a replay request): passes of several milliseconds.
+                        _give_up(check)
+                        check = None
+                        await self._pacing.turn()
+                        if self._stopping.is_set() or not self._live.connected.is_set():
+                            continue
+                        self._needs_rebuild = False
+                        await self._drain()
+                        saved, self._saved = self._saved, None
+                        if saved is not None:
+                            await self._resume(saved)
+                        else:
+                            await self._rebuild()
+                        idle_since = time.monotonic()
+                        backoff, subscribing = 1, True
+                        quiet_for = self._pacing.idle_after(
+                            min(self.options.idle_check, SUBSCRIBE_SETTLE))
+                    elif check is not None and check.done():
+                        check = None
                         self._check_connection()
                         found = await self._idle_check()
-                    subscribing = False
-                    backoff = 1 if found else min(2 * backoff, IDLE_CHECK_BACKOFF)
-                    quiet_for = self._pacing.idle_after(self.options.idle_check * backoff)
-                    idle_since = time.monotonic()
-            except Disconnected:
-                continue
-            except zmq.ZMQError as exc:
-                # No room for a replay's socket (EMFILE: sockets of removed workers still
-                # closing): said without a stack trace, and what was under way is redone.
-                self._needs_rebuild = self._needs_rebuild or self._rebuilding_failed()
-                self.status.last_error = f"ZeroMQ: {exc}; retrying"
-                log.warning("%s: %s", self.worker, self.status.last_error)
-                await asyncio.sleep(_OPEN_RETRY_FIRST)
-            except Exception as exc:  # never let a bug end the subscription silently
-                log.exception("%s: unexpected error", self.worker)
-                self._needs_rebuild = self._needs_rebuild or self._rebuilding_failed()
-                self.status.last_error = f"internal error: {exc!r}"
-                await asyncio.sleep(_POLL_MS / 1000)
+                        subscribing = False
+                        backoff = 1 if found else min(2 * backoff, IDLE_CHECK_BACKOFF)
+                        quiet_for = self._pacing.idle_after(self.options.idle_check * backoff)
+                        idle_since = time.monotonic()
+                    elif (frames := self._live.queued()) is not None or \
+                            await self._wait_for_live(
+                                _LONGEST_WAIT if check is not None  # woken when its place comes
+                                else idle_since + quiet_for - time.monotonic()):
+                        # A batch heard: not quiet, and the subscription has reached the
+                        # publisher (whatever it missed before is a gap now): no check due.
+                        _give_up(check)
+                        check, subscribing = None, False
+                        idle_since = time.monotonic()
+                        if backoff > 1:
+                            backoff = 1
+                            quiet_for = self._pacing.idle_after(self.options.idle_check)
+                        # Every message queued, up to a bound, in this wake-up: the applier
+                        # yields between bounded pieces of work all the same.
+                        for _ in range(_MESSAGES_PER_WAKEUP):
+                            frames = frames or self._live.queued()
+                            if frames is None:
+                                break
+                            self._check_connection()
+                            await self._on_live(frames)
+                            frames = None
+                    elif check is None and time.monotonic() - idle_since >= quiet_for:
+                        if (self.status.last_seq is not None or self._unfinished_rebuild
+                                or subscribing):
+                            # Live batches are still taken while it waits for its place.
+                            check = self._pacing.ask_check()
+                            check.add_done_callback(self._check_may_start)
+                        else:  # no batch yet: no tail to look for, a longer sleep
+                            backoff = min(2 * backoff, IDLE_CHECK_BACKOFF)
+                            quiet_for = self._pacing.idle_after(
+                                self.options.idle_check * backoff)
+                            idle_since = time.monotonic()
+                except Disconnected:
+                    continue
+                except zmq.ZMQError as exc:
+                    # No room for a replay's socket (EMFILE: sockets of removed workers still
+                    # closing): said without a stack trace, and what was under way is redone.
+                    self._needs_rebuild = self._needs_rebuild or self._rebuilding_failed()
+                    self.status.last_error = f"ZeroMQ: {exc}; retrying"
+                    log.warning("%s: %s", self.worker, self.status.last_error)
+                    await asyncio.sleep(_OPEN_RETRY_FIRST)
+                except Exception as exc:  # never let a bug end the subscription silently
+                    log.exception("%s: unexpected error", self.worker)
+                    self._needs_rebuild = self._needs_rebuild or self._rebuilding_failed()
+                    self.status.last_error = f"internal error: {exc!r}"
+                    await asyncio.sleep(_POLL_MS / 1000)
+        finally:
+            _give_up(check)
 
     def _rebuilding_failed(self) -> bool:
         """Whether the step that just failed was a rebuild or resume (the worker is still
@@ -380,6 +416,10 @@ class Subscriber(SubscriberReplays):
             return False
         finally:
             self._waiting = None
+
+    def _check_may_start(self, check: asyncio.Future[None]) -> None:
+        if not check.cancelled():
+            self._wake()
 
     def _wake(self) -> None:
         """End a quiet wait now (it then returns False), so the loop looks at its state."""

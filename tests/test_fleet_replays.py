@@ -282,3 +282,61 @@ def test_turns_hand_out_a_bounded_number_per_pass_of_the_loop_in_order():
             per_pass[seen] = per_pass.get(seen, 0) + 1
         assert max(per_pass.values()) <= 4 and len(per_pass) >= 30 // 4
     run(scenario)
+
+
+def test_idle_checks_come_in_order_at_the_fleets_rate_and_a_place_given_up_takes_no_slot():
+    async def scenario(ctx):
+        pacing = FleetPacing(idle_checks_per_second=1 / 1.5)  # a place every 1.5 s
+        loop = asyncio.get_running_loop()
+        given: dict[str, float] = {}
+        checks = {}
+        for name in "abcd":
+            checks[name] = pacing.ask_check()
+            checks[name].add_done_callback(
+                lambda check, name=name: check.cancelled() or given.setdefault(name, loop.time()))
+        checks["b"].cancel()  # its worker heard a batch, or stopped
+        assert pacing.checks_waiting == 2  # c and d ("a" had its place at once)
+        await asyncio.wait_for(asyncio.gather(checks["c"], checks["d"]), 30)
+        assert list(given) == ["a", "c", "d"]  # in order of asking
+        # One every 1.5 s, never faster; c took b's slot (had b kept it, c would come 3 s
+        # after a: 2.7 s leaves a stalled machine 1.2 s).
+        # (Times seen by callbacks a pass after each place was given: 0.05 s for that.)
+        assert 1.45 <= given["c"] - given["a"] < 2.7
+        assert given["d"] - given["c"] >= 1.45
+        assert pacing.checks_waiting == 0
+    run(scenario)
+
+
+def test_a_worker_waiting_for_its_check_place_still_takes_batches_and_stops_at_once():
+    """After a hundred instances were added at once, their checks queued for some 16 s
+    under the fleet's rate bound; a worker waiting for its place took no live batch, and
+    removing one waited for its place (removing the hundred took 14 s)."""
+    options = dataclasses.replace(TEST_OPTIONS, idle_check=0.05)
+
+    async def scenario(ctx):
+        with EventPublisher() as pub:
+            ledger, source = Ledger(pub), EventSource(11)
+            pacing = FleetPacing(idle_checks_per_second=1 / 3600)
+            pacing.ask_check()  # takes the place given at once: the next is an hour away
+            sub = Subscriber(endpoint_of(pub), OpLog(), ctx=ctx, options=options,
+                             pacing=pacing)
+            task = asyncio.create_task(sub.run())
+            try:
+                await wait_until(lambda: sub.status.state == "live", "the rebuild")
+                await wait_until(lambda: pacing.checks_waiting == 1,
+                                 "the check after the rebuild to wait for its place")
+                ledger.publish(source.batch())
+                await wait_until(lambda: caught_up(sub, ledger, ("live",)),
+                                 "the batch, taken while the check waits")
+                assert pacing.checks_waiting == 0  # heard a batch: the place given up
+                # Quiet again with a tail to check: the next check waits, and a stop ends
+                # that wait at once (stop() cancels only after its timeout).
+                await wait_until(lambda: pacing.checks_waiting == 1,
+                                 "the next check to wait for its place")
+                await asyncio.wait_for(sub.stop(timeout=3600), 30)
+                assert task.done() and not task.cancelled()
+                assert pacing.checks_waiting == 0
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+    run(scenario)
