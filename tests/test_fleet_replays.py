@@ -320,11 +320,25 @@ def test_a_worker_waiting_for_its_check_place_still_takes_batches_and_stops_at_o
             pacing.ask_check()  # takes the place given at once: the next is an hour away
             sub = Subscriber(endpoint_of(pub), OpLog(), ctx=ctx, options=options,
                              pacing=pacing)
+            waits = 0
+            wait_for_live = sub._wait_for_live
+
+            async def counted(seconds: float) -> bool:
+                nonlocal waits
+                waits += 1
+                return await wait_for_live(seconds)
+
+            sub._wait_for_live = counted  # type: ignore[method-assign]
             task = asyncio.create_task(sub.run())
             try:
                 await wait_until(lambda: sub.status.state == "live", "the rebuild")
                 await wait_until(lambda: pacing.checks_waiting == 1,
                                  "the check after the rebuild to wait for its place")
+                first = waits
+                await asyncio.sleep(1.0)
+                # It sleeps until its place comes, not a quiet spell (0.05 s here) at a time:
+                # a thousand workers queued at start-up would wake a thousand times a second.
+                assert waits - first <= 1
                 ledger.publish(source.batch())
                 await wait_until(lambda: caught_up(sub, ledger, ("live",)),
                                  "the batch, taken while the check waits")
