@@ -15,13 +15,12 @@ import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from msgspec import UNSET
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 from starlette.types import Scope
 
-from kvroute.app.answers import Deleted, Error, Health, InstanceList, Readiness, encode
+from kvroute.app.answers import Deleted, Error, Health, Readiness, encode
 from kvroute.app.auth import admin_guard, api_guard
 from kvroute.app.config import ConfigError, Settings, parse_instance
 from kvroute.app.dashboard import PAGES, SECURITY_HEADERS, Page, snapshot
@@ -236,10 +235,7 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None,
 
     @app.get("/v1/instances", dependencies=api)
     async def list_instances(request: Request) -> Response:
-        service = service_of(request)
-        return _json(InstanceList([service.instance_summary(i) for i in service.registry],
-                                  [service.fleet_status(fleet) for fleet in service.fleets]
-                                  or UNSET))
+        return _json(await service_of(request).instance_list())
 
     @app.get("/v1/instances/{instance_id}", dependencies=api)
     async def get_instance(instance_id: str, request: Request) -> Response:

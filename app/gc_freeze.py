@@ -187,6 +187,5 @@ class FleetFreezer:
         """Whether a worker that joined is still connecting or replaying; the ones done
         (or removed meanwhile: their instance is gone) are forgotten."""
         self._joined = [w for w in self._joined
-                        if w.state in _UNSETTLED and w.instance.id in self._registry
-                        and self._registry.get(w.instance.id) is w.instance]
+                        if w.state in _UNSETTLED and self._registry.holds(w.instance)]
         return bool(self._joined)

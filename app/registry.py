@@ -149,6 +149,10 @@ class Registry:
     def __len__(self) -> int:
         return len(self._instances)
 
+    def holds(self, instance: Instance) -> bool:
+        """Whether `instance` itself is registered (not only another of the same id)."""
+        return self._instances.get(instance.id) is instance
+
     def get(self, instance_id: str) -> Instance:
         try:
             return self._instances[instance_id]
