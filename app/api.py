@@ -286,7 +286,7 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None,
 
     @app.get("/v1/dashboard", dependencies=api)
     async def dashboard_data(request: Request) -> Response:
-        return _json(snapshot(service_of(request)))
+        return _json(await snapshot(service_of(request)))
 
     # The dashboard's files hold no data (the page asks /v1/dashboard, with the token), so
     # they are served without one: a browser cannot send a bearer token for a page load.

@@ -76,8 +76,9 @@ class RouteActivity:
             del self.per_worker[key]
 
 
-def snapshot(service: Service) -> Dashboard:
-    """The dashboard's view of `service` now."""
+async def snapshot(service: Service) -> Dashboard:
+    """The dashboard's view of `service` now: its instances a slice at a time
+    (`Service.instance_slices`), each as of its slice."""
     index = service.index
     index.expire_unconfirmed(time.monotonic())  # never show blocks that already expired
     stats = index.stats()
@@ -87,35 +88,36 @@ def snapshot(service: Service) -> Dashboard:
     hits.forget(followed)
     activity.forget(followed)
     instances = []
-    for instance in service.registry:
-        summary = service.instance_summary(instance)
-        workers = []
-        for worker in instance.workers:
-            key = worker.key
-            forwarded = service.inflight.get(key)
-            load = service.load.get(key)
-            totals = hits.totals.get(key)
-            workers.append(DashboardWorker(
-                dp_rank=worker.endpoint.dp_rank,
-                state=worker.state,
-                holdings=MediumCounts.of(stats.holdings.get(key, {})),
-                unconfirmed_blocks=index.unconfirmed_blocks(key),
-                stats=worker.subscriber.status,
-                inflight=forwarded.requests,
-                queued_prefill=forwarded.queued_prefill_tokens,
-                running=load.running if load else None,
-                waiting=load.waiting if load else None,
-                kv_usage=load.kv_usage if load else None,
-                routed=activity.per_worker.get(key, 0),
-                hits=DashboardHits(
-                    requests=totals.requests if totals else 0,
-                    exact=totals.exact if totals else 0,
-                    predicted=totals.predicted if totals else 0,
-                    actual=totals.actual if totals else 0,
-                    unavailable=totals.unavailable if totals else 0)))
-        instances.append(DashboardInstance(
-            id=instance.id, url=instance.url, state=summary.state, models=summary.models,
-            block_size=instance.block_size, workers=workers))
+    async for registered in service.instance_slices():
+        for instance in registered:
+            summary = service.instance_summary(instance)
+            workers = []
+            for worker in instance.workers:
+                key = worker.key
+                forwarded = service.inflight.get(key)
+                load = service.load.get(key)
+                totals = hits.totals.get(key)
+                workers.append(DashboardWorker(
+                    dp_rank=worker.endpoint.dp_rank,
+                    state=worker.state,
+                    holdings=MediumCounts.of(index.held_by_medium(key)),
+                    unconfirmed_blocks=index.unconfirmed_blocks(key),
+                    stats=worker.subscriber.status,
+                    inflight=forwarded.requests,
+                    queued_prefill=forwarded.queued_prefill_tokens,
+                    running=load.running if load else None,
+                    waiting=load.waiting if load else None,
+                    kv_usage=load.kv_usage if load else None,
+                    routed=activity.per_worker.get(key, 0),
+                    hits=DashboardHits(
+                        requests=totals.requests if totals else 0,
+                        exact=totals.exact if totals else 0,
+                        predicted=totals.predicted if totals else 0,
+                        actual=totals.actual if totals else 0,
+                        unavailable=totals.unavailable if totals else 0)))
+            instances.append(DashboardInstance(
+                id=instance.id, url=instance.url, state=summary.state, models=summary.models,
+                block_size=instance.block_size, workers=workers))
     ready, reason = service.readiness()
     p50, p99 = activity.percentiles_ms()
     return Dashboard(

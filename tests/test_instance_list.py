@@ -1,11 +1,15 @@
-"""`GET /v1/instances` of a large fleet: built a slice of instances at a time with the event
-loop free between slices, and never listing an instance removed before its slice came."""
+"""`GET /v1/instances` and `GET /v1/dashboard` of a large fleet: built a slice of instances
+at a time with the event loop free between slices, and never showing an instance removed
+before its slice came."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from kvroute.app.config import InstanceConfig, Settings
+from kvroute.app.dashboard import snapshot
 from kvroute.app.service import INSTANCES_PER_SLICE, Service
 from tests.conftest import run_async
 
@@ -13,7 +17,8 @@ from tests.conftest import run_async
 NOWHERE = ("tcp://127.0.0.1:9",)
 
 
-def test_a_listing_lets_the_loop_run_between_slices_and_leaves_out_removed_instances():
+@pytest.mark.parametrize("answer", [Service.instance_list, snapshot], ids=["listing", "dashboard"])
+def test_an_answer_about_every_instance_lets_the_loop_run_between_slices(answer):
     count = 3 * INSTANCES_PER_SLICE + 5
     settings = Settings(log_level="warning", load_interval=0.0, instances=tuple(
         InstanceConfig(id=f"i{n:03d}", events=NOWHERE, replay=NOWHERE)
@@ -38,7 +43,7 @@ def test_a_listing_lets_the_loop_run_between_slices_and_leaves_out_removed_insta
             other = asyncio.create_task(meanwhile())
             await asyncio.sleep(0)
             try:
-                listing = await service.instance_list()
+                listing = await answer(service)
             finally:
                 other.cancel()
             await asyncio.gather(*removals)
