@@ -21,7 +21,8 @@ Invariants:
   between them, not in one stall. After a pass that took turns, while others wait, no turn
   is taken for `rest` times as long as that pass's turns took, so a burst of this work keeps
   to about 1 / (1 + rest) of the process's time. (`app.paced_changes` makes API
-  registrations and removals wait for a turn as well.)
+  registrations and removals wait for a turn as well.) A pass wakes about as many waiters
+  as the last one let through, so a waiter is seldom woken only to wait again.
 - The replay channels kept open between requests are bounded fleet-wide
   (`replay_channels`).
 Made on the event loop that runs the subscribers; not thread-safe.
@@ -67,6 +68,10 @@ class FleetPacing:
         self._turn_waiters: deque[asyncio.Future[None]] = deque()
         self._woken = 0  # waiters told to go on and not yet resumed: they come first
         self._requeued = 0  # woken waiters sent back this pass (to the front, in order)
+        # Waiters told to go on per pass: one more than took a turn in the last pass whose
+        # budget sent some back, doubling (up to turns_per_pass) while none is sent back.
+        self._wake_per_pass = turns_per_pass
+        self.sent_back = 0  # woken waiters the budget sent back, in all (tests, benchmarks)
         self._next_pass_scheduled = False
         # Replay channels kept open between requests (app.replay_channels); the registry
         # sets its capacity from the open files the fleet leaves.
@@ -157,6 +162,7 @@ class FleetPacing:
             # The pass's budget went to the turns before this one: first in the next pass.
             place = self._requeued
             self._requeued += 1
+            self.sent_back += 1
 
     def _may_take(self) -> bool:
         if self._turns_taken >= self._turns_per_pass:
@@ -181,6 +187,14 @@ class FleetPacing:
         their turn then if the budget still allows; if not, they wait again, first)."""
         self._next_pass_scheduled = False
         began, self._pass_began = self._pass_began, None
+        if began is not None:
+            # Each waiter woken and sent back cost its task a step for nothing (thirty
+            # steps per worker when a hundred instances were added at once): wake about as
+            # many as the budget let through.
+            if self._requeued:
+                self._wake_per_pass = self._turns_taken + 1
+            else:
+                self._wake_per_pass = min(self._turns_per_pass, 2 * self._wake_per_pass)
         self._requeued = 0
         if began is not None and self._turn_waiters and self._rest > 0:
             # A rest as long as the pass's turns took times `rest`, with no turn taken
@@ -193,7 +207,7 @@ class FleetPacing:
             return
         self._turns_taken = 0
         woken = 0
-        while self._turn_waiters and woken < self._turns_per_pass:
+        while self._turn_waiters and woken < self._wake_per_pass:
             waiter = self._turn_waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
