@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
 
 from kvroute.app.fleet_pacing import FleetPacing
 from kvroute.app.subscriber import Subscriber
@@ -203,6 +204,20 @@ def test_idle_checks_that_find_nothing_back_off_until_a_live_batch_arrives():
     run(scenario)
 
 
+def _counted_quiet_waits(sub: Subscriber) -> Callable[[], int]:
+    """Count `sub`'s quiet waits (each a wake-up of its task) from now; the count so far."""
+    waits = 0
+    wait_for_live = sub._wait_for_live
+
+    async def counted(seconds: float) -> bool:
+        nonlocal waits
+        waits += 1
+        return await wait_for_live(seconds)
+
+    sub._wait_for_live = counted  # type: ignore[method-assign]
+    return lambda: waits
+
+
 def test_a_worker_that_never_had_a_batch_wakes_ever_less_often():
     """Most workers of a large idle fleet never hear a batch; each used to wake at the
     set pace for nothing (no tail to check): some 180 wake-ups a second at 1,024 workers."""
@@ -212,23 +227,15 @@ def test_a_worker_that_never_had_a_batch_wakes_ever_less_often():
         with EventPublisher() as pub:
             sub = Subscriber(endpoint_of(pub), OpLog(), ctx=ctx,
                              options=options, pacing=FleetPacing(jitter=0.0))
-            waits = 0
-            wait_for_live = sub._wait_for_live
-
-            async def counted(seconds: float) -> bool:
-                nonlocal waits
-                waits += 1
-                return await wait_for_live(seconds)
-
-            sub._wait_for_live = counted  # type: ignore[method-assign]
+            waits = _counted_quiet_waits(sub)
             async with Running(sub):
                 await wait_until(lambda: sub.status.state == "live", "the worker live")
-                first = waits
+                first = waits()
                 await asyncio.sleep(2.0)
                 # At the fixed 0.05 s pace about 40 wake-ups; doubling to at most
                 # IDLE_CHECK_BACKOFF (8) times 0.05 s, fewer than 12 (fewer still on a slow
                 # machine, so this cannot fail for being slow).
-                assert waits - first < 12
+                assert waits() - first < 12
                 assert sub.status.last_seq is None  # still nothing heard
                 # The rebuild's, and the one check after it for batches the subscription
                 # may have missed on its way; then no tail to check.
@@ -320,25 +327,17 @@ def test_a_worker_waiting_for_its_check_place_still_takes_batches_and_stops_at_o
             pacing.ask_check()  # takes the place given at once: the next is an hour away
             sub = Subscriber(endpoint_of(pub), OpLog(), ctx=ctx, options=options,
                              pacing=pacing)
-            waits = 0
-            wait_for_live = sub._wait_for_live
-
-            async def counted(seconds: float) -> bool:
-                nonlocal waits
-                waits += 1
-                return await wait_for_live(seconds)
-
-            sub._wait_for_live = counted  # type: ignore[method-assign]
+            waits = _counted_quiet_waits(sub)
             task = asyncio.create_task(sub.run())
             try:
                 await wait_until(lambda: sub.status.state == "live", "the rebuild")
                 await wait_until(lambda: pacing.checks_waiting == 1,
                                  "the check after the rebuild to wait for its place")
-                first = waits
+                first = waits()
                 await asyncio.sleep(1.0)
                 # It sleeps until its place comes, not a quiet spell (0.05 s here) at a time:
                 # a thousand workers queued at start-up would wake a thousand times a second.
-                assert waits - first <= 1
+                assert waits() - first <= 1
                 ledger.publish(source.batch())
                 await wait_until(lambda: caught_up(sub, ledger, ("live",)),
                                  "the batch, taken while the check waits")
