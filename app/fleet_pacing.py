@@ -116,19 +116,17 @@ class FleetPacing:
         self._check_timer = None
         loop = asyncio.get_running_loop()
         waiters = self._check_waiters
-        while waiters and waiters[0].done():  # cancelled: their places are given up
-            waiters.popleft()
-        if not waiters:
-            return
-        now = loop.time()
-        if slot_came or now >= self._next_check:
+        while waiters:
+            if waiters[0].done():  # cancelled: its place is given up
+                waiters.popleft()
+                continue
+            now = loop.time()
+            if not (slot_came or now >= self._next_check):
+                self._check_timer = loop.call_at(self._next_check, self._give_checks, True)
+                return
             waiters.popleft().set_result(None)
             self._next_check = max(now, self._next_check) + self._interval
-            while waiters and waiters[0].done():
-                waiters.popleft()
-            if not waiters:
-                return
-        self._check_timer = loop.call_at(self._next_check, self._give_checks, True)
+            slot_came = False
 
     async def turn(self) -> None:
         """Wait for a turn to do a piece of work that cannot be cut (a subscriber opening or
