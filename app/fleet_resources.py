@@ -29,7 +29,6 @@ from __future__ import annotations
 import resource
 
 import zmq
-import zmq.asyncio
 
 from kvroute.app.config import ConfigError, Settings
 
@@ -53,14 +52,14 @@ def configured_workers(settings: Settings) -> int:
     return sum(max(1, len(instance.events or ())) for instance in settings.instances)
 
 
-def fleet_context(settings: Settings) -> zmq.asyncio.Context:
+def fleet_context(settings: Settings) -> zmq.Context:
     """A ZMQ context for the fleet's subscribers, its socket limit sized for it: room for
     the sockets of `max_instances` workers, and as many again closing. ZMQ frees a closed
     socket's place only once its own thread has taken the socket down: a hundred instances
     removed and at once added again found the places of the removed ones still taken, and
     workers failed to open ("Too many open files"). A place costs ZMQ a few bytes."""
     workers = max(configured_workers(settings), settings.max_instances)
-    context = zmq.asyncio.Context()
+    context: zmq.Context = zmq.Context()
     context.set(zmq.MAX_SOCKETS, max(ZMQ_DEFAULT_MAX_SOCKETS,
                                      2 * SOCKETS_PER_WORKER * workers + 64))
     return context

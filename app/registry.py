@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import httpx
-import zmq.asyncio
+import zmq
 
 from kvroute.app.config import InstanceConfig, default_instance_id, foreign_endpoints
 from kvroute.app.discovery import DiscoveryError, WorkerEndpoint, discover, discover_models
@@ -111,7 +111,7 @@ class Instance:
 
 class Registry:
     def __init__(self, index: PrefixIndex, client: httpx.AsyncClient,
-                 context: zmq.asyncio.Context | None = None,
+                 context: zmq.Context | None = None,
                  options: SubscriberOptions | None = None, *, max_instances: int,
                  endpoint_hosts: tuple[str, ...] = (),
                  pacing: FleetPacing | None = None, connections: int = 0) -> None:
@@ -123,7 +123,7 @@ class Registry:
         # Client connections the HTTP server may hold: open files the fleet cannot use.
         self._connections = connections
         self._adding = 0  # API adds waiting for discovery: they count toward the maximum
-        self._context = context or zmq.asyncio.Context.instance()
+        self._context = context or zmq.Context.instance()
         # Shared by every subscriber: replays at once and idle checks a second, fleet-wide.
         self.pacing = pacing or FleetPacing()
         # Saved holdings for a worker whose subscriber is starting (app.state_keeper).

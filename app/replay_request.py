@@ -17,55 +17,68 @@ limit allows).
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 
 import zmq
-import zmq.asyncio
 
+from kvroute.app.loop_socket import LoopSocket, Monitor
 from kvroute.app.replay_channels import KeptChannels
 from kvroute.app.wire import encode_seq
 
 # Replies queued before a replay connection dropped can surface up to this long after the
 # drop is reported (the report travels on the monitor's own socket).
-_DROP_GRACE_MS = 200
+_DROP_GRACE = 0.2
 
 
 class ReplayChannel:
     """A worker's DEALER (and the monitor that reports its drops) to one replay endpoint,
     opened on first use and kept while answers end cleanly. ``close`` releases both."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *,
+    def __init__(self, ctx: zmq.Context, endpoint: str, *,
                  max_message_bytes: int, kept: KeptChannels | None = None) -> None:
         self.endpoint = endpoint
         self._ctx = ctx
         self._kept = kept
         self.in_use = False  # a request is open on it: never closed to make room
         self._max_message_bytes = max_message_bytes
-        self._sockets: tuple[zmq.asyncio.Socket, zmq.asyncio.Socket] | None = None
-        self._poller: zmq.asyncio.Poller | None = None
+        self._dealer: LoopSocket | None = None
+        self._monitor: Monitor | None = None
+        # The connection dropped since the request began (its monitor said so).
+        self.dropped = False
         self.opened = 0  # sockets opened so far (each reuse saves one)
 
     @property
     def is_open(self) -> bool:
-        return self._sockets is not None
+        return self._dealer is not None
 
-    def sockets(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket, zmq.asyncio.Poller]:
-        if self._sockets is None:
-            dealer = self._ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
+    def dealer(self) -> LoopSocket:
+        """The DEALER, opened (and connecting) if it is not."""
+        if self._dealer is None:
             # ZMQ drops a connection that sends a bigger frame: see next_frames' None.
-            dealer.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
-            dropped = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            dealer.connect(self.endpoint)
-            self._sockets = (dealer, dropped)
-            self._poller = zmq.asyncio.Poller()
-            self._poller.register(dealer, zmq.POLLIN)
-            self._poller.register(dropped, zmq.POLLIN)
+            dealer = LoopSocket(self._ctx, zmq.DEALER, {
+                zmq.LINGER: 0, zmq.MAXMSGSIZE: self._max_message_bytes})
+            try:
+                self._monitor = Monitor(self._ctx, dealer.socket, zmq.EVENT_DISCONNECTED,
+                                        self._on_drop)
+                dealer.socket.connect(self.endpoint)
+            except BaseException:
+                if self._monitor is not None:
+                    self._monitor.close()
+                    self._monitor = None
+                dealer.close()
+                raise
+            self._dealer = dealer
             self.opened += 1
             if self._kept is not None:
                 self._kept.opened(self)
-        assert self._poller is not None
-        return (*self._sockets, self._poller)
+        return self._dealer
+
+    def forget_drops(self) -> None:
+        """A drop reported before now is over (ZMQ reconnected, or will, and sends the next
+        request then): only a later one counts."""
+        if self._monitor is not None:
+            self._monitor.take_events()
+        self.dropped = False
 
     def release(self, *, keep: bool) -> None:
         """A request on it is over: kept for the next when `keep` and the fleet has room for
@@ -75,16 +88,20 @@ class ReplayChannel:
             self.close()
 
     def close(self) -> None:
-        sockets, self._sockets, self._poller = self._sockets, None, None
-        if sockets is None:
+        dealer, monitor = self._dealer, self._monitor
+        self._dealer = self._monitor = None
+        if dealer is None:
             return
         if self._kept is not None:
             self._kept.closed(self)
-        dealer, dropped = sockets
-        with contextlib.suppress(zmq.ZMQError):
-            dealer.disable_monitor()
-        dropped.close(0)
-        dealer.close(0)
+        if monitor is not None:
+            monitor.close()
+        dealer.close()
+
+    def _on_drop(self, event: int) -> None:
+        self.dropped = True
+        if self._dealer is not None:
+            self._dealer.wake()
 
 
 class ReplayRequest:
@@ -97,10 +114,10 @@ class ReplayRequest:
     def __init__(self, channel: ReplayChannel, start: int, *, timeout: float) -> None:
         self.endpoint = channel.endpoint
         self.start = start
-        self._timeout_ms = int(timeout * 1000)
+        self._timeout = timeout
         self._channel = channel
         channel.in_use = True
-        self._dealer, self._dropped, self._poller = channel.sockets()
+        self._dealer = channel.dealer()
         self._finished = False
 
     def finished(self) -> None:
@@ -108,12 +125,15 @@ class ReplayRequest:
         self._finished = True
 
     async def __aenter__(self) -> ReplayRequest:
-        # A drop reported between two requests is over (ZMQ reconnected, or will, and
-        # sends this request then): only a drop during this answer cuts it.
         try:
-            while await self._dropped.poll(0, zmq.POLLIN):
-                await self._dropped.recv_multipart()
-            await self._dealer.send_multipart([b"", encode_seq(self.start)])
+            self._channel.forget_drops()
+            request = [b"", encode_seq(self.start)]
+            try:
+                self._dealer.socket.send_multipart(request, zmq.NOBLOCK)
+            except zmq.Again:  # its queue is full: wait for room, as long as for a reply
+                if not await self._dealer.wait(self._timeout, zmq.POLLOUT):
+                    raise TimeoutError from None
+                self._dealer.socket.send_multipart(request, zmq.NOBLOCK)
         except BaseException:
             self._channel.release(keep=False)
             raise
@@ -126,15 +146,23 @@ class ReplayRequest:
         """The next reply's frames; None once the connection has dropped and every reply it
         delivered has been read. Raises TimeoutError after ``timeout`` seconds without
         either."""
-        dealer, dropped = self._dealer, self._dropped
+        dealer, channel = self._dealer, self._channel
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout
+        grace_ends: float | None = None
         while True:
             # Replies delivered before a drop stay queued, and ZMQ makes them readable
             # before it reports the drop: read them all first.
-            if await dealer.poll(0, zmq.POLLIN):
-                return await dealer.recv_multipart()
-            if await dropped.poll(0, zmq.POLLIN):
-                if await dealer.poll(_DROP_GRACE_MS, zmq.POLLIN):
-                    continue  # read above
-                return None
-            if not await self._poller.poll(self._timeout_ms):
+            if (frames := dealer.recv()) is not None:
+                return frames
+            now = loop.time()
+            if channel.dropped:
+                if grace_ends is None:
+                    grace_ends = now + _DROP_GRACE
+                if now >= grace_ends:
+                    return None
+                await dealer.wait(grace_ends - now)
+            elif now >= deadline:
                 raise TimeoutError
+            else:
+                await dealer.wait(deadline - now)  # woken early by a drop, too

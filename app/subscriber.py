@@ -72,7 +72,6 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
 import zmq
-import zmq.asyncio
 
 from kvroute.app.batch_apply import BatchApplier
 from kvroute.app.fleet_pacing import FleetPacing
@@ -157,7 +156,7 @@ class Subscriber(SubscriberReplays):
         endpoint: WorkerEndpoint,
         index: SubscriberIndex,
         *,
-        ctx: zmq.asyncio.Context | None = None,
+        ctx: zmq.Context | None = None,
         hooks: SubscriberHooks | None = None,
         options: SubscriberOptions | None = None,
         saved: SavedWorker | None = None,
@@ -169,7 +168,7 @@ class Subscriber(SubscriberReplays):
         self.hooks = hooks or SubscriberHooks()
         self.options = options or SubscriberOptions()
         self.status = WorkerStatus()
-        self._ctx = ctx or zmq.asyncio.Context.instance()
+        self._ctx = ctx or zmq.Context.instance()
         # Shared with the fleet's other subscribers (replay slots, idle-check rate).
         self._pacing = pacing or FleetPacing()
         self._replay_channel = (
@@ -214,8 +213,6 @@ class Subscriber(SubscriberReplays):
         # being applied: the index matches last_seq only between batches (save_point).
         self._last_payload: bytes | None = None
         self._applying = False
-        # The poll of a quiet wait for a live batch (`_wait_for_live`), while one runs.
-        self._waiting: asyncio.Future[int] | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -228,12 +225,11 @@ class Subscriber(SubscriberReplays):
             await self._main_loop()
         finally:
             try:
-                await self._live.stop_watching()
                 # Closing the sockets in bounded pieces too: nothing is awaited between
                 # the turn and the closing, so the closing is inside the turn's budget.
                 await self._pacing.turn()
             finally:
-                self._live.close_sockets()
+                self._live.close()
                 if self._replay_channel is not None:
                     self._replay_channel.close()
                 self._stopped.set()
@@ -252,7 +248,7 @@ class Subscriber(SubscriberReplays):
                 self._live.open()
                 return True
             except zmq.ZMQError as exc:
-                await self._live.close()  # whatever part of it opened
+                self._live.close()  # whatever part of it opened
                 self.status.last_error = f"ZeroMQ refuses {self.endpoint.endpoint}: {exc}"
                 self._set_state(WorkerState.DOWN)
                 if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
@@ -326,7 +322,7 @@ class Subscriber(SubscriberReplays):
                         if self._stopping.is_set() or not self._live.connected.is_set():
                             continue
                         self._needs_rebuild = False
-                        await self._drain()
+                        self._drain()
                         saved, self._saved = self._saved, None
                         if saved is not None:
                             await self._resume(saved)
@@ -404,18 +400,7 @@ class Subscriber(SubscriberReplays):
         sleeps until its next idle check is due, not a poll interval: a quiet fleet of a
         thousand costs its event loop a wake-up per idle check, not a thousand a second.
         `_wake` (a stop, a dropped connection) ends the wait at once, with False."""
-        waiting = self._live.socket.poll(max(_POLL_MS // 10, int(seconds * 1000) + 1),
-                                         zmq.POLLIN)
-        self._waiting = waiting
-        try:
-            return bool(await waiting)
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                raise  # the task itself is cancelled, not only this wait
-            return False
-        finally:
-            self._waiting = None
+        return await self._live.wait(max(_POLL_MS / 10 / 1000, seconds))
 
     def _check_may_start(self, check: asyncio.Future[None]) -> None:
         if not check.cancelled():
@@ -423,9 +408,7 @@ class Subscriber(SubscriberReplays):
 
     def _wake(self) -> None:
         """End a quiet wait now (it then returns False), so the loop looks at its state."""
-        waiting = self._waiting
-        if waiting is not None and not waiting.done():
-            waiting.cancel()
+        self._live.wake()
 
     async def _idle_check(self) -> bool:
         """Pick up dropped tail batches; after a rebuild whose replay did not finish, this
@@ -448,7 +431,7 @@ class Subscriber(SubscriberReplays):
         return self.status.batches != batches or self.status.last_seq != last
 
     async def _reopen_if_given_up(self) -> None:
-        if await self._live.reopen_if_given_up():
+        if self._live.reopen_if_given_up():
             self.status.last_error = (
                 f"{self.endpoint.endpoint} sent something that made ZMQ drop the connection "
                 f"for good (a message over max_message_bytes={self.options.max_message_bytes}"
@@ -464,11 +447,10 @@ class Subscriber(SubscriberReplays):
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(awaitable, timeout)
 
-    async def _drain(self) -> None:
+    def _drain(self) -> None:
         """Drop live batches queued before the replay that is about to cover them."""
-        sub = self._live.socket
-        while await sub.poll(0, zmq.POLLIN):
-            await sub.recv_multipart()
+        while self._live.queued() is not None:
+            pass
         self._last_live = None
 
     # --- live batches -------------------------------------------------------------------------

@@ -1,0 +1,137 @@
+"""app.loop_socket: plain ZeroMQ sockets read from the event loop, through real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import zmq
+
+from kvroute.app.loop_socket import LoopSocket, Monitor
+from tests.conftest import run_async, wait_until
+
+
+@pytest.fixture
+def ctx():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def _pair(ctx: zmq.Context, on_readable=None) -> tuple[zmq.Socket, LoopSocket]:
+    """A plain PAIR bound on loopback, and a LoopSocket PAIR connected to it."""
+    sender = ctx.socket(zmq.PAIR)
+    sender.setsockopt(zmq.LINGER, 0)
+    port = sender.bind_to_random_port("tcp://127.0.0.1")
+    reader = LoopSocket(ctx, zmq.PAIR, {zmq.LINGER: 0}, on_readable=on_readable)
+    reader.socket.connect(f"tcp://127.0.0.1:{port}")
+    return sender, reader
+
+
+def test_a_message_queued_before_the_wait_is_seen_without_a_signal(ctx) -> None:
+    async def scenario() -> None:
+        sender, reader = _pair(ctx)
+        try:
+            sender.send(b"one")
+            # It arrives, and the loop's callback takes the descriptor's signal meanwhile.
+            await wait_until(reader.ready, what="the message queued")
+            await asyncio.sleep(0.05)
+            started = time.monotonic()
+            assert await reader.wait(30.0)
+            assert time.monotonic() - started < 10  # not the timeout: it was already there
+            assert reader.recv() == [b"one"]
+            assert reader.recv() is None
+        finally:
+            reader.close()
+            sender.close(0)
+
+    run_async(scenario)
+
+
+def test_a_wait_ends_with_a_message_a_timeout_or_a_wake(ctx) -> None:
+    async def scenario() -> None:
+        sender, reader = _pair(ctx)
+        try:
+            assert not await reader.wait(0.05)  # nothing came: the timeout, False
+            waiting = asyncio.ensure_future(reader.wait(30.0))
+            await asyncio.sleep(0.05)
+            sender.send(b"two")
+            assert await asyncio.wait_for(waiting, 10)
+            assert reader.recv() == [b"two"]
+            waiting = asyncio.ensure_future(reader.wait(30.0))
+            await asyncio.sleep(0.05)
+            reader.wake()
+            assert await asyncio.wait_for(waiting, 10) is False
+        finally:
+            reader.close()
+            sender.close(0)
+
+    run_async(scenario)
+
+
+def test_close_ends_a_wait_and_stops_the_callbacks(ctx) -> None:
+    async def scenario() -> None:
+        calls = []
+        sender, reader = _pair(ctx, on_readable=lambda: calls.append(1))
+        try:
+            waiting = asyncio.ensure_future(reader.wait(30.0))
+            await asyncio.sleep(0.05)
+            reader.close()
+            assert await asyncio.wait_for(waiting, 10) is False
+            reader.close()  # twice is fine
+            before = len(calls)
+            sender.send(b"after")
+            await asyncio.sleep(0.2)
+            assert len(calls) == before
+        finally:
+            sender.close(0)
+
+    run_async(scenario)
+
+
+def test_an_unread_message_does_not_keep_waking_the_loop(ctx) -> None:
+    async def scenario() -> None:
+        calls = []
+        sender, reader = _pair(ctx, on_readable=lambda: calls.append(1))
+        try:
+            await asyncio.sleep(0.05)
+            sender.send(b"left unread")
+            await wait_until(lambda: calls, what="the callback told of the message")
+            await asyncio.sleep(0.3)  # spinning on the descriptor would be thousands of calls
+            assert len(calls) <= 3
+            assert reader.recv() == [b"left unread"]  # still there to read
+        finally:
+            reader.close()
+            sender.close(0)
+
+    run_async(scenario)
+
+
+def test_a_monitor_passes_on_the_events_reported_before_anyone_read(ctx) -> None:
+    """A fresh pipe's first messages do not signal the descriptor: without the read at
+    creation, a handshake reported at once never woke the loop (workers stayed
+    `connecting`)."""
+    async def scenario() -> None:
+        publisher = ctx.socket(zmq.PUB)
+        publisher.setsockopt(zmq.LINGER, 0)
+        port = publisher.bind_to_random_port("tcp://127.0.0.1")
+        events: list[int] = []
+        sub = LoopSocket(ctx, zmq.SUB, {zmq.LINGER: 0, zmq.SUBSCRIBE: b""})
+        monitor = Monitor(ctx, sub.socket,
+                          zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED, events.append)
+        try:
+            sub.socket.connect(f"tcp://127.0.0.1:{port}")
+            await wait_until(lambda: zmq.EVENT_HANDSHAKE_SUCCEEDED in events,
+                             what="the handshake reported")
+            publisher.close(0)
+            await wait_until(lambda: zmq.EVENT_DISCONNECTED in events, what="the drop reported")
+            assert events.index(zmq.EVENT_HANDSHAKE_SUCCEEDED) < events.index(
+                zmq.EVENT_DISCONNECTED)
+        finally:
+            monitor.close()
+            monitor.close()  # twice is fine
+            sub.close()
+            publisher.close(0)
+
+    run_async(scenario)
