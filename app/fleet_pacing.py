@@ -20,9 +20,12 @@ Invariants:
   removed at once start and stop in pieces of about half a millisecond, with routes answered
   between them, not in one stall. After a pass that took turns, while others wait, no turn
   is taken for `rest` times as long as that pass's turns took, so a burst of this work keeps
-  to about 1 / (1 + rest) of the process's time. (`app.paced_changes` makes API
-  registrations and removals wait for a turn as well.) A pass wakes about as many waiters
-  as the last one let through, so a waiter is seldom woken only to wait again.
+  to about 1 / (1 + rest) of the process's time; `routing_rest` instead while routes are
+  being asked (`routing`: the service says whether one was decided lately), so a change
+  made while routes are asked takes longer and leaves their answers their usual time.
+  (`app.paced_changes` makes API registrations and removals wait for a turn as well.) A
+  pass wakes about as many waiters as the last one let through, so a waiter is seldom
+  woken only to wait again.
 - The replay channels kept open between requests are bounded fleet-wide
   (`replay_channels`).
 Made on the event loop that runs the subscribers; not thread-safe.
@@ -42,10 +45,15 @@ from kvroute.app.replay_channels import KeptChannels
 __all__ = ["FleetPacing"]
 
 
+def _never() -> bool:
+    return False
+
+
 class FleetPacing:
     def __init__(self, replay_concurrency: int = 32, idle_checks_per_second: float = 50.0,
                  *, jitter: float = 0.5, rng: random.Random | None = None,
                  turns_per_pass: int = 16, pass_budget: float = 0.0005, rest: float = 3.0,
+                 routing_rest: float = 16.0, routing: Callable[[], bool] = _never,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         if replay_concurrency < 1 or idle_checks_per_second <= 0:
             raise ValueError("replay_concurrency and idle_checks_per_second must be positive")
@@ -62,6 +70,8 @@ class FleetPacing:
         self._turns_per_pass = turns_per_pass
         self._pass_budget = pass_budget
         self._rest = rest
+        self._routing_rest = routing_rest
+        self._routing = routing
         self._clock = clock
         self._turns_taken = 0  # in this pass of the loop
         self._pass_began: float | None = None  # clock() at this pass's first turn
@@ -194,15 +204,17 @@ class FleetPacing:
             else:
                 self._wake_per_pass = min(self._turns_per_pass, 2 * self._wake_per_pass)
         self._requeued = 0
-        if began is not None and self._turn_waiters and self._rest > 0:
-            # A rest as long as the pass's turns took times `rest`, with no turn taken
-            # meanwhile (so a burst of such work never holds more than its share of the
-            # process's time: the machine stays free for the routes' answers).
-            self._turns_taken = self._turns_per_pass
-            self._next_pass_scheduled = True
-            asyncio.get_running_loop().call_later(
-                (self._clock() - began) * self._rest, self._next_pass)
-            return
+        if began is not None and self._turn_waiters:
+            rest = self._routing_rest if self._routing() else self._rest
+            if rest > 0:
+                # A rest as long as the pass's turns took times `rest`, with no turn taken
+                # meanwhile (so a burst of such work never holds more than its share of
+                # the process's time: the machine stays free for the routes' answers).
+                self._turns_taken = self._turns_per_pass
+                self._next_pass_scheduled = True
+                asyncio.get_running_loop().call_later(
+                    (self._clock() - began) * rest, self._next_pass)
+                return
         self._turns_taken = 0
         woken = 0
         while self._turn_waiters and woken < self._wake_per_pass:

@@ -91,6 +91,8 @@ TOKENIZE_ATTEMPTS = 3
 # Instances answered for between two turns of the event loop (`Service.instance_slices`):
 # some 15-20 us each in a listing, 35 us in the dashboard's snapshot, on a busy machine.
 INSTANCES_PER_SLICE = 16
+# Seconds after a route during which fleet changes run at the routing pace (`_routing_lately`).
+ROUTING_LATELY = 1.0
 
 
 def route_request_decoder(settings: Settings) -> Callable[[bytes], RouteRequest]:
@@ -130,6 +132,7 @@ class Service:
         self.route_request = route_request_type(settings)
         self.decode_route_request = route_request_decoder(settings)
         self.index = PrefixIndex()
+        self._last_route = float("-inf")  # perf_counter() when `decide` last began
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
         # A context of its own, sized for the fleet (app.fleet_resources), ended in close().
         self.zmq_context = fleet_context(settings)
@@ -140,7 +143,8 @@ class Service:
             max_blocks_per_worker=settings.max_blocks_per_worker,
             unconfirmed_ttl=settings.unconfirmed_ttl),
             max_instances=settings.max_instances, endpoint_hosts=settings.zmq_endpoint_hosts,
-            pacing=FleetPacing(settings.replay_concurrency, settings.idle_checks_per_second),
+            pacing=FleetPacing(settings.replay_concurrency, settings.idle_checks_per_second,
+                               routing=self._routing_lately),
             connections=settings.max_connections)
         self.metrics = ServiceMetrics(self.registry)
         # The workers each model's routes weigh, kept until the registry changes.
@@ -292,6 +296,12 @@ class Service:
                            f"{self.settings.max_prompt_tokens}", field)
         return tokens
 
+    def _routing_lately(self) -> bool:
+        """Whether a route was asked in the last `ROUTING_LATELY` seconds: the fleet's turns
+        then rest longer (`FleetPacing`'s `routing_rest`), so that a hundred instances added
+        at once leave routes their usual latency (and take longer to connect)."""
+        return time.perf_counter() - self._last_route < ROUTING_LATELY
+
     async def decide(self, request: RouteRequest,
                      exclude: frozenset[WorkerKey] = frozenset(), *,
                      shed_when_overloaded: bool = False) -> Decision:
@@ -305,7 +315,7 @@ class Service:
         workers are eligible is kept between routes (`app.eligible`), so a route's cost
         follows the work, not the fleet. The decision keeps `TOP_SCORES` scores, or all
         of them with `request.all_scores`."""
-        started = time.perf_counter()
+        started = self._last_route = time.perf_counter()
         given = [name for name in INPUTS if getattr(request, name) is not None]
         if len(given) != 1:
             raise InvalidRequest("give exactly one of token_ids, block_hashes, prompt, messages"

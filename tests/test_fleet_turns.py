@@ -6,18 +6,22 @@ turns, and API registrations and removals waiting for one. Counted per pass of t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import httpx
+import pytest
 
 from kvroute.app.auth import admin_guard
 from kvroute.app.config import InstanceConfig, Settings
+from kvroute.app.errors import RequestError
 from kvroute.app.fleet_pacing import FleetPacing
 from kvroute.app.paced_changes import PacedFleetChanges, changes_fleet
 from kvroute.app.registry import Registry
+from kvroute.app.service import ROUTING_LATELY, Service
 from kvroute.app.subscriber import Subscriber
 from kvroute.index import PrefixIndex
 from kvroute.sim.publisher import EventPublisher
-from tests.conftest import wait_until
+from tests.conftest import run_async, wait_until
 from tests.support.events import (
     TEST_OPTIONS,
     EventSource,
@@ -80,11 +84,16 @@ def test_a_pass_takes_no_turn_once_its_budget_is_spent_and_keeps_the_order():
     run(scenario)
 
 
-def test_after_a_pass_with_turns_the_next_turns_wait_for_a_rest():
+@pytest.mark.parametrize("routing", [False, True], ids=["no-routes", "routing"])
+def test_after_a_pass_with_turns_the_next_turns_wait_for_a_rest(routing):
+    """`rest`, or `routing_rest` while routes are being asked (each is 0 in the other case
+    here, so the rest seen is the one that applies)."""
     async def scenario(ctx):
         now = [0.0]
-        pacing = FleetPacing(turns_per_pass=4, pass_budget=1.0, rest=1.0,
-                             clock=lambda: now[0])
+        pacing = FleetPacing(turns_per_pass=4, pass_budget=1.0,
+                             rest=0.0 if routing else 1.0,
+                             routing_rest=1.0 if routing else 0.0,
+                             routing=lambda: routing, clock=lambda: now[0])
         counter = _PassCounter()
         seen: list[int] = []
 
@@ -267,3 +276,26 @@ def test_a_change_without_the_admin_token_takes_no_turn():
         await middleware(scope("DELETE", "admin"), nothing, send)
         assert pacing.turns == 2 and len(reached) == 8
     run(scenario)
+
+
+def test_a_route_asked_puts_the_fleets_turns_at_the_routing_pace():
+    """The service tells its fleet's pacing that routes are being asked from the moment one
+    is (answered or refused: the workers here are all down) until `ROUTING_LATELY` later."""
+    settings = Settings(log_level="warning", load_interval=0.0, instances=(
+        InstanceConfig(id="i", events=("tcp://127.0.0.1:9",), replay=("tcp://127.0.0.1:9",)),))
+
+    async def scenario() -> None:
+        service = Service(settings)
+        await service.start()
+        try:
+            routing = service.registry.pacing._routing
+            assert not routing()
+            with contextlib.suppress(RequestError):
+                await service.route(b'{"token_ids": [1, 2, 3]}')
+            assert routing()
+            service._last_route -= ROUTING_LATELY
+            assert not routing()
+        finally:
+            await service.close()
+
+    run_async(scenario)
