@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import zmq
@@ -19,20 +21,26 @@ def ctx():
     context.destroy(linger=0)
 
 
-def _pair(ctx: zmq.Context, on_readable=None) -> tuple[zmq.Socket, LoopSocket]:
-    """A plain PAIR bound on loopback, and a LoopSocket PAIR connected to it."""
+@contextmanager
+def _connected(ctx: zmq.Context, on_readable=None) -> Iterator[tuple[zmq.Socket, LoopSocket]]:
+    """A plain PAIR bound on loopback and a LoopSocket PAIR connected to it; both closed."""
     sender = ctx.socket(zmq.PAIR)
     sender.setsockopt(zmq.LINGER, 0)
-    port = sender.bind_to_random_port("tcp://127.0.0.1")
-    reader = LoopSocket(ctx, zmq.PAIR, {zmq.LINGER: 0}, on_readable=on_readable)
-    reader.socket.connect(f"tcp://127.0.0.1:{port}")
-    return sender, reader
+    try:
+        port = sender.bind_to_random_port("tcp://127.0.0.1")
+        reader = LoopSocket(ctx, zmq.PAIR, {zmq.LINGER: 0}, on_readable=on_readable)
+        try:
+            reader.socket.connect(f"tcp://127.0.0.1:{port}")
+            yield sender, reader
+        finally:
+            reader.close()
+    finally:
+        sender.close(0)
 
 
 def test_a_message_queued_before_the_wait_is_seen_without_a_signal(ctx) -> None:
     async def scenario() -> None:
-        sender, reader = _pair(ctx)
-        try:
+        with _connected(ctx) as (sender, reader):
             sender.send(b"one")
             # It arrives, and the loop's callback takes the descriptor's signal meanwhile.
             await wait_until(reader.ready, what="the message queued")
@@ -42,17 +50,13 @@ def test_a_message_queued_before_the_wait_is_seen_without_a_signal(ctx) -> None:
             assert time.monotonic() - started < 10  # not the timeout: it was already there
             assert reader.recv() == [b"one"]
             assert reader.recv() is None
-        finally:
-            reader.close()
-            sender.close(0)
 
     run_async(scenario)
 
 
 def test_a_wait_ends_with_a_message_a_timeout_or_a_wake(ctx) -> None:
     async def scenario() -> None:
-        sender, reader = _pair(ctx)
-        try:
+        with _connected(ctx) as (sender, reader):
             assert not await reader.wait(0.05)  # nothing came: the timeout, False
             waiting = asyncio.ensure_future(reader.wait(30.0))
             await asyncio.sleep(0.05)
@@ -63,9 +67,6 @@ def test_a_wait_ends_with_a_message_a_timeout_or_a_wake(ctx) -> None:
             await asyncio.sleep(0.05)
             reader.wake()
             assert await asyncio.wait_for(waiting, 10) is False
-        finally:
-            reader.close()
-            sender.close(0)
 
     run_async(scenario)
 
@@ -73,8 +74,7 @@ def test_a_wait_ends_with_a_message_a_timeout_or_a_wake(ctx) -> None:
 def test_close_ends_a_wait_and_stops_the_callbacks(ctx) -> None:
     async def scenario() -> None:
         calls = []
-        sender, reader = _pair(ctx, on_readable=lambda: calls.append(1))
-        try:
+        with _connected(ctx, on_readable=lambda: calls.append(1)) as (sender, reader):
             waiting = asyncio.ensure_future(reader.wait(30.0))
             await asyncio.sleep(0.05)
             reader.close()
@@ -84,8 +84,6 @@ def test_close_ends_a_wait_and_stops_the_callbacks(ctx) -> None:
             sender.send(b"after")
             await asyncio.sleep(0.2)
             assert len(calls) == before
-        finally:
-            sender.close(0)
 
     run_async(scenario)
 
@@ -93,17 +91,13 @@ def test_close_ends_a_wait_and_stops_the_callbacks(ctx) -> None:
 def test_an_unread_message_does_not_keep_waking_the_loop(ctx) -> None:
     async def scenario() -> None:
         calls = []
-        sender, reader = _pair(ctx, on_readable=lambda: calls.append(1))
-        try:
+        with _connected(ctx, on_readable=lambda: calls.append(1)) as (sender, reader):
             await asyncio.sleep(0.05)
             sender.send(b"left unread")
             await wait_until(lambda: calls, what="the callback told of the message")
             await asyncio.sleep(0.3)  # spinning on the descriptor would be thousands of calls
             assert len(calls) <= 3
             assert reader.recv() == [b"left unread"]  # still there to read
-        finally:
-            reader.close()
-            sender.close(0)
 
     run_async(scenario)
 
