@@ -26,6 +26,7 @@ on one event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import struct
 from collections.abc import Callable, Mapping
@@ -149,10 +150,9 @@ class Monitor:
     def close(self) -> None:
         """Stop monitoring; no event is passed on after this. Safe to call more than once."""
         pair, self._pair = self._pair, None
-        try:
+        # Fails only when the watched socket is closed already, and its monitor with it.
+        with contextlib.suppress(zmq.ZMQError):
             self._watched.disable_monitor()
-        except zmq.ZMQError:
-            pass  # the watched socket is closed already, and its monitor with it
         if pair is not None:
             pair.close()
 

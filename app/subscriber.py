@@ -309,7 +309,7 @@ class Subscriber(SubscriberReplays):
                 self._working_generation = self._generation
                 try:
                     if not self._live.connected.is_set():
-                        await self._reopen_if_given_up()
+                        self._reopen_if_given_up()
                         await self._wait_or_stop(self._live.connected.wait(), _POLL_MS / 1000)
                     elif self._needs_rebuild:
                         # The rebuild starts in a turn of the fleet's: the connections of a
@@ -430,7 +430,7 @@ class Subscriber(SubscriberReplays):
             return True
         return self.status.batches != batches or self.status.last_seq != last
 
-    async def _reopen_if_given_up(self) -> None:
+    def _reopen_if_given_up(self) -> None:
         if self._live.reopen_if_given_up():
             self.status.last_error = (
                 f"{self.endpoint.endpoint} sent something that made ZMQ drop the connection "
