@@ -16,12 +16,12 @@ toward what the configured workers need with every replay channel kept (and
 `CLOSING_FILES` for sockets closing), up to the hard limit, and refuses with one sentence
 naming the limit and the fleet's size only when not even their live sides,
 `replay_concurrency` channels, `max_connections` client connections and `CLOSING_FILES`
-fit. `replay_channels_room` is how
-many replay channels the open files left keep between requests (every worker's when they
-fit), beside `replay_concurrency` more that requests may open. An instance
-known only by its URL counts as one worker (its data-parallel size is discovered later);
-`max_instances` bounds the API's additions, and `room_for` refuses (one sentence) workers
-that the open-file or the context's socket limit could not hold, before any socket is made.
+fit. `replay_channels_room` is how many replay channels the open files left keep between
+requests (every worker's when they fit; it never shrinks because workers leave), beside
+`replay_concurrency` more that requests may open. An instance known only by its URL
+counts as one worker (its data-parallel size is discovered later); `max_instances` bounds
+the API's additions, and `room_for` refuses (one sentence) workers that the open-file or
+the context's socket limit could not hold, before any socket is made.
 """
 
 from __future__ import annotations
@@ -108,17 +108,21 @@ def raise_open_files(settings: Settings) -> int:
     return limit
 
 
-def replay_channels_room(workers: int, replay_concurrency: int, connections: int) -> int:
-    """How many replay channels `workers` followed may keep open between requests within
-    the soft open-file limit: every worker's when they fit."""
+def replay_channels_room(workers: int, replay_concurrency: int,
+                         connections: int) -> int | None:
+    """How many replay channels may stay open between requests beside `workers` followed,
+    within the soft open-file limit (None: no bound). Not capped at one per worker: a
+    worker keeps at most one anyway, and a cap would shrink with every removal and close
+    the channels of workers still stopping (a hundred instances removed at once: all their
+    channels at once, in one 30-40 ms step, instead of each in its own subscriber's turn)."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:
-        return workers
+        return None
     # Channels opened beyond it for requests (at most replay_concurrency at once), and the
     # files of sockets closed but not yet released (ZMQ closes a socket in its own thread).
     spare = ((soft - _files(workers, replay_concurrency, connections) - CLOSING_FILES)
              // REPLAY_CHANNEL_FILES)
-    return max(0, min(workers, spare))
+    return max(0, spare)
 
 
 def room_for(workers: int, adding: int, context: zmq.Context,

@@ -36,11 +36,12 @@ class KeptChannels:
     def __len__(self) -> int:
         return len(self._open)
 
-    def resize(self, capacity: int) -> None:
-        """A new bound, applied at once: channels not in use beyond it are closed now, before
-        the workers that made it smaller open their sockets."""
+    def resize(self, capacity: int | None) -> None:
+        """A new bound (None: none), applied at once: channels not in use beyond it are
+        closed now, before the workers that made it smaller open their sockets."""
         self.capacity = capacity
-        if len(self._open) <= capacity:  # the usual case: no copy of a fleet's channels
+        # The usual case: no copy of a fleet's channels.
+        if capacity is None or len(self._open) <= capacity:
             return
         for channel in list(self._open.values()):
             if len(self._open) <= capacity:
