@@ -59,7 +59,7 @@ SETTLED_AFTER_LIVE = 60.0
 SETTLED_SECONDS = 20.0
 CHANGED_INSTANCES = 100  # added at once through the API, then removed at once
 CHANGE_CYCLES = 3  # of adding and removing them, routed through all along
-CHANGE_IDLE_SECONDS = 2.0  # routes on the idle fleet just before, the figures beside
+CHANGE_IDLE_SECONDS = 10.0  # routes on the idle fleet just before (a p99 of thousands)
 POLL = 0.2  # seconds between listings while waiting for the added instances
 INTERLEAVED_ROUTES = 1000  # to each of two fleets at once, alternately
 
