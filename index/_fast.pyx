@@ -25,6 +25,8 @@ from libc.string cimport memcpy
 
 from xxhash import xxh3_128_digest
 
+include "_tables.pxi"
+
 cdef extern from "Python.h":
     PyObject* PyDict_SetDefault(object d, object key, object default) except NULL
     unsigned long long PyLong_AsUnsignedLongLongMask(object value) except? -1
@@ -56,20 +58,29 @@ cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, bytes parent_key, 
     ``index._hold`` and a second handle of held content through ``index._add_second_handle``,
     in the order the blocks come. Returns how many blocks went through ``_hold``.
 
+    A worker whose holder bit lies below bit 64 has its handles and nodes placed in the
+    tables' records directly; anything else (a wider fleet's worker, a hash or a node kept
+    in a table's ``_other`` dict) goes through the tables' dict methods, as the pure loop
+    does.
+
     The caller has checked that ``len(tokens) == len(block_hashes) * step``, that every key
     is 16 bytes (``parent_key``, and each digest) and ``w.handles``/``index._nodes`` are
-    dicts."""
-    cdef dict nodes = index._nodes
-    cdef dict handles = w.handles
+    the compiled tables."""
+    cdef NodeMap nodes = index._nodes
+    cdef HandleMap handles = w.handles
     cdef Py_ssize_t blocks = len(block_hashes)
     cdef Py_ssize_t k
     cdef const char* source = PyBytes_AS_STRING(tokens)
     cdef bytearray buf = _buffer(16 + step)
     cdef object seed = bit | flag
     cdef object block_hash, key, fresh, value
-    cdef PyObject* bound
-    cdef PyObject* placed
     cdef Py_ssize_t held_before = 0
+    cdef bint narrow = bit < _UINT64_END, bound
+    cdef uint64_t bit64 = PyLong_AsUnsignedLongLongMask(bit)
+    cdef uint64_t seed64 = PyLong_AsUnsignedLongLongMask(seed)
+    cdef uint64_t hw[3]
+    cdef uint64_t kw[3]
+    cdef Record* r
     digest = xxh3_128_digest
     if len(parent_key) != 16:
         raise ValueError("a content key is 16 bytes")
@@ -77,22 +88,40 @@ cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, bytes parent_key, 
         block_hash = block_hashes[k]
         _fill(buf, parent_key, source + k * step, step)
         key = digest(buf)
-        bound = PyDict_SetDefault(handles, block_hash, key)
-        if bound == <PyObject*>key:
-            fresh = seed | (PyObject_Hash(parent_key) & fp_field)
-            placed = PyDict_SetDefault(nodes, key, fresh)
-            if placed != <PyObject*>fresh:
-                value = <object>placed
-                if not (value & bit):
-                    PyDict_SetItem(nodes, key, value | bit)
-                else:
-                    index._add_second_handle(w, key)
+        if narrow and handles._pack_key(block_hash, hw) and not handles._other:
+            bound = handles.find(hw) is NULL
+            if bound:
+                r = handles.add(hw)
+                memcpy(&r.w[1], PyBytes_AS_STRING(key), 16)
         else:
+            bound = handles.setdefault(block_hash, key) is key
+        if not bound:
             held_before += 1
             index._hold(w, block_hash, key, 0,
                         (seed ^ bit) | (PyObject_Hash(parent_key) & fp_field))
+        elif narrow:
+            memcpy(kw, PyBytes_AS_STRING(key), 16)
+            r = nodes.find(kw)
+            if r is NULL and not (nodes._other and key in nodes._other):
+                r = nodes.add(kw)
+                r.w[2] = seed64 | <uint64_t>(PyObject_Hash(parent_key) & fp_field)
+            elif r is not NULL and not (r.w[2] & bit64):
+                r.w[2] |= bit64
+            elif r is NULL and not (nodes._other[key] & bit):
+                nodes[key] = nodes._other[key] | bit
+            else:
+                index._add_second_handle(w, key)
+        else:
+            fresh = seed | (PyObject_Hash(parent_key) & fp_field)
+            value = nodes.setdefault(key, fresh)
+            if value is not fresh:
+                if not (value & bit):
+                    nodes[key] = value | bit
+                else:
+                    index._add_second_handle(w, key)
         parent_key = key
         seed = bit
+        seed64 = bit64
     return held_before
 
 
@@ -101,8 +130,8 @@ def remove_gpu(index, w, list block_hashes, object holders_min):
     GPU"): forget each handle and take the worker's bit off its node, deleting a node left
     without holders. A hash the worker does not hold ends an unconfirmed block through
     ``index._end_unconfirmed`` or is counted unknown. Returns (removed, unknown)."""
-    cdef dict nodes = index._nodes
-    cdef dict handles = w.handles
+    cdef NodeMap nodes = index._nodes
+    cdef HandleMap handles = w.handles
     cdef object keep = w.keep
     cdef Py_ssize_t removed = 0
     cdef Py_ssize_t unknown = 0
@@ -115,24 +144,57 @@ def remove_gpu(index, w, list block_hashes, object holders_min):
     return removed, unknown
 
 
-cdef inline bint _take_off(dict nodes, dict handles, object keep, object holders_min,
-                           object block_hash) except -1:
+cdef bint _take_off(NodeMap nodes, HandleMap handles, object keep, object holders_min,
+                    object block_hash) except -1:
     """Forget the worker's handle for ``block_hash`` and take its bit (``keep`` masks it off)
     off the node, deleting a node left without holders; False when it holds no such hash."""
-    cdef PyObject* found = PyDict_GetItem(handles, block_hash)
-    if found is NULL:
-        return False
-    cdef object key = <object>found
-    PyDict_DelItem(handles, block_hash)
-    cdef object value = nodes[key] & keep
-    if value >= holders_min:
-        PyDict_SetItem(nodes, key, value)
+    cdef uint64_t hw[3]
+    cdef uint64_t kw[3]
+    cdef Record* r
+    cdef uint64_t value64
+    cdef object key, value
+    if handles._pack_key(block_hash, hw) and not handles._other:
+        r = handles.find(hw)
+        if r is NULL:
+            return False
+        memcpy(kw, &r.w[1], 16)
+        handles.remove(hw)
+        r = nodes.find(kw)
+        if r is not NULL:
+            value64 = r.w[2] & PyLong_AsUnsignedLongLongMask(keep)
+            if value64 >= PyLong_AsUnsignedLongLongMask(holders_min):
+                r.w[2] = value64
+            else:
+                nodes.remove(kw)
+            return True
+        key = PyBytes_FromStringAndSize(<const char*>kw, 16)
     else:
-        PyDict_DelItem(nodes, key)
+        key = handles.get(block_hash)
+        if key is None:
+            return False
+        del handles[block_hash]
+    value = nodes[key] & keep
+    if value >= holders_min:
+        nodes[key] = value
+    else:
+        del nodes[key]
     return True
 
 
-def walk_tokens(dict nodes, bytes parent_key, bytes tokens, Py_ssize_t step, object alive,
+cdef inline uint64_t _low_value(NodeMap nodes, object key) except? 0xFFFFFFFFFFFFFFFF:
+    """The low 64 bits of ``key``'s node value (0: no node), all a mask below bit 64 sees."""
+    cdef uint64_t kw[3]
+    memcpy(kw, PyBytes_AS_STRING(key), 16)
+    cdef Record* r = nodes.find(kw)
+    if r is not NULL:
+        return r.w[2]
+    if not nodes._other:
+        return 0
+    cdef PyObject* found = PyDict_GetItem(nodes._other, key)
+    return 0 if found is NULL else PyLong_AsUnsignedLongLongMask(<object>found)
+
+
+def walk_tokens(NodeMap nodes, bytes parent_key, bytes tokens, Py_ssize_t step, object alive,
                 bint tiered, object tiered_bit):
     """``PrefixIndex._walk_tokens``: hash the query block by block (full blocks only),
     dropping workers at their first miss. Returns ``ended`` (mask of workers, blocks they
@@ -159,8 +221,7 @@ def walk_tokens(dict nodes, bytes parent_key, bytes tokens, Py_ssize_t step, obj
     for position in range(blocks):
         _fill(buf, parent_key, source + position * step, step)
         key = digest(buf)
-        found = PyDict_GetItem(nodes, key)
-        value = 0 if found is NULL else <object>found
+        value = nodes.get(key, 0)
         held = value & alive
         if held != alive:
             ended.append((alive ^ held, position))
@@ -186,7 +247,7 @@ cdef object _WORD = 1 << 64
 DEF WALK_AHEAD = 16
 
 
-cdef tuple _walk_word(dict nodes, bytes parent_key, bytes tokens, Py_ssize_t step,
+cdef tuple _walk_word(NodeMap nodes, bytes parent_key, bytes tokens, Py_ssize_t step,
                       uint64_t alive, bint tiered, uint64_t tiered_bit):
     """``walk_tokens`` with masks below bit 64 (the caller checked them)."""
     cdef list ended = []
@@ -209,9 +270,7 @@ cdef tuple _walk_word(dict nodes, bytes parent_key, bytes tokens, Py_ssize_t ste
             parent_key = digest(buf)
             keys[j] = parent_key
         for j in range(count):
-            found = PyDict_GetItem(nodes, keys[j])
-            # Node values are non-negative ints: the mask keeps their low 64 bits.
-            values[j] = 0 if found is NULL else PyLong_AsUnsignedLongLongMask(<object>found)
+            values[j] = _low_value(nodes, keys[j])
         for j in range(count):
             value = values[j]
             held = value & alive
@@ -372,7 +431,7 @@ def apply_run(index, worker, list events, Py_ssize_t start, Py_ssize_t work_left
     cdef Py_ssize_t max_event_blocks = limits.max_event_blocks
     cdef Py_ssize_t max_worker_blocks = limits.max_worker_blocks
     cdef Py_ssize_t max_work = limits.max_work
-    cdef dict handles = w.handles
+    cdef HandleMap handles = w.handles
     cdef dict groups = w.groups
     cdef list held = w.held
     cdef Py_ssize_t k, blocks, work, size, ntokens, done_blocks = 0, done_work = 0
@@ -382,7 +441,7 @@ def apply_run(index, worker, list events, Py_ssize_t start, Py_ssize_t work_left
     cdef object bound_size = None
     cdef dict counts = w.counts
     cdef dict node_counts = w.node_counts
-    cdef dict nodes = index._nodes
+    cdef NodeMap nodes = index._nodes
     cdef object keep = w.keep
     cdef object bit = w.bit
     cdef object cls

@@ -22,6 +22,12 @@ Layout (chosen for CPython: few objects, work batched per event):
   engine hashes for one content happen when the engine hashes something the events do
   not carry).
 
+The compiled implementation keeps ``_nodes`` and every ``handles`` in compiled tables
+(``NodeMap``, ``HandleMap``: index/_tables.pxi) instead of dicts: one 24-byte record per
+entry where a dict keeps a slot, a key object and a value object (about 70 bytes per
+holding instead of about 200). They answer the dict methods used here, so this module's
+code is the same for both; only their iteration order is their own.
+
 Invariants (``PrefixIndex._check()`` verifies them; the property tests call it):
 - a node exists iff its holder mask is not empty; a worker's bit is set on a node iff one
   of its handles maps to that key; ``TIERED`` is set iff the node has a ``_tiered`` entry,
@@ -148,13 +154,13 @@ class _Worker:
         "unconfirmed_keys",
     )
 
-    def __init__(self, worker: WorkerKey, slot: int) -> None:
+    def __init__(self, worker: WorkerKey, slot: int, handles: dict[BlockHash, bytes]) -> None:
         self.worker = worker
         self.slot = slot
         self.bit = 1 << (SLOT_SHIFT + slot)
         self.keep = ~self.bit  # node value & keep: the value without this worker
         self.block_size = 0
-        self.handles: dict[BlockHash, bytes] = {}
+        self.handles = handles
         self.counts: dict[BlockHash, int] = {}
         self.node_counts: dict[bytes, int] = {}
         self.held = [0, 0, 0]  # handles with a non-zero count, per tier
@@ -192,7 +198,11 @@ class PrefixIndex:
         if compiled and _compiled is None:
             raise ValueError("the compiled prefix-index loops are not built")
         self._fast = _compiled if compiled else None
-        self._nodes: dict[bytes, int] = {}
+        # The compiled loops keep nodes and handles in compact tables (index/_tables.pxi)
+        # that answer the dict methods the rest of this class uses; the pure ones in dicts.
+        self._nodes: dict[bytes, int] = {} if self._fast is None else self._fast.NodeMap()
+        self._new_handles: type[dict[Any, Any]] = (
+            dict if self._fast is None else self._fast.HandleMap)
         self._tiered: dict[bytes, list[int]] = {}
         self._workers: dict[WorkerKey, _Worker] = {}
         self._by_slot: list[_Worker | None] = []
@@ -600,7 +610,7 @@ class PrefixIndex:
                 nodes[key] = value
             else:
                 del nodes[key]
-        w.handles = {}
+        w.handles = self._new_handles()
         w.counts = {}
         w.node_counts = {}
         w.held = [0, 0, 0]
@@ -643,7 +653,8 @@ class PrefixIndex:
             else:
                 slot = len(self._by_slot)
                 self._by_slot.append(None)
-            w = self._by_slot[slot] = self._workers[worker] = _Worker(worker, slot)
+            w = _Worker(worker, slot, self._new_handles())
+            self._by_slot[slot] = self._workers[worker] = w
         return w
 
     # ------------------------------------------------------------------ saving and restoring
@@ -1205,22 +1216,25 @@ class PrefixIndex:
     def stats(self) -> IndexStats:
         """Counts, holdings and an estimate of the index's memory.
 
-        ``estimated_bytes`` adds the exact table sizes of every dict (``sys.getsizeof``)
-        to the objects they reference, each sized from a sample of its entries (64 of the
-        nodes; 8 of each of up to 64 workers' tables): per
-        node one 16-byte key and its packed value; per handle one engine hash and one key
-        object (a handle made by the worker that created the node shares the node's key,
-        so this errs high by up to one key per node). Costs O(workers), not O(nodes).
+        ``estimated_bytes`` adds the exact table sizes of every dict and compiled table
+        (``sys.getsizeof``; a compiled table's records are in its size) to the objects they
+        reference, each sized from a sample of its entries (64 of the nodes; 8 of each of up
+        to 64 workers' tables): per node kept as objects one packed value; per handle kept as
+        objects one engine hash and one key object (a handle made by the worker that created
+        the node shares the node's key, so this errs high by up to one key per node). Costs
+        O(workers), not O(nodes).
         """
+        loose_nodes = _as_objects(self._nodes)
         size = sys.getsizeof(self._nodes) + sys.getsizeof(self._tiered)
-        size += len(self._nodes) * _mean_size(self._nodes.values())
+        size += len(loose_nodes) * _mean_size(loose_nodes.values())
         size += len(self._tiered) * (sys.getsizeof([0, 0]) + 2 * _mean_size(
             v for entry in islice(self._tiered.values(), 32) for v in entry))
         key_size = sys.getsizeof(b"\0" * 16)
         # Entry sizes from a sample of the workers' tables (entries are alike across
         # workers): sampling each worker's held a /metrics scrape 16 ms at 1,824 workers.
         sample = list(islice(self._workers.values(), 64))
-        handle_size = _mean_size((h for w in sample for h in islice(w.handles.keys(), 8)), 512)
+        handle_size = _mean_size(
+            (h for w in sample for h in islice(_as_objects(w.handles).keys(), 8)), 512)
         count_size = _mean_size((c for w in sample for c in islice(w.counts.values(), 8)), 512)
         node_count_size = _mean_size(
             (c for w in sample for c in islice(w.node_counts.values(), 8)), 512)
@@ -1230,8 +1244,8 @@ class PrefixIndex:
             size += sys.getsizeof(w) + sys.getsizeof(w.held) + sys.getsizeof(w.groups)
             for table in (w.handles, w.counts, w.node_counts):
                 size += sys.getsizeof(table)
-            size += (len(w.handles) * (handle_size + key_size) + len(w.counts) * count_size
-                     + len(w.node_counts) * node_count_size)
+            size += (len(_as_objects(w.handles)) * (handle_size + key_size)
+                     + len(w.counts) * count_size + len(w.node_counts) * node_count_size)
         size += sys.getsizeof(self._workers) + sys.getsizeof(self._by_slot)
         return IndexStats(
             nodes=len(self._nodes),
@@ -1388,6 +1402,12 @@ def _new_match(blocks: int, tokens: int, block_size: int, by_medium: dict[str, i
     _set_by_medium(match, by_medium)
     _set_pending(match, 0)
     return match
+
+
+def _as_objects(table: dict[Any, Any]) -> dict[Any, Any]:
+    """The entries of a node or handle table kept as Python objects: all of a dict's, the
+    ``_other`` dict of a compiled table (index/_tables.pxi)."""
+    return table if type(table) is dict else table._other  # type: ignore[attr-defined]
 
 
 def _mean_size(values: Iterable[object], limit: int = 64) -> int:

@@ -1,0 +1,462 @@
+# Included by _fast.pyx: the compiled index's two big containers.
+#
+# ``NodeMap`` (content key -> packed node value) and ``HandleMap`` (engine hash -> content
+# key) stand in for the pure index's ``_nodes`` dict and each worker's ``handles`` dict. A
+# dict entry costs a table slot, a key object and a value object (about 120 bytes for a
+# node, 80 for a handle); here the common entry is one 24-byte record of three machine
+# words, found through a table of 4-byte record numbers kept at most half full:
+#
+# - a record: NodeMap  [key word 0, key word 1, value]   (a 16-byte key, a value < 2**64)
+#             HandleMap [engine hash, key word 0, key word 1]   (a hash < 2**64, a 16-byte key)
+#   The key's bytes are copied as they are, so a key read back is byte for byte the one
+#   stored.
+# - records live in one array; a removed one goes on a free list (chained through its first
+#   word) and is reused before the array grows; the array is compacted when three quarters
+#   of it is free.
+# - ``slots``: open addressing with linear probing over record numbers + 1 (0 is empty);
+#   removal shifts the probe run back, so there are no tombstones.
+#
+# Anything else is kept in ``_other``, a plain dict: keys or values that do not fit (a
+# node held by a worker past slot 35, whose holder bit is past bit 63; bytes engine hashes).
+# Invariant: a key is in at most one of the two. Both types answer the dict methods the
+# index uses, so its pure-Python code runs on them unchanged; the loops in _fast.pyx use
+# the C methods below and fall back to ``_other`` themselves.
+
+import sys
+
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from libc.stdint cimport uint32_t
+from libc.stdlib cimport free, malloc, realloc
+from libc.string cimport memcpy, memset
+from cpython.long cimport PyLong_AsUnsignedLongLong
+
+
+cdef struct Record:
+    uint64_t w[3]
+
+
+cdef inline uint64_t _mix(uint64_t x) noexcept nogil:
+    """A 64-bit finalizer (murmur3's): engine hashes can be small consecutive ints."""
+    x ^= x >> 33
+    x *= 0xff51afd7ed558ccdULL
+    x ^= x >> 33
+    x *= 0xc4ceb9fe1a85ec53ULL
+    x ^= x >> 33
+    return x
+
+
+cdef object _UINT64_END = 1 << 64
+cdef object _MISSING = object()
+DEF MIN_SLOTS = 8
+
+
+cdef class _Table:
+    """The record array and its slot table; ``key_words`` (1 or 2) of each record's three
+    words are its key. Subclasses say how Python keys and values map onto the words."""
+
+    cdef Record* records
+    cdef uint32_t* slots
+    cdef Py_ssize_t mask  # slots - 1 (a power of two minus one)
+    cdef Py_ssize_t count  # live records
+    cdef Py_ssize_t used  # records handed out (live + free)
+    cdef Py_ssize_t capacity  # records allocated
+    cdef Py_ssize_t free_head  # record number + 1 of the first free one, 0: none
+    cdef int key_words
+    cdef public dict _other
+
+    def __cinit__(self):
+        self.slots = <uint32_t*>malloc(MIN_SLOTS * sizeof(uint32_t))
+        if self.slots is NULL:
+            raise MemoryError()
+        memset(self.slots, 0, MIN_SLOTS * sizeof(uint32_t))
+        self.mask = MIN_SLOTS - 1
+        self.records = NULL
+        self._other = {}
+
+    def __dealloc__(self):
+        free(self.records)
+        free(self.slots)
+
+    # --- C level ----------------------------------------------------------------------------
+
+    cdef inline Py_ssize_t _home(self, const uint64_t* key) noexcept nogil:
+        if self.key_words == 2:
+            return <Py_ssize_t>(_mix(key[0] ^ (key[1] * 0x9e3779b97f4a7c15ULL)) & self.mask)
+        return <Py_ssize_t>(_mix(key[0]) & self.mask)
+
+    cdef inline bint _same(self, const Record* r, const uint64_t* key) noexcept nogil:
+        return r.w[0] == key[0] and (self.key_words == 1 or r.w[1] == key[1])
+
+    cdef Py_ssize_t _slot(self, const uint64_t* key) noexcept nogil:
+        """The slot holding ``key``'s record, or -1."""
+        cdef Py_ssize_t i = self._home(key)
+        cdef uint32_t s
+        while True:
+            s = self.slots[i]
+            if s == 0:
+                return -1
+            if self._same(&self.records[s - 1], key):
+                return i
+            i = (i + 1) & self.mask
+
+    cdef inline Record* find(self, const uint64_t* key) noexcept nogil:
+        """``key``'s record in the array, or NULL (``_other`` not looked at)."""
+        cdef Py_ssize_t i = self._slot(key)
+        return NULL if i < 0 else &self.records[self.slots[i] - 1]
+
+    cdef Record* add(self, const uint64_t* key) except NULL:
+        """A new record for ``key``, which the caller knows is in neither part: its key
+        words are set, the rest is for the caller. Valid until the next add or remove."""
+        cdef Py_ssize_t number, i
+        cdef Record* r
+        if 2 * (self.count + 1) > self.mask + 1:
+            self._resize_slots(2 * (self.mask + 1))
+        if self.free_head:
+            number = self.free_head - 1
+            self.free_head = <Py_ssize_t>self.records[number].w[0]
+        else:
+            if self.used == self.capacity:
+                self._grow_records(self.capacity + self.capacity // 2 + 4)
+            number = self.used
+            self.used += 1
+        r = &self.records[number]
+        r.w[0] = key[0]
+        if self.key_words == 2:
+            r.w[1] = key[1]
+        i = self._home(key)
+        while self.slots[i]:
+            i = (i + 1) & self.mask
+        self.slots[i] = <uint32_t>(number + 1)
+        self.count += 1
+        return r
+
+    cdef int remove(self, const uint64_t* key) except -1:
+        """Forget ``key``'s record; 0 when there was none."""
+        cdef Py_ssize_t i = self._slot(key)
+        if i < 0:
+            return 0
+        self._remove_slot(i)
+        return 1
+
+    cdef int _remove_slot(self, Py_ssize_t i) except -1:
+        cdef Py_ssize_t number = self.slots[i] - 1
+        cdef Py_ssize_t j = i
+        cdef Py_ssize_t home
+        cdef uint32_t s
+        self.records[number].w[0] = <uint64_t>self.free_head
+        self.free_head = number + 1
+        self.count -= 1
+        while True:  # shift the rest of the probe run back over the hole at i
+            j = (j + 1) & self.mask
+            s = self.slots[j]
+            if s == 0:
+                break
+            home = self._home(self.records[s - 1].w)
+            # Stays where it is when its home lies cyclically in (i, j].
+            if (i < home <= j) if i <= j else (home > i or home <= j):
+                continue
+            self.slots[i] = s
+            i = j
+        self.slots[i] = 0
+        if self.count == 0:
+            self._reset()
+        elif 4 * self.count < self.used and self.used > 1024:
+            self._compact()
+        elif 8 * self.count < self.mask + 1 and self.mask + 1 > MIN_SLOTS:
+            self._resize_slots((self.mask + 1) // 2)
+        return 0
+
+    cdef int _resize_slots(self, Py_ssize_t size) except -1:
+        cdef uint32_t* old = self.slots
+        cdef Py_ssize_t old_size = self.mask + 1
+        cdef Py_ssize_t k, i
+        cdef uint32_t* fresh = <uint32_t*>malloc(size * sizeof(uint32_t))
+        if fresh is NULL:
+            raise MemoryError()
+        memset(fresh, 0, size * sizeof(uint32_t))
+        self.slots = fresh
+        self.mask = size - 1
+        for k in range(old_size):
+            if old[k]:
+                i = self._home(self.records[old[k] - 1].w)
+                while fresh[i]:
+                    i = (i + 1) & self.mask
+                fresh[i] = old[k]
+        free(old)
+        return 0
+
+    cdef int _grow_records(self, Py_ssize_t capacity) except -1:
+        if capacity >= 0xFFFFFFFF:
+            raise MemoryError("a table of more than 2**32 - 1 entries")
+        cdef Record* grown = <Record*>realloc(self.records, capacity * sizeof(Record))
+        if grown is NULL:
+            raise MemoryError()
+        self.records = grown
+        self.capacity = capacity
+        return 0
+
+    cdef int _compact(self) except -1:
+        """Move the live records to the front of a new array of about their size."""
+        cdef Py_ssize_t capacity = self.count + self.count // 2 + 4
+        cdef Record* fresh = <Record*>malloc(capacity * sizeof(Record))
+        cdef Py_ssize_t k, n = 0
+        if fresh is NULL:
+            raise MemoryError()
+        for k in range(self.mask + 1):
+            if self.slots[k]:
+                fresh[n] = self.records[self.slots[k] - 1]
+                n += 1
+                self.slots[k] = <uint32_t>n
+        free(self.records)
+        self.records = fresh
+        self.capacity = capacity
+        self.used = n
+        self.free_head = 0
+        return 0
+
+    cdef void _reset(self) noexcept:
+        free(self.records)
+        self.records = NULL
+        self.capacity = self.used = self.free_head = self.count = 0
+        if self.mask + 1 > MIN_SLOTS:
+            free(self.slots)
+            self.slots = <uint32_t*>malloc(MIN_SLOTS * sizeof(uint32_t))
+            self.mask = MIN_SLOTS - 1
+        memset(self.slots, 0, (self.mask + 1) * sizeof(uint32_t))
+
+    cdef int _copy_into(self, _Table other) except -1:
+        other._reset()
+        free(other.slots)
+        other.slots = <uint32_t*>malloc((self.mask + 1) * sizeof(uint32_t))
+        if other.slots is NULL:
+            raise MemoryError()
+        memcpy(other.slots, self.slots, (self.mask + 1) * sizeof(uint32_t))
+        other.mask = self.mask
+        if self.used:
+            other._grow_records(self.used)
+            memcpy(other.records, self.records, self.used * sizeof(Record))
+        other.used = self.used
+        other.count = self.count
+        other.free_head = self.free_head
+        other._other = dict(self._other)
+        return 0
+
+    # --- conversions (subclasses) -----------------------------------------------------------
+
+    cdef bint _pack_key(self, object key, uint64_t* words) except -1:
+        raise NotImplementedError
+
+    cdef bint _pack_value(self, object value, uint64_t* words) except -1:
+        raise NotImplementedError
+
+    cdef object _key(self, const Record* r):
+        raise NotImplementedError
+
+    cdef object _value(self, const Record* r):
+        raise NotImplementedError
+
+    # --- the dict methods the index uses -----------------------------------------------------
+
+    def __len__(self):
+        return self.count + len(self._other)
+
+    def __contains__(self, key):
+        cdef uint64_t words[3]
+        if self._pack_key(key, words) and self.find(words) is not NULL:
+            return True
+        return bool(self._other) and key in self._other
+
+    def __getitem__(self, key):
+        cdef uint64_t words[3]
+        cdef Record* r
+        if self._pack_key(key, words):
+            r = self.find(words)
+            if r is not NULL:
+                return self._value(r)
+        return self._other[key]
+
+    def get(self, key, default=None):
+        cdef uint64_t words[3]
+        cdef Record* r
+        if self._pack_key(key, words):
+            r = self.find(words)
+            if r is not NULL:
+                return self._value(r)
+        return self._other.get(key, default) if self._other else default
+
+    def __setitem__(self, key, value):
+        cdef uint64_t words[3]
+        cdef Record* r
+        if self._pack_key(key, words):
+            if self._pack_value(value, words):
+                if self._other:
+                    self._other.pop(key, None)
+                r = self.find(words)
+                if r is NULL:
+                    r = self.add(words)
+                memcpy(&r.w[self.key_words], &words[self.key_words],
+                       (3 - self.key_words) * sizeof(uint64_t))
+                return
+            self.remove(words)
+        self._other[key] = value
+
+    def __delitem__(self, key):
+        cdef uint64_t words[3]
+        if self._pack_key(key, words) and self.remove(words):
+            return
+        del self._other[key]
+
+    def setdefault(self, key, default=None):
+        value = self.get(key, _MISSING)
+        if value is _MISSING:
+            self[key] = default
+            return default
+        return value
+
+    def pop(self, key, default=_MISSING):
+        value = self.get(key, _MISSING)
+        if value is _MISSING:
+            if default is _MISSING:
+                raise KeyError(key)
+            return default
+        del self[key]
+        return value
+
+    def popitem(self):
+        cdef Py_ssize_t i = 0
+        cdef Record* r
+        if self._other:
+            return self._other.popitem()
+        if not self.count:
+            raise KeyError("popitem(): the table is empty")
+        while not self.slots[i]:
+            i += 1
+        r = &self.records[self.slots[i] - 1]
+        item = (self._key(r), self._value(r))
+        self._remove_slot(i)
+        return item
+
+    def clear(self):
+        self._reset()
+        self._other = {}
+
+    def keys(self):
+        """The keys, as a list (a snapshot: the table may change while it is walked)."""
+        cdef list out = []
+        cdef Py_ssize_t k
+        for k in range(self.mask + 1):
+            if self.slots[k]:
+                out.append(self._key(&self.records[self.slots[k] - 1]))
+        out.extend(self._other)
+        return out
+
+    def values(self):
+        """The values, as a list (a snapshot)."""
+        cdef list out = []
+        cdef Py_ssize_t k
+        for k in range(self.mask + 1):
+            if self.slots[k]:
+                out.append(self._value(&self.records[self.slots[k] - 1]))
+        out.extend(self._other.values())
+        return out
+
+    def items(self):
+        """The (key, value) pairs, as a list (a snapshot)."""
+        cdef list out = []
+        cdef Py_ssize_t k
+        cdef Record* r
+        for k in range(self.mask + 1):
+            if self.slots[k]:
+                r = &self.records[self.slots[k] - 1]
+                out.append((self._key(r), self._value(r)))
+        out.extend(self._other.items())
+        return out
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def copy(self):
+        fresh = type(self)()
+        self._copy_into(fresh)
+        return fresh
+
+    def __deepcopy__(self, memo):
+        return self.copy()  # keys and values are immutable
+
+    def __reduce__(self):
+        return type(self)._from_items, (self.items(),)
+
+    @classmethod
+    def _from_items(cls, items):
+        table = cls()
+        for key, value in items:
+            table[key] = value
+        return table
+
+    def __eq__(self, other):
+        if isinstance(other, (_Table, dict)):
+            return dict(self.items()) == dict(other.items())
+        return NotImplemented
+
+    def __sizeof__(self):
+        return (sizeof(Record) * self.capacity + sizeof(uint32_t) * (self.mask + 1)
+                + sys.getsizeof(self._other) + object.__sizeof__(self))
+
+    def __repr__(self):
+        return f"{type(self).__name__}({dict(self.items())!r})"
+
+
+cdef class NodeMap(_Table):
+    """Content key (16 bytes) -> node value (an int; below 2**64 in the record)."""
+
+    def __cinit__(self):
+        self.key_words = 2
+
+    cdef bint _pack_key(self, object key, uint64_t* words) except -1:
+        if type(key) is not bytes or PyBytes_GET_SIZE(key) != 16:
+            return False
+        memcpy(words, PyBytes_AS_STRING(key), 16)
+        return True
+
+    cdef bint _pack_value(self, object value, uint64_t* words) except -1:
+        if type(value) is not int:
+            return False
+        try:
+            words[2] = PyLong_AsUnsignedLongLong(value)
+        except OverflowError:  # negative, or past 64 bits
+            return False
+        return True
+
+    cdef object _key(self, const Record* r):
+        return PyBytes_FromStringAndSize(<const char*>r.w, 16)
+
+    cdef object _value(self, const Record* r):
+        return PyLong_FromUnsignedLongLong(r.w[2])
+
+
+cdef class HandleMap(_Table):
+    """Engine hash (an int below 2**64 in the record) -> content key (16 bytes)."""
+
+    def __cinit__(self):
+        self.key_words = 1
+
+    cdef bint _pack_key(self, object key, uint64_t* words) except -1:
+        if type(key) is not int:
+            return False
+        try:
+            words[0] = PyLong_AsUnsignedLongLong(key)
+        except OverflowError:  # negative, or past 64 bits
+            return False
+        return True
+
+    cdef bint _pack_value(self, object value, uint64_t* words) except -1:
+        if type(value) is not bytes or PyBytes_GET_SIZE(value) != 16:
+            return False
+        memcpy(&words[1], PyBytes_AS_STRING(value), 16)
+        return True
+
+    cdef object _key(self, const Record* r):
+        return PyLong_FromUnsignedLongLong(r.w[0])
+
+    cdef object _value(self, const Record* r):
+        return PyBytes_FromStringAndSize(<const char*>&r.w[1], 16)
