@@ -1,0 +1,158 @@
+"""The compiled index's tables (index/_tables.pxi) against a plain dict: the same answers to
+every dict method the index uses, through growth, removal (probe runs shifted back),
+compaction and entries that do not fit a record."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvroute.index import prefix_index
+
+if not prefix_index.COMPILED_AVAILABLE:  # make test builds them; a missing build is a failure
+    pytest.fail("the compiled index loops are not built: run `pip install -e .`",
+                allow_module_level=True)
+
+from kvroute.index._fast import HandleMap, NodeMap  # noqa: E402
+
+# Few distinct keys, so operations meet earlier entries; values across the 64-bit edge.
+NODE_KEYS = st.one_of(st.integers(0, 40).map(lambda n: n.to_bytes(16, "little")),
+                      st.binary(min_size=15, max_size=17))
+NODE_VALUES = st.one_of(st.integers(0, 2**64 - 1), st.integers(2**64, 2**70),
+                        st.integers(-5, -1))
+HANDLE_KEYS = st.one_of(st.integers(0, 40), st.integers(2**64 - 3, 2**64 + 3),
+                        st.integers(-3, -1), st.binary(min_size=16, max_size=16))
+HANDLE_VALUES = st.one_of(st.integers(0, 40).map(lambda n: n.to_bytes(16, "big")),
+                          st.binary(min_size=15, max_size=17))
+
+
+def operations(keys: st.SearchStrategy, values: st.SearchStrategy) -> st.SearchStrategy:
+    return st.lists(st.one_of(
+        st.tuples(st.just("set"), keys, values),
+        st.tuples(st.just("del"), keys),
+        st.tuples(st.just("pop"), keys),
+        st.tuples(st.just("setdefault"), keys, values),
+        st.tuples(st.just("popitem")),
+        st.tuples(st.just("fill"), st.integers(0, 3000)),
+        st.tuples(st.just("drain"), st.integers(0, 3000)),
+    ), max_size=60)
+
+
+def run(table: dict, reference: dict, ops: list[tuple], value_of) -> None:
+    for op, *args in ops:
+        if op == "set":
+            table[args[0]] = args[1]
+            reference[args[0]] = args[1]
+        elif op == "del":
+            outcomes = []
+            for target in (table, reference):
+                try:
+                    del target[args[0]]
+                    outcomes.append(None)
+                except KeyError:
+                    outcomes.append(KeyError)
+            assert outcomes[0] == outcomes[1]
+        elif op == "pop":
+            assert table.pop(args[0], "none") == reference.pop(args[0], "none")
+        elif op == "setdefault":
+            assert table.setdefault(args[0], args[1]) == reference.setdefault(args[0], args[1])
+        elif op == "popitem":
+            if reference:
+                key, value = table.popitem()
+                assert reference.pop(key) == value
+            else:
+                with pytest.raises(KeyError):
+                    table.popitem()
+        elif op == "fill":  # many entries: the tables grow past their first sizes
+            for n in range(args[0]):
+                key, value = value_of(n)
+                table[key] = value
+                reference[key] = value
+        else:  # drain: remove most of them again (shrinking, compaction)
+            for key in list(reference)[: args[0]]:
+                del table[key]
+                del reference[key]
+        assert len(table) == len(reference)
+    assert dict(table.items()) == reference
+    assert sorted(table.keys(), key=repr) == sorted(reference, key=repr)
+    assert sorted(table.values(), key=repr) == sorted(reference.values(), key=repr)
+    assert sorted(table, key=repr) == sorted(reference, key=repr)
+    for key, value in reference.items():
+        assert key in table and table[key] == value and table.get(key) == value
+    assert table == reference
+    assert table.copy() == reference and copy.deepcopy(table) == reference
+    assert pickle.loads(pickle.dumps(table)) == reference
+
+
+@settings(max_examples=150, deadline=None)
+@given(operations(NODE_KEYS, NODE_VALUES))
+def test_node_map_answers_as_a_dict(ops: list[tuple]) -> None:
+    run(NodeMap(), {}, ops, lambda n: ((1000 + n).to_bytes(16, "big"), n * 2**40 + 7))
+
+
+@settings(max_examples=150, deadline=None)
+@given(operations(HANDLE_KEYS, HANDLE_VALUES))
+def test_handle_map_answers_as_a_dict(ops: list[tuple]) -> None:
+    run(HandleMap(), {}, ops, lambda n: (n * 7919 + 1000, n.to_bytes(16, "little")))
+
+
+def test_a_value_that_stops_fitting_moves_beside_the_records_and_back() -> None:
+    nodes = NodeMap()
+    key = b"k" * 16
+    nodes[key] = 5
+    nodes[key] = 2**70  # a holder bit past bit 63
+    assert nodes[key] == 2**70 and len(nodes) == 1 and nodes._other == {key: 2**70}
+    nodes[key] = 9
+    assert nodes[key] == 9 and len(nodes) == 1 and nodes._other == {}
+
+
+def test_missing_keys_raise_as_a_dict_does() -> None:
+    for table in (NodeMap(), HandleMap()):
+        with pytest.raises(KeyError):
+            table[b"x" * 16]
+        with pytest.raises(KeyError):
+            del table[3]
+        with pytest.raises(KeyError):
+            table.pop(3)
+        with pytest.raises(TypeError):  # unhashable, as in a dict
+            table[[1]] = 2
+
+
+def test_emptied_tables_give_their_memory_back() -> None:
+    handles = HandleMap()
+    empty = handles.__sizeof__()
+    for n in range(100_000):
+        handles[n] = n.to_bytes(16, "big")
+    full = handles.__sizeof__()
+    assert full > 100_000 * 24
+    for n in range(99_000):
+        del handles[n]
+    assert handles.__sizeof__() < full // 10  # compacted
+    assert all(handles[n] == n.to_bytes(16, "big") for n in range(99_000, 100_000))
+    for n in range(99_000, 100_000):
+        del handles[n]
+    assert handles.__sizeof__() == empty
+
+
+@pytest.mark.parametrize("live", [3, 5, 30, 200])
+def test_churn_at_a_steady_size_keeps_every_entry_findable(live: int) -> None:
+    """Inserts and removals in random order around a fixed size: probe runs wrap around
+    the end of the slot table and are shifted back over many removals."""
+    rng = random.Random(live)
+    nodes, reference = NodeMap(), {}
+    for step in range(20_000):
+        if len(reference) < live or rng.random() < 0.5:
+            key = rng.getrandbits(128).to_bytes(16, "big")
+            nodes[key] = reference[key] = step
+        else:
+            key = rng.choice(list(reference))
+            del nodes[key], reference[key]
+        if step % 97 == 0:
+            assert all(nodes.get(k) == v for k, v in reference.items())
+            assert len(nodes) == len(reference)
+    assert nodes == reference
