@@ -10,14 +10,17 @@ methods mid-loop, so the layout invariants (``PrefixIndex._check``) are the pure
 both and check they agree on random event streams.
 
 What the compiled loops save: per block, a content key is ``xxh3_128(parent key || block
-tokens)``; the pure loop builds a 1-tuple, a block and a concatenation per block, while this
-one copies both into one reused buffer, and calls the dict C API instead of bound methods.
-Hashing stays ``xxhash``'s own function, so keys are byte for byte those of the pure path.
+tokens)``; the pure loop builds a 1-tuple, a block, a concatenation and a key object per
+block, while this one copies both into one reused buffer and hashes it in C (the xxHash
+library the ``xxhash`` package carries, checked against it at import: index/_keys.pxi), and
+looks the key up in the compiled tables (index/_tables.pxi) without making an object of
+it. Keys are byte for byte those of the pure path.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.dict cimport PyDict_GetItem, PyDict_SetItem, PyDict_DelItem
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.long cimport PyLong_FromUnsignedLongLong
 from cpython.object cimport PyObject, PyObject_Hash
 from libc.stdint cimport uint64_t
@@ -25,7 +28,17 @@ from libc.string cimport memcpy
 
 from xxhash import xxh3_128_digest
 
+include "_keys.pxi"
 include "_tables.pxi"
+
+# Blocks hashed ahead of their lookups in ``_walk_word`` and ``_store_gpu_chain``. A key
+# depends only on its parent key and its tokens, never on a lookup, so a run of keys can be
+# made first, with the table slots each will look at fetched into the cache meanwhile, and
+# then looked up: on an index larger than the CPU's caches each lookup is a few memory
+# misses, and the processor overlaps those of neighbouring blocks. At most WALK_AHEAD - 1
+# blocks past a walk's end are hashed for nothing.
+DEF WALK_AHEAD = 16
+
 
 cdef extern from "Python.h":
     PyObject* PyDict_SetDefault(object d, object key, object default) except NULL
@@ -34,13 +47,6 @@ cdef extern from "Python.h":
 
 cdef inline bytearray _buffer(Py_ssize_t size):
     return PyByteArray_FromStringAndSize(NULL, size)
-
-
-cdef inline void _fill(bytearray buf, bytes parent, const char* block, Py_ssize_t step):
-    """buf := parent || block (parent is a 16-byte key; the caller sized buf for it)."""
-    cdef char* out = PyByteArray_AS_STRING(buf)
-    memcpy(out, PyBytes_AS_STRING(parent), 16)
-    memcpy(out + 16, block, step)
 
 
 def store_gpu_chain(index, w, list block_hashes, bytes parent_key, bytes tokens,
@@ -58,70 +64,89 @@ cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, bytes parent_key, 
     ``index._hold`` and a second handle of held content through ``index._add_second_handle``,
     in the order the blocks come. Returns how many blocks went through ``_hold``.
 
-    A worker whose holder bit lies below bit 64 has its handles and nodes placed in the
-    tables' records directly; anything else (a wider fleet's worker, a hash or a node kept
-    in a table's ``_other`` dict) goes through the tables' dict methods, as the pure loop
-    does.
+    Keys are made WALK_AHEAD blocks at a time, and the table slots they will look at are
+    fetched into the cache meanwhile (see ``_walk_word``). A worker whose holder bit lies
+    below bit 64 has its handles and nodes placed in the tables' records directly; anything
+    else (a wider fleet's worker, a hash or a node kept in a table's ``_other`` dict) goes
+    through the tables' dict methods, as the pure loop does.
 
-    The caller has checked that ``len(tokens) == len(block_hashes) * step``, that every key
-    is 16 bytes (``parent_key``, and each digest) and ``w.handles``/``index._nodes`` are
-    the compiled tables."""
+    The caller has checked that ``len(tokens) == len(block_hashes) * step`` and that
+    ``w.handles``/``index._nodes`` are the compiled tables."""
     cdef NodeMap nodes = index._nodes
     cdef HandleMap handles = w.handles
     cdef Py_ssize_t blocks = len(block_hashes)
-    cdef Py_ssize_t k
+    cdef Py_ssize_t base, count, j
     cdef const char* source = PyBytes_AS_STRING(tokens)
-    cdef bytearray buf = _buffer(16 + step)
+    cdef bytearray scratch = _buffer(16 + step)
+    cdef uint64_t keys[WALK_AHEAD + 1][2]  # keys[0]: the parent of the group's first block
+    cdef uint64_t hw[3]
+    cdef uint64_t* key_words
     cdef object seed = bit | flag
-    cdef object block_hash, key, fresh, value
+    cdef object block_hash, key, fresh, value, fp
     cdef Py_ssize_t held_before = 0
-    cdef bint narrow = bit < _UINT64_END, bound
+    cdef bint narrow = bit < _UINT64_END, new_handle
     cdef uint64_t bit64 = PyLong_AsUnsignedLongLongMask(bit)
     cdef uint64_t seed64 = PyLong_AsUnsignedLongLongMask(seed)
-    cdef uint64_t hw[3]
-    cdef uint64_t kw[3]
+    cdef uint64_t fp64
     cdef Record* r
-    digest = xxh3_128_digest
     if len(parent_key) != 16:
         raise ValueError("a content key is 16 bytes")
-    for k in range(blocks):
-        block_hash = block_hashes[k]
-        _fill(buf, parent_key, source + k * step, step)
-        key = digest(buf)
-        if narrow and handles._pack_key(block_hash, hw) and not handles._other:
-            bound = handles.find(hw) is NULL
-            if bound:
-                r = handles.add(hw)
-                memcpy(&r.w[1], PyBytes_AS_STRING(key), 16)
-        else:
-            bound = handles.setdefault(block_hash, key) is key
-        if not bound:
-            held_before += 1
-            index._hold(w, block_hash, key, 0,
-                        (seed ^ bit) | (PyObject_Hash(parent_key) & fp_field))
-        elif narrow:
-            memcpy(kw, PyBytes_AS_STRING(key), 16)
-            r = nodes.find(kw)
-            if r is NULL and not (nodes._other and key in nodes._other):
-                r = nodes.add(kw)
-                r.w[2] = seed64 | <uint64_t>(PyObject_Hash(parent_key) & fp_field)
-            elif r is not NULL and not (r.w[2] & bit64):
-                r.w[2] |= bit64
-            elif r is NULL and not (nodes._other[key] & bit):
-                nodes[key] = nodes._other[key] | bit
+    memcpy(keys[0], PyBytes_AS_STRING(parent_key), 16)
+    base = 0
+    while base < blocks:
+        count = min(WALK_AHEAD, blocks - base)
+        for j in range(count):
+            _key_into(keys[j + 1], keys[j], source + (base + j) * step, step, scratch)
+            nodes.prefetch(keys[j + 1])
+            if handles._pack_key(<object>PyList_GET_ITEM(block_hashes, base + j), hw):
+                handles.prefetch(hw)
+        for j in range(count):
+            block_hash = <object>PyList_GET_ITEM(block_hashes, base + j)
+            key_words = keys[j + 1]
+            fp64 = <uint64_t>(_fingerprint_hash(keys[j]) & fp_field)
+            if (narrow and not handles._other and handles._pack_key(block_hash, hw)
+                    and (key_words[0] | key_words[1])):  # an all-zero key is not a record's
+                new_handle = handles.find(hw) is NULL
+                if new_handle:
+                    r = handles.add(hw)
+                    memcpy(&r.w[1], key_words, 16)
             else:
-                index._add_second_handle(w, key)
-        else:
-            fresh = seed | (PyObject_Hash(parent_key) & fp_field)
-            value = nodes.setdefault(key, fresh)
-            if value is not fresh:
-                if not (value & bit):
-                    nodes[key] = value | bit
+                key = _key_bytes(key_words)
+                new_handle = handles.setdefault(block_hash, key) is key
+            if not new_handle:
+                held_before += 1
+                fp = fp64
+                index._hold(w, block_hash, _key_bytes(key_words), 0, (seed ^ bit) | fp)
+            elif narrow:
+                r = nodes.find(key_words)
+                if r is not NULL:
+                    if r.w[2] & bit64:
+                        index._add_second_handle(w, _key_bytes(key_words))
+                    else:
+                        r.w[2] |= bit64
                 else:
-                    index._add_second_handle(w, key)
-        parent_key = key
-        seed = bit
-        seed64 = bit64
+                    key = _key_bytes(key_words) if nodes._other else None
+                    if key is None or key not in nodes._other:
+                        r = nodes.add(key_words)
+                        r.w[2] = seed64 | fp64
+                    elif not (nodes._other[key] & bit):
+                        nodes[key] = nodes._other[key] | bit
+                    else:
+                        index._add_second_handle(w, key)
+            else:
+                key = _key_bytes(key_words)
+                fp = fp64
+                fresh = seed | fp
+                value = nodes.setdefault(key, fresh)
+                if value is not fresh:
+                    if not (value & bit):
+                        nodes[key] = value | bit
+                    else:
+                        index._add_second_handle(w, key)
+            seed = bit
+            seed64 = bit64
+        memcpy(keys[0], keys[count], 16)
+        base += count
     return held_before
 
 
@@ -181,16 +206,14 @@ cdef bint _take_off(NodeMap nodes, HandleMap handles, object keep, object holder
     return True
 
 
-cdef inline uint64_t _low_value(NodeMap nodes, object key) except? 0xFFFFFFFFFFFFFFFF:
+cdef inline uint64_t _low_value(NodeMap nodes, const uint64_t* key) except? 0xFFFFFFFFFFFFFFFF:
     """The low 64 bits of ``key``'s node value (0: no node), all a mask below bit 64 sees."""
-    cdef uint64_t kw[3]
-    memcpy(kw, PyBytes_AS_STRING(key), 16)
-    cdef Record* r = nodes.find(kw)
+    cdef Record* r = nodes.find(key)
     if r is not NULL:
         return r.w[2]
     if not nodes._other:
         return 0
-    cdef PyObject* found = PyDict_GetItem(nodes._other, key)
+    cdef PyObject* found = PyDict_GetItem(nodes._other, _key_bytes(key))
     return 0 if found is NULL else PyLong_AsUnsignedLongLongMask(<object>found)
 
 
@@ -214,13 +237,13 @@ def walk_tokens(NodeMap nodes, bytes parent_key, bytes tokens, Py_ssize_t step, 
     cdef Py_ssize_t blocks = len(tokens) // step
     cdef Py_ssize_t position
     cdef const char* source = PyBytes_AS_STRING(tokens)
-    cdef bytearray buf = _buffer(16 + step)
+    cdef bytearray scratch = _buffer(16 + step)
+    cdef uint64_t key_words[2]
     cdef object key, value, held
-    cdef PyObject* found
-    digest = xxh3_128_digest
+    memcpy(key_words, PyBytes_AS_STRING(parent_key), 16)
     for position in range(blocks):
-        _fill(buf, parent_key, source + position * step, step)
-        key = digest(buf)
+        _key_into(key_words, key_words, source + position * step, step, scratch)
+        key = _key_bytes(key_words)
         value = nodes.get(key, 0)
         held = value & alive
         if held != alive:
@@ -230,7 +253,6 @@ def walk_tokens(NodeMap nodes, bytes parent_key, bytes tokens, Py_ssize_t step, 
                 return ended, tiered_hits
         if tiered and value & tiered_bit:
             tiered_hits.append((key, alive))
-        parent_key = key
     ended.append((alive, blocks))
     return ended, tiered_hits
 
@@ -238,13 +260,6 @@ def walk_tokens(NodeMap nodes, bytes parent_key, bytes tokens, Py_ssize_t step, 
 cdef object _WORD = 1 << 64
 
 
-# Blocks hashed ahead of their lookups in ``_walk_word``. A key depends only on its parent
-# key and its tokens, never on a lookup, so a run of keys can be made first and then looked
-# up in a loop whose lookups do not wait on one another: on an index larger than the CPU's
-# caches each lookup is a few memory misses, and the processor overlaps those of
-# neighbouring lookups. At most WALK_AHEAD - 1 blocks past the walk's end are hashed for
-# nothing.
-DEF WALK_AHEAD = 16
 
 
 cdef tuple _walk_word(NodeMap nodes, bytes parent_key, bytes tokens, Py_ssize_t step,
@@ -255,22 +270,19 @@ cdef tuple _walk_word(NodeMap nodes, bytes parent_key, bytes tokens, Py_ssize_t 
     cdef Py_ssize_t blocks = len(tokens) // step
     cdef Py_ssize_t base, count, j
     cdef const char* source = PyBytes_AS_STRING(tokens)
-    cdef bytearray buf = _buffer(16 + step)
-    cdef list keys = [None] * WALK_AHEAD
+    cdef bytearray scratch = _buffer(16 + step)
+    cdef uint64_t keys[WALK_AHEAD + 1][2]
     cdef uint64_t[WALK_AHEAD] values
-    cdef object key
-    cdef PyObject* found
     cdef uint64_t value, held
-    digest = xxh3_128_digest
+    memcpy(keys[0], PyBytes_AS_STRING(parent_key), 16)
     base = 0
     while base < blocks:
         count = min(WALK_AHEAD, blocks - base)
         for j in range(count):
-            _fill(buf, parent_key, source + (base + j) * step, step)
-            parent_key = digest(buf)
-            keys[j] = parent_key
+            _key_into(keys[j + 1], keys[j], source + (base + j) * step, step, scratch)
+            nodes.prefetch(keys[j + 1])
         for j in range(count):
-            values[j] = _low_value(nodes, keys[j])
+            values[j] = _low_value(nodes, keys[j + 1])
         for j in range(count):
             value = values[j]
             held = value & alive
@@ -280,7 +292,8 @@ cdef tuple _walk_word(NodeMap nodes, bytes parent_key, bytes tokens, Py_ssize_t 
                 if not alive:
                     return ended, tiered_hits
             if tiered and value & tiered_bit:
-                tiered_hits.append((keys[j], PyLong_FromUnsignedLongLong(alive)))
+                tiered_hits.append((_key_bytes(keys[j + 1]), PyLong_FromUnsignedLongLong(alive)))
+        memcpy(keys[0], keys[count], 16)
         base += count
     ended.append((PyLong_FromUnsignedLongLong(alive), blocks))
     return ended, tiered_hits
@@ -289,7 +302,6 @@ cdef tuple _walk_word(NodeMap nodes, bytes parent_key, bytes tokens, Py_ssize_t 
 # --- runs of plain events (index.runs) -------------------------------------------------------
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
-from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.long cimport PyLong_AsUnsignedLong
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from libc.stdint cimport uint32_t

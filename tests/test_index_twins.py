@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvroute.index import PrefixIndex, prefix_index
-from tests.support.index_impl import TwinIndex
+from tests.support.index_impl import TwinIndex, layout
 
 BLOCK = 4
 WORKERS = [(f"w{n}", 0) for n in range(5)]
@@ -88,6 +88,21 @@ def test_compiled_and_pure_loops_agree_on_random_streams(seed: int, steps: int) 
         index.drop_worker(worker)
     index._check()
     assert not index.compiled._nodes and not index.pure._nodes
+
+
+def test_keys_are_made_in_c_here_and_the_python_fallback_gives_the_same_index() -> None:
+    """index/_keys.pxi hashes in C when the xxhash package's library checks out (it does
+    with the wheels this project installs); the fallback calls xxhash from Python."""
+    from kvroute.index import _fast
+
+    assert _fast.c_hashing()
+    try:
+        assert not _fast.c_hashing(False)
+        slow = run_stream(7, 150)
+    finally:
+        assert _fast.c_hashing(True)
+    fast = run_stream(7, 150)
+    assert layout(slow.compiled) == layout(fast.compiled) == layout(fast.pure)
 
 
 @settings(max_examples=20, deadline=None)
