@@ -87,7 +87,6 @@ cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, bytes parent_key, 
     cdef bint narrow = bit < _UINT64_END, new_handle
     cdef uint64_t bit64 = PyLong_AsUnsignedLongLongMask(bit)
     cdef uint64_t seed64 = PyLong_AsUnsignedLongLongMask(seed)
-    cdef uint64_t fp64
     cdef Record* r
     if len(parent_key) != 16:
         raise ValueError("a content key is 16 bytes")
@@ -103,7 +102,6 @@ cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, bytes parent_key, 
         for j in range(count):
             block_hash = <object>PyList_GET_ITEM(block_hashes, base + j)
             key_words = keys[j + 1]
-            fp64 = <uint64_t>(_fingerprint_hash(keys[j]) & fp_field)
             if (narrow and not handles._other and handles._pack_key(block_hash, hw)
                     and (key_words[0] | key_words[1])):  # an all-zero key is not a record's
                 new_handle = handles.find(hw) is NULL
@@ -115,7 +113,7 @@ cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, bytes parent_key, 
                 new_handle = handles.setdefault(block_hash, key) is key
             if not new_handle:
                 held_before += 1
-                fp = fp64
+                fp = _fingerprint_hash(keys[j]) & fp_field
                 index._hold(w, block_hash, _key_bytes(key_words), 0, (seed ^ bit) | fp)
             elif narrow:
                 r = nodes.find(key_words)
@@ -128,14 +126,14 @@ cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, bytes parent_key, 
                     key = _key_bytes(key_words) if nodes._other else None
                     if key is None or key not in nodes._other:
                         r = nodes.add(key_words)
-                        r.w[2] = seed64 | fp64
+                        r.w[2] = seed64 | <uint64_t>(_fingerprint_hash(keys[j]) & fp_field)
                     elif not (nodes._other[key] & bit):
                         nodes[key] = nodes._other[key] | bit
                     else:
                         index._add_second_handle(w, key)
             else:
                 key = _key_bytes(key_words)
-                fp = fp64
+                fp = _fingerprint_hash(keys[j]) & fp_field
                 fresh = seed | fp
                 value = nodes.setdefault(key, fresh)
                 if value is not fresh:
