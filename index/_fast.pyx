@@ -204,6 +204,45 @@ cdef bint _take_off(NodeMap nodes, HandleMap handles, object keep, object holder
     return True
 
 
+def clear_handles(index, w, uint64_t tiered_flag, object holders_min):
+    """``PrefixIndex.clear_worker``'s loop: take ``w``'s bit off the node of every one of
+    its handles, deleting nodes left without holders, as ``index._let_go`` does for one
+    key. Nodes with ``tiered_flag`` set (their tier entry changes too), nodes kept in
+    ``_other``, handles kept in ``_other`` and every handle of a worker whose bit lies past
+    bit 63 go through ``index._let_go``. The handles themselves are left for the caller
+    to drop."""
+    cdef NodeMap nodes = index._nodes
+    cdef HandleMap handles = w.handles
+    cdef object bit = w.bit
+    cdef uint64_t bit64, value, holders_min64 = PyLong_AsUnsignedLongLongMask(holders_min)
+    cdef uint64_t kw[2]
+    cdef Py_ssize_t k
+    cdef Record* r
+    let_go = index._let_go
+    if bit >= _UINT64_END:
+        for key in handles.values():
+            let_go(w, key)
+        return
+    bit64 = PyLong_AsUnsignedLongLongMask(bit)
+    for k in range(handles.used):  # the handles do not change meanwhile
+        if k + WALK_AHEAD < handles.used:  # the node slot a later handle will look at
+            nodes.prefetch(&handles.records[k + WALK_AHEAD].w[1])
+        if not handles._live(&handles.records[k]):
+            continue
+        memcpy(kw, &handles.records[k].w[1], 16)
+        r = nodes.find(kw)
+        if r is NULL or r.w[2] & tiered_flag:
+            let_go(w, _key_bytes(kw))
+        elif r.w[2] & bit64:  # else a second handle of the same content, already let go
+            value = r.w[2] & ~bit64
+            if value >= holders_min64:
+                r.w[2] = value
+            else:
+                nodes.remove(kw)
+    for key in list(handles._other.values()):
+        let_go(w, key)
+
+
 cdef inline uint64_t _low_value(NodeMap nodes, const uint64_t* key) except? 0xFFFFFFFFFFFFFFFF:
     """The low 64 bits of ``key``'s node value (0: no node), all a mask below bit 64 sees."""
     cdef Record* r = nodes.find(key)

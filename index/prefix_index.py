@@ -590,31 +590,35 @@ class PrefixIndex:
         and block size stay)."""
         self.placements.forget(worker)
         w = self._worker(worker)
-        nodes = self._nodes
-        tiered = self._tiered
-        bit = w.bit
-        keep = ~bit
-        for key in w.handles.values():
-            value = nodes.get(key)
-            if value is None or not value & bit:
-                continue  # a second handle of the same content, already cleared
-            if value & TIERED:
-                entry = tiered[key]
-                entry[0] &= keep
-                entry[1] &= keep
-                if not (entry[0] or entry[1]):
-                    del tiered[key]
-                    value &= ~TIERED
-            value &= keep
-            if value >= HOLDERS_MIN:
-                nodes[key] = value
-            else:
-                del nodes[key]
+        if self._fast is not None:
+            self._fast.clear_handles(self, w, TIERED, HOLDERS_MIN)
+        else:
+            for key in w.handles.values():
+                self._let_go(w, key)
         w.handles = self._new_handles()
         w.counts = {}
         w.node_counts = {}
         w.held = [0, 0, 0]
         self._forget_unconfirmed(w)
+
+    def _let_go(self, w: _Worker, key: bytes) -> None:
+        """Take ``w``'s bit off ``key``'s node and tier entry, for ``clear_worker`` (which
+        then forgets all of the worker's handles and counts)."""
+        value = self._nodes.get(key)
+        if value is None or not value & w.bit:
+            return  # a second handle of the same content, already let go
+        if value & TIERED:
+            entry = self._tiered[key]
+            entry[0] &= w.keep
+            entry[1] &= w.keep
+            if not (entry[0] or entry[1]):
+                del self._tiered[key]
+                value &= ~TIERED
+        value &= w.keep
+        if value >= HOLDERS_MIN:
+            self._nodes[key] = value
+        else:
+            del self._nodes[key]
 
     def drop_worker(self, worker: WorkerKey) -> None:
         """Forget a worker entirely; nothing of it stays in memory. Unknown: no-op."""
