@@ -49,6 +49,18 @@ cdef inline bytearray _buffer(Py_ssize_t size):
     return PyByteArray_FromStringAndSize(NULL, size)
 
 
+cdef int _make_keys(uint64_t* keys, Py_ssize_t count, NodeMap nodes, const char* blocks,
+                    Py_ssize_t step, bytearray scratch) except -1:
+    """Key ``j`` of ``count`` blocks of ``step`` bytes at ``blocks`` into ``keys[2j + 2]``
+    and ``keys[2j + 3]``, each under the key before it (``keys[0:2]``: the first one's
+    parent), with the node slot each will be looked up in fetched meanwhile."""
+    cdef Py_ssize_t j
+    for j in range(count):
+        _key_into(&keys[2 * j + 2], &keys[2 * j], blocks + j * step, step, scratch)
+        nodes.prefetch(&keys[2 * j + 2])
+    return 0
+
+
 def store_gpu_chain(index, w, list block_hashes, bytes parent_key, bytes tokens,
                     Py_ssize_t step, object bit, object flag, long fp_field):
     """See ``_store_gpu_chain`` (this is its entry point from Python)."""
@@ -78,7 +90,7 @@ cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, bytes parent_key, 
     cdef Py_ssize_t base, count, j
     cdef const char* source = PyBytes_AS_STRING(tokens)
     cdef bytearray scratch = _buffer(16 + step)
-    cdef uint64_t keys[WALK_AHEAD + 1][2]  # keys[0]: the parent of the group's first block
+    cdef uint64_t keys[2 * (WALK_AHEAD + 1)]  # see _make_keys
     cdef uint64_t hw[3]
     cdef uint64_t* key_words
     cdef object seed = bit | flag
@@ -90,18 +102,17 @@ cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, bytes parent_key, 
     cdef Record* r
     if len(parent_key) != 16:
         raise ValueError("a content key is 16 bytes")
-    memcpy(keys[0], PyBytes_AS_STRING(parent_key), 16)
+    memcpy(keys, PyBytes_AS_STRING(parent_key), 16)
     base = 0
     while base < blocks:
         count = min(WALK_AHEAD, blocks - base)
+        _make_keys(keys, count, nodes, source + base * step, step, scratch)
         for j in range(count):
-            _key_into(keys[j + 1], keys[j], source + (base + j) * step, step, scratch)
-            nodes.prefetch(keys[j + 1])
             if handles._pack_key(<object>PyList_GET_ITEM(block_hashes, base + j), hw):
                 handles.prefetch(hw)
         for j in range(count):
             block_hash = <object>PyList_GET_ITEM(block_hashes, base + j)
-            key_words = keys[j + 1]
+            key_words = &keys[2 * j + 2]
             if (narrow and not handles._other and handles._pack_key(block_hash, hw)
                     and (key_words[0] | key_words[1])):  # an all-zero key is not a record's
                 new_handle = handles.find(hw) is NULL
@@ -113,7 +124,7 @@ cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, bytes parent_key, 
                 new_handle = handles.setdefault(block_hash, key) is key
             if not new_handle:
                 held_before += 1
-                fp = _fingerprint_hash(keys[j]) & fp_field
+                fp = _fingerprint_hash(&keys[2 * j]) & fp_field
                 index._hold(w, block_hash, _key_bytes(key_words), 0, (seed ^ bit) | fp)
             elif narrow:
                 r = nodes.find(key_words)
@@ -126,14 +137,14 @@ cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, bytes parent_key, 
                     key = _key_bytes(key_words) if nodes._other else None
                     if key is None or key not in nodes._other:
                         r = nodes.add(key_words)
-                        r.w[2] = seed64 | <uint64_t>(_fingerprint_hash(keys[j]) & fp_field)
+                        r.w[2] = seed64 | <uint64_t>(_fingerprint_hash(&keys[2 * j]) & fp_field)
                     elif not (nodes._other[key] & bit):
                         nodes[key] = nodes._other[key] | bit
                     else:
                         index._add_second_handle(w, key)
             else:
                 key = _key_bytes(key_words)
-                fp = _fingerprint_hash(keys[j]) & fp_field
+                fp = _fingerprint_hash(&keys[2 * j]) & fp_field
                 fresh = seed | fp
                 value = nodes.setdefault(key, fresh)
                 if value is not fresh:
@@ -143,7 +154,7 @@ cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, bytes parent_key, 
                         index._add_second_handle(w, key)
             seed = bit
             seed64 = bit64
-        memcpy(keys[0], keys[count], 16)
+        memcpy(keys, &keys[2 * count], 16)
         base += count
     return held_before
 
@@ -308,18 +319,16 @@ cdef tuple _walk_word(NodeMap nodes, bytes parent_key, bytes tokens, Py_ssize_t 
     cdef Py_ssize_t base, count, j
     cdef const char* source = PyBytes_AS_STRING(tokens)
     cdef bytearray scratch = _buffer(16 + step)
-    cdef uint64_t keys[WALK_AHEAD + 1][2]
+    cdef uint64_t keys[2 * (WALK_AHEAD + 1)]  # see _make_keys
     cdef uint64_t[WALK_AHEAD] values
     cdef uint64_t value, held
-    memcpy(keys[0], PyBytes_AS_STRING(parent_key), 16)
+    memcpy(keys, PyBytes_AS_STRING(parent_key), 16)
     base = 0
     while base < blocks:
         count = min(WALK_AHEAD, blocks - base)
+        _make_keys(keys, count, nodes, source + base * step, step, scratch)
         for j in range(count):
-            _key_into(keys[j + 1], keys[j], source + (base + j) * step, step, scratch)
-            nodes.prefetch(keys[j + 1])
-        for j in range(count):
-            values[j] = _low_value(nodes, keys[j + 1])
+            values[j] = _low_value(nodes, &keys[2 * j + 2])
         for j in range(count):
             value = values[j]
             held = value & alive
@@ -329,8 +338,9 @@ cdef tuple _walk_word(NodeMap nodes, bytes parent_key, bytes tokens, Py_ssize_t 
                 if not alive:
                     return ended, tiered_hits
             if tiered and value & tiered_bit:
-                tiered_hits.append((_key_bytes(keys[j + 1]), PyLong_FromUnsignedLongLong(alive)))
-        memcpy(keys[0], keys[count], 16)
+                tiered_hits.append((_key_bytes(&keys[2 * j + 2]),
+                                    PyLong_FromUnsignedLongLong(alive)))
+        memcpy(keys, &keys[2 * count], 16)
         base += count
     ended.append((PyLong_FromUnsignedLongLong(alive), blocks))
     return ended, tiered_hits
