@@ -77,10 +77,11 @@ cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, bytes parent_key, 
     in the order the blocks come. Returns how many blocks went through ``_hold``.
 
     Keys are made WALK_AHEAD blocks at a time, and the table slots they will look at are
-    fetched into the cache meanwhile (see ``_walk_word``). A worker whose holder bit lies
-    below bit 64 has its handles and nodes placed in the tables' records directly; anything
-    else (a wider fleet's worker, a hash or a node kept in a table's ``_other`` dict) goes
-    through the tables' dict methods, as the pure loop does.
+    fetched into the cache meanwhile (see ``_walk_word``). Handles are placed in the
+    worker's table records directly. So are nodes for a worker whose holder bit lies below
+    bit 64; a wider fleet's worker's nodes do not fit a record and are placed in the node
+    table's ``_other`` dict. Anything else (a hash kept in ``_other``) goes through the
+    tables' dict methods, as the pure loop does.
 
     The caller has checked that ``len(tokens) == len(block_hashes) * step`` and that
     ``w.handles``/``index._nodes`` are the compiled tables."""
@@ -113,7 +114,7 @@ cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, bytes parent_key, 
         for j in range(count):
             block_hash = <object>PyList_GET_ITEM(block_hashes, base + j)
             key_words = &keys[2 * j + 2]
-            if (narrow and not handles._other and handles._pack_key(block_hash, hw)
+            if (not handles._other and handles._pack_key(block_hash, hw)
                     and (key_words[0] | key_words[1])):  # an all-zero key is not a record's
                 new_handle = handles.find(hw) is NULL
                 if new_handle:
@@ -142,16 +143,20 @@ cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, bytes parent_key, 
                         nodes[key] = nodes._other[key] | bit
                     else:
                         index._add_second_handle(w, key)
-            else:
+            else:  # a wide worker's nodes are kept in nodes._other (their values do not fit)
                 key = _key_bytes(key_words)
-                fp = _fingerprint_hash(&keys[2 * j]) & fp_field
-                fresh = seed | fp
-                value = nodes.setdefault(key, fresh)
-                if value is not fresh:
-                    if not (value & bit):
-                        nodes[key] = value | bit
-                    else:
-                        index._add_second_handle(w, key)
+                r = nodes.find(key_words)
+                if r is not NULL:  # held by narrow workers only: it moves to _other
+                    nodes[key] = PyLong_FromUnsignedLongLong(r.w[2]) | bit
+                else:
+                    fp = _fingerprint_hash(&keys[2 * j]) & fp_field
+                    fresh = seed | fp
+                    value = <object>PyDict_SetDefault(nodes._other, key, fresh)
+                    if value is not fresh:
+                        if not (value & bit):
+                            nodes._other[key] = value | bit
+                        else:
+                            index._add_second_handle(w, key)
             seed = bit
             seed64 = bit64
         memcpy(keys, &keys[2 * count], 16)
