@@ -19,10 +19,10 @@ it. Keys are byte for byte those of the pure path.
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
-from cpython.dict cimport PyDict_GetItem, PyDict_SetItem, PyDict_DelItem
+from cpython.dict cimport PyDict_GetItem
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.long cimport PyLong_FromUnsignedLongLong
-from cpython.object cimport PyObject, PyObject_Hash
+from cpython.object cimport PyObject
 from libc.stdint cimport uint64_t
 from libc.string cimport memcpy
 
