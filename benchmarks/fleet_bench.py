@@ -43,6 +43,7 @@ from typing import TypeVar
 import httpx
 
 from benchmarks import proc_sched
+from benchmarks.peer_sides import rss_bytes
 from benchmarks.report import emit
 from benchmarks.route_timer import RouteTimer
 
@@ -62,13 +63,6 @@ CHANGE_CYCLES = 3  # of adding and removing them, routed through all along
 CHANGE_IDLE_SECONDS = 10.0  # routes on the idle fleet just before (a p99 of thousands)
 POLL = 0.2  # seconds between listings while waiting for the added instances
 INTERLEAVED_ROUTES = 1000  # to each of two fleets at once, alternately
-
-
-def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def _free_port() -> int:
@@ -404,7 +398,7 @@ def run_one(workers: int, workdir: Path, kvroute_cores: set[int] | None = None,
                 time.sleep(max(0.0, started + live_after + SETTLED_AFTER_LIVE
                                - time.monotonic()))
             settled_cpu = _cpu_share(kvroute.pid, SETTLED_SECONDS)
-            rss = _rss_mb(kvroute.pid)
+            rss = rss_bytes(kvroute.pid) / 2**20
         if favour:
             _favour(kvroute.pid)
         change = change_fleet(base, endpoints, prompt, kvroute.pid,

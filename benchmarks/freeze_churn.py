@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import multiprocessing
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.peer_sides import rss_bytes
 from benchmarks.report import emit
 from kvroute.app.config import Settings
 from kvroute.app.server import BackgroundServer
@@ -40,13 +42,6 @@ INSTANCES = 8
 RANKS = 2
 PUBLISHERS = 4
 FLEET_RANKS = 8  # of the standing fleet's instances
-
-
-def _rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def _wait(check, what: str, seconds: float = 60.0) -> None:
@@ -170,7 +165,8 @@ def churn(cycles: int, settle: float, with_url: bool, refreeze_interval: float,
                     _wait(lambda: _quiet(server), "the freezer to settle")
                     time.sleep(settle)
                     rows.append({"cycle": cycle + 1, "frozen": gc.get_freeze_count(),
-                                 "tracked": len(gc.get_objects()), "rss_mb": _rss_mb(),
+                                 "tracked": len(gc.get_objects()),
+                                 "rss_mb": rss_bytes(os.getpid()) / 2**20,
                                  "freezes": freezer.freezes,
                                  "refreezes": freezer.refreezes})
                 longest = freezer.longest_freeze  # collection and freeze, before the re-freeze

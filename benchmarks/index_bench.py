@@ -49,6 +49,7 @@ from typing import Any
 import msgspec
 from xxhash import xxh3_128_digest
 
+from benchmarks.peer_sides import rss_bytes
 from benchmarks.report import emit
 from kvroute.index import PrefixIndex, prefix_index
 
@@ -416,11 +417,6 @@ def bench_queries(quick: bool) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- memory
 
 
-def _resident_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _memory_row(shared_by: int) -> dict[str, Any]:
     """Build an index of 1M holdings in this (fresh) process and measure what it took."""
     holdings = 1_000_000
@@ -428,7 +424,7 @@ def _memory_row(shared_by: int) -> dict[str, Any]:
     rng = random.Random(11)
     doc = random_tokens(rng, 2048 * BLOCK)
     gc.collect()
-    resident = _resident_bytes()
+    resident = rss_bytes(os.getpid())
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     index = PrefixIndex()
@@ -436,7 +432,7 @@ def _memory_row(shared_by: int) -> dict[str, Any]:
     gc.collect()
     traced = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    resident = _resident_bytes() - resident
+    resident = rss_bytes(os.getpid()) - resident
     stats = index.stats()
     held = sum(sum(h.values()) for h in stats.holdings.values())
     return {
