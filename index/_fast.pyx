@@ -92,7 +92,8 @@ cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, bytes parent_key, 
     cdef const char* source = PyBytes_AS_STRING(tokens)
     cdef bytearray scratch = _buffer(16 + step)
     cdef uint64_t keys[2 * (WALK_AHEAD + 1)]  # see _make_keys
-    cdef uint64_t hw[3]
+    cdef uint64_t hashes[WALK_AHEAD]  # the group's engine hashes as handle-table keys
+    cdef bint[WALK_AHEAD] packed  # ... where they fit one
     cdef uint64_t* key_words
     cdef object seed = bit | flag
     cdef object block_hash, key, fresh, value, fp
@@ -109,16 +110,18 @@ cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, bytes parent_key, 
         count = min(WALK_AHEAD, blocks - base)
         _make_keys(keys, count, nodes, source + base * step, step, scratch)
         for j in range(count):
-            if handles._pack_key(<object>PyList_GET_ITEM(block_hashes, base + j), hw):
-                handles.prefetch(hw)
+            packed[j] = handles._pack_key(<object>PyList_GET_ITEM(block_hashes, base + j),
+                                          &hashes[j])
+            if packed[j]:
+                handles.prefetch(&hashes[j])
         for j in range(count):
             block_hash = <object>PyList_GET_ITEM(block_hashes, base + j)
             key_words = &keys[2 * j + 2]
-            if (not handles._other and handles._pack_key(block_hash, hw)
+            if (packed[j] and not handles._other
                     and (key_words[0] | key_words[1])):  # an all-zero key is not a record's
-                new_handle = handles.find(hw) is NULL
+                new_handle = handles.find(&hashes[j]) is NULL
                 if new_handle:
-                    r = handles.add(hw)
+                    r = handles.add(&hashes[j])
                     memcpy(&r.w[1], key_words, 16)
             else:
                 key = _key_bytes(key_words)
