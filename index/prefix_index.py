@@ -201,8 +201,6 @@ class PrefixIndex:
         # The compiled loops keep nodes and handles in compact tables (index/_tables.pxi)
         # that answer the dict methods the rest of this class uses; the pure ones in dicts.
         self._nodes: dict[bytes, int] = {} if self._fast is None else self._fast.NodeMap()
-        self._new_handles: type[dict[Any, Any]] = (
-            dict if self._fast is None else self._fast.HandleMap)
         self._tiered: dict[bytes, list[int]] = {}
         self._workers: dict[WorkerKey, _Worker] = {}
         self._by_slot: list[_Worker | None] = []
@@ -600,6 +598,10 @@ class PrefixIndex:
         w.node_counts = {}
         w.held = [0, 0, 0]
         self._forget_unconfirmed(w)
+
+    def _new_handles(self) -> dict[BlockHash, bytes]:
+        """An empty handle table of this index's implementation (see ``_nodes``)."""
+        return {} if self._fast is None else self._fast.HandleMap()  # type: ignore[no-any-return]
 
     def _let_go(self, w: _Worker, key: bytes) -> None:
         """Take ``w``'s bit off ``key``'s node and tier entry, for ``clear_worker`` (which
