@@ -24,12 +24,15 @@ from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.long cimport PyLong_FromUnsignedLongLong
 from cpython.object cimport PyObject
 from libc.stdint cimport uint64_t
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
 
 from xxhash import xxh3_128_digest
 
+from kvroute.index.runs import MAX_PLAIN_BLOCK_SIZE, PLAIN_KINDS, TOKENS_PER_WORK, Run
+
 include "_keys.pxi"
 include "_tables.pxi"
+include "_batch.pxi"
 
 # Blocks hashed ahead of their lookups in ``_walk_word`` and ``_store_gpu_chain``. A key
 # depends only on its parent key and its tokens, never on a lookup, so a run of keys can be
@@ -64,11 +67,19 @@ cdef int _make_keys(uint64_t* keys, Py_ssize_t count, NodeMap nodes, const char*
 def store_gpu_chain(index, w, list block_hashes, bytes parent_key, bytes tokens,
                     Py_ssize_t step, object bit, object flag, long fp_field):
     """See ``_store_gpu_chain`` (this is its entry point from Python)."""
-    return _store_gpu_chain(index, w, block_hashes, parent_key, tokens, step, bit, flag,
-                            fp_field)
+    return _store_gpu_chain(index, w, block_hashes, NULL, len(block_hashes), parent_key,
+                            PyBytes_AS_STRING(tokens), step, bit, flag, fp_field)
 
 
-cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, bytes parent_key, bytes tokens,
+cdef inline object _hash_at(list block_hashes, const uint64_t* words, Py_ssize_t i):
+    """Engine hash ``i`` of a chain given as a list, or as words (``block_hashes`` None)."""
+    if block_hashes is None:
+        return PyLong_FromUnsignedLongLong(words[i])
+    return <object>PyList_GET_ITEM(block_hashes, i)
+
+
+cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, const uint64_t* hash_words,
+                                 Py_ssize_t blocks, bytes parent_key, const char* source,
                                  Py_ssize_t step, object bit, object flag,
                                  long fp_field) except -1:
     """``PrefixIndex.apply_stored``'s hot loop (a GPU chain without extra keys): bind each
@@ -83,13 +94,12 @@ cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, bytes parent_key, 
     table's ``_other`` dict. Anything else (a hash kept in ``_other``) goes through the
     tables' dict methods, as the pure loop does.
 
-    The caller has checked that ``len(tokens) == len(block_hashes) * step`` and that
-    ``w.handles``/``index._nodes`` are the compiled tables."""
+    The engine hashes are ``block_hashes`` or, when that is None, ``blocks`` words at
+    ``hash_words``; the tokens are ``blocks * step`` bytes at ``source``. The caller has
+    checked that ``w.handles``/``index._nodes`` are the compiled tables."""
     cdef NodeMap nodes = index._nodes
     cdef HandleMap handles = w.handles
-    cdef Py_ssize_t blocks = len(block_hashes)
     cdef Py_ssize_t base, count, j
-    cdef const char* source = PyBytes_AS_STRING(tokens)
     cdef bytearray scratch = _buffer(16 + step)
     cdef uint64_t keys[2 * (WALK_AHEAD + 1)]  # see _make_keys
     cdef uint64_t hashes[WALK_AHEAD]  # the group's engine hashes as handle-table keys
@@ -110,12 +120,16 @@ cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, bytes parent_key, 
         count = min(WALK_AHEAD, blocks - base)
         _make_keys(keys, count, nodes, source + base * step, step, scratch)
         for j in range(count):
-            packed[j] = handles._pack_key(<object>PyList_GET_ITEM(block_hashes, base + j),
-                                          &hashes[j])
+            if block_hashes is None:
+                hashes[j] = hash_words[base + j]
+                packed[j] = True
+            else:
+                packed[j] = handles._pack_key(
+                    <object>PyList_GET_ITEM(block_hashes, base + j), &hashes[j])
             if packed[j]:
                 handles.prefetch(&hashes[j])
         for j in range(count):
-            block_hash = <object>PyList_GET_ITEM(block_hashes, base + j)
+            block_hash = None
             key_words = &keys[2 * j + 2]
             if (packed[j] and not handles._other
                     and (key_words[0] | key_words[1])):  # an all-zero key is not a record's
@@ -125,8 +139,11 @@ cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, bytes parent_key, 
                     memcpy(&r.w[1], key_words, 16)
             else:
                 key = _key_bytes(key_words)
+                block_hash = _hash_at(block_hashes, hash_words, base + j)
                 new_handle = handles.setdefault(block_hash, key) is key
             if not new_handle:
+                if block_hash is None:
+                    block_hash = _hash_at(block_hashes, hash_words, base + j)
                 held_before += 1
                 fp = _fingerprint_hash(&keys[2 * j]) & fp_field
                 index._hold(w, block_hash, _key_bytes(key_words), 0, (seed ^ bit) | fp)
@@ -179,7 +196,7 @@ def remove_gpu(index, w, list block_hashes, object holders_min):
     cdef Py_ssize_t unknown = 0
     cdef object block_hash
     for block_hash in block_hashes:
-        if _take_off(nodes, handles, keep, holders_min, block_hash):
+        if _take_off(nodes, handles, keep, holders_min, block_hash, 0):
             removed += 1
         elif not index._end_unconfirmed(w, (block_hash,)):
             unknown += 1
@@ -187,15 +204,21 @@ def remove_gpu(index, w, list block_hashes, object holders_min):
 
 
 cdef bint _take_off(NodeMap nodes, HandleMap handles, object keep, object holders_min,
-                    object block_hash) except -1:
-    """Forget the worker's handle for ``block_hash`` and take its bit (``keep`` masks it off)
-    off the node, deleting a node left without holders; False when it holds no such hash."""
+                    object block_hash, uint64_t word) except -1:
+    """Forget the worker's handle for ``block_hash`` (None: for the int ``word``) and take
+    its bit (``keep`` masks it off) off the node, deleting a node left without holders;
+    False when it holds no such hash."""
     cdef uint64_t hw[3]
     cdef uint64_t kw[3]
     cdef Record* r
     cdef uint64_t value64
     cdef object key, value
-    if handles._pack_key(block_hash, hw) and not handles._other:
+    cdef bint packed = block_hash is None
+    if packed:
+        hw[0] = word
+    else:
+        packed = handles._pack_key(block_hash, hw)
+    if packed and not handles._other:
         r = handles.find(hw)
         if r is NULL:
             return False
@@ -211,6 +234,8 @@ cdef bint _take_off(NodeMap nodes, HandleMap handles, object keep, object holder
             return True
         key = PyBytes_FromStringAndSize(<const char*>kw, 16)
     else:
+        if block_hash is None:
+            block_hash = PyLong_FromUnsignedLongLong(word)
         key = handles.get(block_hash)
         if key is None:
             return False
@@ -364,7 +389,6 @@ from libc.stdint cimport uint32_t
 from msgspec import Raw
 
 from kvroute.index.keys import root_key
-from kvroute.index.runs import MAX_PLAIN_BLOCK_SIZE, PLAIN_KINDS, TOKENS_PER_WORK, Run
 
 cdef object _UINT32_END = 2**32
 
@@ -426,10 +450,8 @@ cdef inline unsigned long long _be(const unsigned char* p, int size):
 
 
 cdef object _parse_tokens(const unsigned char* p, Py_ssize_t n):
-    cdef Py_ssize_t pos, count, i
+    cdef Py_ssize_t pos, count
     cdef unsigned char b
-    cdef unsigned long long v
-    cdef int size
     if n < 1:
         return None
     b = p[0]
@@ -444,55 +466,71 @@ cdef object _parse_tokens(const unsigned char* p, Py_ssize_t n):
     if count > n - pos:  # every element takes a byte at least
         return None
     cdef bytes out = PyBytes_FromStringAndSize(NULL, count * 4)
-    cdef uint32_t* data = <uint32_t*>PyBytes_AS_STRING(out)
+    pos = _token_words(p, n, pos, count, <uint32_t*>PyBytes_AS_STRING(out))
+    return out if pos == n else None
+
+
+cdef Py_ssize_t _token_words(const unsigned char* p, Py_ssize_t n, Py_ssize_t pos,
+                             Py_ssize_t count, uint32_t* data) noexcept:
+    """``count`` msgpack ints from ``p[pos:n]`` into ``data``, each in [0, 2**32); the
+    position after them, or -1 when one is not such an int (or the bytes end first)."""
+    cdef Py_ssize_t i
+    cdef unsigned char b
+    cdef unsigned long long v
+    cdef int size
     for i in range(count):
         if pos >= n:
-            return None
+            return -1
         b = p[pos]
         pos += 1
         if b <= 0x7f:  # positive fixint
             data[i] = b
             continue
         # The common encodings of token ids first, without a loop over their bytes.
+        if b == 0xcd and pos + 2 <= n:
+            data[i] = (<uint32_t>p[pos] << 8) | p[pos + 1]
+            pos += 2
+            continue
         if b == 0xce and pos + 4 <= n:
             data[i] = ((<uint32_t>p[pos] << 24) | (<uint32_t>p[pos + 1] << 16)
                        | (<uint32_t>p[pos + 2] << 8) | p[pos + 3])
             pos += 4
-            continue
-        if b == 0xcd and pos + 2 <= n:
-            data[i] = (<uint32_t>p[pos] << 8) | p[pos + 1]
-            pos += 2
             continue
         if 0xcc <= b <= 0xcf:  # uint 8/16/32/64
             size = 1 << (b - 0xcc)
         elif 0xd0 <= b <= 0xd3:  # int 8/16/32/64: only non-negative values are plain
             size = 1 << (b - 0xd0)
             if pos < n and p[pos] & 0x80:
-                return None
+                return -1
         else:  # a negative fixint, or not an int
-            return None
+            return -1
         if pos + size > n:
-            return None
+            return -1
         v = _be(p + pos, size)
         pos += size
         if v > 0xFFFFFFFF:
-            return None
+            return -1
         data[i] = <uint32_t>v
-    if pos != n:
-        return None
-    return out
+    return pos
 
 
-def apply_run(index, worker, list events, Py_ssize_t start, Py_ssize_t work_left,
+def apply_run(index, worker, object events, Py_ssize_t start, Py_ssize_t work_left,
               Py_ssize_t events_left, limits, long fp_field, object first_flag,
               object holders_min, int gpu):
     """``index.runs.apply_run``: the same events applied, the same ``Run`` returned, with
-    each plain store's chain placed by ``store_gpu_chain`` and each plain removal's
-    hashes released as ``remove_gpu`` releases them, without a Python call per event."""
+    each plain store's chain placed by ``_store_gpu_chain`` and each plain removal's
+    hashes released as ``remove_gpu`` releases them, without a Python call per event.
+
+    ``events`` is a list of decoded events or a ``PlainBatch`` (index/_batch.pxi), whose
+    events are plain in form already: for those only the checks against the worker's
+    state and the limits are left (the same checks, in the same place)."""
     run = Run(start)
     w = index._workers.get(worker)
     if w is None or w.unconfirmed or index.placements.has(worker):
         return run
+    cdef list listed = events if type(events) is list else None
+    cdef PlainBatch batch = None if listed is not None else <PlainBatch?>events
+    cdef Py_ssize_t count = len(events)
     cdef object stored = limits.stored
     cdef object removed = limits.removed
     cdef Py_ssize_t max_event_blocks = limits.max_event_blocks
@@ -502,7 +540,7 @@ def apply_run(index, worker, list events, Py_ssize_t start, Py_ssize_t work_left
     cdef dict groups = w.groups
     cdef list held = w.held
     cdef Py_ssize_t k, blocks, work, size, ntokens, done_blocks = 0, done_work = 0
-    cdef object event, hashes, tokens, extra, parent, parent_key, packed, flag, medium
+    cdef object event, hashes, tokens, extra, parent, parent_key, packed, flag
     cdef object root = None
     cdef Py_ssize_t root_size = 0
     cdef object bound_size = None
@@ -513,60 +551,93 @@ def apply_run(index, worker, list events, Py_ssize_t start, Py_ssize_t work_left
     cdef object bit = w.bit
     cdef object cls
     cdef Py_ssize_t i
+    cdef _PlainEvent* plain
+    cdef const uint64_t* hash_words = NULL
+    cdef const char* token_bytes
+    cdef uint64_t hw[3]
+    cdef Record* r
     # Kept in C until the run ends (nothing a run calls reads them in between).
     cdef Py_ssize_t held_delta = 0, unknown_total = 0
     # The exact classes, to tell most events apart without isinstance.
     cdef tuple store_classes = stored if type(stored) is tuple else (stored,)
     cdef tuple removal_classes = removed if type(removed) is tuple else (removed,)
     cdef bint is_store, is_removal
-    for k in range(start, PyList_GET_SIZE(events)):
+    for k in range(start, count):
         if k - start >= events_left:
             run.full = True
             break
-        event = <object>PyList_GET_ITEM(events, k)
-        cls = type(event)
-        is_removal = cls in removal_classes
-        is_store = not is_removal and (cls in store_classes or isinstance(event, stored))
-        if not is_store and not is_removal:
-            is_removal = isinstance(event, removed)
-        if is_store:
-            if not _gpu_group_zero(event):
-                break
-            if (event.kv_cache_spec_kind not in PLAIN_KINDS or event.lora_name is not None
-                    or event.lora_id is not None):
-                break
-            hashes = event.block_hashes
-            tokens = event.token_ids
-            if type(hashes) is not list:
-                break
-            if type(tokens) is list:
-                packed = _packed_tokens(tokens)
-            elif type(tokens) is Raw:
-                packed = _raw_tokens(tokens)
+        hashes = None  # a PlainBatch's hashes are words (hash_words)
+        if batch is not None:
+            plain = &batch.events[k]
+            is_store = plain.kind == _STORE
+            is_removal = not is_store
+            blocks = plain.blocks
+            hash_words = &batch.hashes[plain.first_hash]
+            if is_store:
+                size = plain.block_size
+                ntokens = plain.tokens
+                token_bytes = <const char*>&batch.tokens[plain.first_token]
+                parent = batch.parent_of(k)
+        else:
+            event = <object>PyList_GET_ITEM(listed, k)
+            cls = type(event)
+            is_removal = cls in removal_classes
+            is_store = not is_removal and (cls in store_classes or isinstance(event, stored))
+            if not is_store and not is_removal:
+                is_removal = isinstance(event, removed)
+            if is_store:
+                # index.runs.plain_store's checks of the event alone
+                if not _gpu_group_zero(event):
+                    break
+                if (event.kv_cache_spec_kind not in PLAIN_KINDS or event.lora_name is not None
+                        or event.lora_id is not None):
+                    break
+                hashes = event.block_hashes
+                tokens = event.token_ids
+                if type(hashes) is not list:
+                    break
+                if type(tokens) is list:
+                    packed = _packed_tokens(tokens)
+                elif type(tokens) is Raw:
+                    packed = _raw_tokens(tokens)
+                else:
+                    break
+                if packed is None:
+                    break
+                blocks = PyList_GET_SIZE(hashes)
+                extra = event.extra_keys
+                if extra is not None and (type(extra) is not list or len(extra) != blocks
+                                          or extra.count(None) != blocks):
+                    break
+                bound_size = event.block_size
+                if blocks <= 0 or type(bound_size) is not int:
+                    break
+                if bound_size <= 0 or bound_size > MAX_PLAIN_BLOCK_SIZE:
+                    break
+                size = bound_size
+                ntokens = PyBytes_GET_SIZE(packed) // 4
+                if ntokens != blocks * size or not _plain_hashes(hashes):
+                    break
+                token_bytes = PyBytes_AS_STRING(packed)
+                parent = event.parent_block_hash
+                if parent is not None and (type(parent) is not int or parent < 0):
+                    break
+            elif is_removal:
+                if not _gpu_group_zero(event):
+                    break
+                hashes = event.block_hashes
+                if type(hashes) is not list or not _plain_hashes(hashes):
+                    break
+                blocks = PyList_GET_SIZE(hashes)
             else:
                 break
-            if packed is None:
-                break
-            blocks = PyList_GET_SIZE(hashes)
-            extra = event.extra_keys
-            if extra is not None and (type(extra) is not list or len(extra) != blocks
-                                      or extra.count(None) != blocks):
-                break
-            bound_size = event.block_size
-            if blocks <= 0 or blocks > max_event_blocks or type(bound_size) is not int:
-                break
-            if bound_size <= 0 or bound_size > MAX_PLAIN_BLOCK_SIZE:
-                break
-            size = bound_size
-            ntokens = PyBytes_GET_SIZE(packed) // 4
-            if ntokens != blocks * size:
+        if is_store:
+            # index.runs.plain_store's checks against the limits and the worker's state
+            if blocks > max_event_blocks:
                 break
             work = max(blocks, ntokens // TOKENS_PER_WORK)
-            if work > max_work or not _plain_hashes(hashes):
+            if work > max_work or len(handles) + blocks > max_worker_blocks:
                 break
-            if len(handles) + blocks > max_worker_blocks:
-                break
-            parent = event.parent_block_hash
             if parent is None:
                 if root is None or root_size != size:
                     root = root_key(size, None)
@@ -574,8 +645,6 @@ def apply_run(index, worker, list events, Py_ssize_t start, Py_ssize_t work_left
                 parent_key = root
                 flag = first_flag
             else:
-                if type(parent) is not int or parent < 0:
-                    break
                 parent_key = handles.get(parent)
                 if parent_key is None:
                     break
@@ -587,21 +656,16 @@ def apply_run(index, worker, list events, Py_ssize_t start, Py_ssize_t work_left
             try:
                 if groups.get(0) is not True:
                     groups[0] = True
-                if w.block_size != bound_size:
-                    index._set_block_size(w, bound_size)
-                held_delta += blocks - _store_gpu_chain(index, w, hashes, parent_key, packed,
-                                                        size * 4, bit, flag, fp_field)
+                if w.block_size != size:
+                    index._set_block_size(w, size)
+                held_delta += blocks - _store_gpu_chain(index, w, hashes, hash_words, blocks,
+                                                        parent_key, token_bytes, size * 4,
+                                                        bit, flag, fp_field)
             except Exception as exc:  # only an internal limit (see index.runs)
                 run.next = k + 1
                 run.error = exc
                 break
-        elif is_removal:
-            if not _gpu_group_zero(event):
-                break
-            hashes = event.block_hashes
-            if type(hashes) is not list or not _plain_hashes(hashes):
-                break
-            blocks = PyList_GET_SIZE(hashes)
+        else:
             if blocks > max_work or groups.get(0) is False or counts or node_counts:
                 break
             work = blocks
@@ -611,13 +675,13 @@ def apply_run(index, worker, list events, Py_ssize_t start, Py_ssize_t work_left
             # remove_gpu's loop; the worker has no unconfirmed blocks (checked above),
             # so a hash it does not hold is simply unknown.
             for i in range(blocks):
-                if _take_off(nodes, handles, keep, holders_min,
-                             <object>PyList_GET_ITEM(hashes, i)):
+                if (_take_off(nodes, handles, keep, holders_min, None, hash_words[i])
+                        if hashes is None else
+                        _take_off(nodes, handles, keep, holders_min,
+                                  <object>PyList_GET_ITEM(hashes, i), 0)):
                     held_delta -= 1
                 else:
                     unknown_total += 1
-        else:
-            break
         run.next = k + 1
         done_blocks += blocks
         done_work += work
@@ -629,3 +693,4 @@ def apply_run(index, worker, list events, Py_ssize_t start, Py_ssize_t work_left
     run.blocks = done_blocks
     run.work = done_work
     return run
+

@@ -358,11 +358,21 @@ class PrefixIndex:
         """Apply the plain events of ``events`` from ``start`` on, in one call: exactly as
         ``apply_stored``/``apply_removed`` once per event would (``index.runs``)."""
         fast = self._fast
-        if fast is not None and type(events) is list:
+        if fast is not None and (type(events) is list or type(events) is fast.PlainBatch):
             return fast.apply_run(self, worker, events, start, work_left,  # type: ignore[no-any-return]
                                   events_left, limits, FP_FIELD, FIRST, HOLDERS_MIN, GPU)
         return _apply_run_reference(self, worker, events, start, work_left, events_left,
                                     limits)
+
+    def read_plain_batch(self, payload: bytes) -> Sequence[Any] | None:
+        """A vLLM event batch (its msgpack payload) read for ``apply_run`` without an object
+        per event, when every one of its events is plain in form (``index.runs``) and the
+        compiled loops are in use; else None, and the caller decodes the payload itself.
+        An accepted payload decodes (``app.wire.decode_batch``) to as many events, each
+        the same, none left out: a run that stops at event k continues from event k of
+        those. The result has ``ts``, ``data_parallel_rank`` and a length."""
+        fast = self._fast
+        return None if fast is None else fast.read_plain_batch(payload)  # type: ignore[no-any-return]
 
     def _add_second_handle(self, w: _Worker, key: bytes) -> None:
         """A new GPU handle of ``w`` for a block it already holds through another one."""

@@ -1,0 +1,289 @@
+"""The compiled index's reading of a whole payload (``PrefixIndex.read_plain_batch``): it
+takes a payload only when every event is plain in form, and then it reads exactly what
+``decode_batch`` decodes, event for event; applied through ``BatchApplier``, a stream leaves
+the index as the decoding path leaves the pure index, also where a run stops mid-batch and
+the decoded events take over."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from kvroute.app.batch_apply import BatchApplier
+from kvroute.app.wire import (
+    BlockRemoved,
+    BlockStored,
+    RawStored,
+    decode_batch,
+    encode_batch,
+    stored,
+)
+from kvroute.index import PrefixIndex
+from kvroute.index.runs import MAX_PLAIN_BLOCK_SIZE, PLAIN_KINDS
+from tests.conftest import run_async
+from tests.support.events import TEST_OPTIONS
+from tests.support.index_impl import layout
+from tests.test_index_runs import WORKERS, random_events
+
+pytestmark = pytest.mark.skipif(PrefixIndex().implementation != "compiled",
+                                reason="the payload reader is part of the compiled index")
+
+READER = PrefixIndex(compiled=True)
+encode = msgspec.msgpack.encode
+
+
+def as_shown(event: Any) -> tuple:
+    """A decoded event as ``PlainBatch.event`` shows one."""
+    if isinstance(event, BlockRemoved):
+        return ("BlockRemoved", list(event.block_hashes), None, [], 0)
+    full = stored(event) if not isinstance(event, BlockStored) else event
+    assert full is not None
+    return ("BlockStored", list(full.block_hashes), full.parent_block_hash,
+            list(full.token_ids), full.block_size)
+
+
+def plain_in_form(event: Any) -> bool:
+    """``index.runs``' checks of an event alone, on a decoded event (the reference)."""
+    if not hasattr(event, "block_hashes"):  # a clear
+        return False
+    if event.medium not in (None, "GPU") or event.group_idx not in (None, 0):
+        return False
+    hashes = event.block_hashes
+    if not all(type(h) is int and 0 <= h < 2**64 for h in hashes):
+        return False
+    if isinstance(event, BlockRemoved):
+        return True
+    if not isinstance(event, BlockStored):
+        event = stored(event)
+        if event is None:
+            return False
+    tokens, size, extra = event.token_ids, event.block_size, event.extra_keys
+    parent = event.parent_block_hash
+    return (event.kv_cache_spec_kind in PLAIN_KINDS and event.lora_id is None
+            and event.lora_name is None and len(hashes) >= 1
+            and (extra is None or extra == [None] * len(hashes))
+            and 0 < size <= MAX_PLAIN_BLOCK_SIZE and len(tokens) == len(hashes) * size
+            and all(0 <= t < 2**32 for t in tokens)
+            and (parent is None or type(parent) is int and 0 <= parent < 2**64))
+
+
+def check_reading(payload: bytes) -> bool:
+    """The reader against ``decode_batch`` on one payload; whether it took it."""
+    plain = READER.read_plain_batch(payload)
+    try:
+        batch = decode_batch(payload, raw_tokens=True)
+    except ValueError:
+        assert plain is None
+        return False
+    if plain is None:
+        return False
+    assert batch.malformed == 0 and batch.unknown == 0
+    assert len(plain) == len(batch.events)
+    assert plain.ts == batch.ts and plain.data_parallel_rank == batch.data_parallel_rank
+    for k, event in enumerate(batch.events):
+        assert plain.event(k) == as_shown(event)
+        assert plain_in_form(event)
+    return True
+
+
+# --- payloads --------------------------------------------------------------------------------
+
+hashes_st = st.lists(st.one_of(st.integers(0, 2**64 - 1), st.integers(-(2**63), -1),
+                               st.binary(min_size=1, max_size=4)), min_size=0, max_size=5)
+odd_values = st.one_of(st.none(), st.integers(-5, 5), st.text(max_size=3), st.booleans(),
+                       st.floats(allow_nan=False), st.lists(st.integers(0, 3), max_size=2))
+
+
+def mostly(draw: st.DrawFn, plain: st.SearchStrategy, odd: st.SearchStrategy) -> Any:
+    """A draw from ``plain`` most times (a batch is read only when every event is plain);
+    left to hypothesis, ``odd`` would be drawn about as often."""
+    return draw(odd if draw(st.integers(0, 24)) == 13 else plain)
+
+
+@st.composite
+def store_maps(draw: st.DrawFn) -> dict:
+    blocks = mostly(draw, st.integers(1, 4), st.just(0))
+    size = mostly(draw, st.sampled_from([1, 2, 16]), st.sampled_from([0, -1, 2**20 + 1]))
+    hashes = mostly(draw, st.lists(st.integers(0, 2**64 - 1), min_size=blocks,
+                                   max_size=blocks), hashes_st)
+    count = max(blocks * size, 0) if size <= 16 else blocks  # too many to draw: not plain
+    tokens = mostly(draw, st.lists(st.integers(0, 2**32 - 1), min_size=count, max_size=count),
+                    st.lists(st.one_of(st.integers(-3, 2**33), st.text(max_size=1)),
+                             max_size=6))
+    parent = mostly(draw, st.one_of(st.none(), st.integers(0, 2**64 - 1)), st.integers(-9, -1))
+    event: dict = {"type": "BlockStored", "block_hashes": hashes,
+                   "parent_block_hash": parent, "token_ids": tokens, "block_size": size}
+    optional = {  # (plain values, odd ones)
+        "lora_id": (st.none(), st.integers(0, 3)),
+        "medium": (st.sampled_from([None, "GPU"]), st.sampled_from(["CPU", "gpu"])),
+        "lora_name": (st.none(), st.just("adapter")),
+        "extra_keys": (st.sampled_from([None, [None] * len(hashes)]),
+                       st.sampled_from([[["x"]] * len(hashes), [None] * 7])),
+        "group_idx": (st.sampled_from([None, 0]), st.just(1)),
+        "kv_cache_spec_kind": (st.sampled_from([None, "full_attention", "mla_attention"]),
+                               st.just("sliding_window")),
+        "kv_cache_spec_sliding_window": (st.one_of(st.none(), st.integers(0, 4096)),
+                                         st.just("x")),
+        "locality": (odd_values, odd_values), "ownership": (odd_values, odd_values),
+        "session_id": (odd_values, odd_values), "some_future_field": (odd_values, odd_values),
+    }
+    for name in draw(st.lists(st.sampled_from(sorted(optional)), unique=True)):
+        event[name] = mostly(draw, *optional[name])
+    return event
+
+
+@st.composite
+def removal_maps(draw: st.DrawFn) -> dict:
+    event: dict = {"type": "BlockRemoved",
+                   "block_hashes": mostly(draw, st.lists(st.integers(0, 2**64 - 1),
+                                                         max_size=5), hashes_st)}
+    if draw(st.booleans()):
+        event["medium"] = mostly(draw, st.sampled_from([None, "GPU"]), st.just("CPU"))
+    if draw(st.booleans()):
+        event["group_idx"] = mostly(draw, st.sampled_from([None, 0]), st.just(2))
+    if draw(st.booleans()):
+        event["token_ids"] = [1, 2]  # not a removal's field: skipped as unknown
+    return event
+
+
+_STORE_FIELDS = list(BlockStored.__struct_fields__)
+_REMOVAL_FIELDS = list(BlockRemoved.__struct_fields__)
+
+
+def as_array(event: dict) -> list:
+    """The older array encoding of a map event, trailing defaults left off."""
+    fields = _STORE_FIELDS if event["type"] == "BlockStored" else _REMOVAL_FIELDS
+    values = [event.get(name) for name in fields]
+    defaults = {"token_ids": [], "block_size": 0}
+    while values and values[-1] is None and fields[len(values) - 1] not in defaults:
+        values.pop()
+    return [event["type"], *values]
+
+
+@st.composite
+def payloads(draw: st.DrawFn) -> bytes:
+    events = [mostly(draw, st.one_of(store_maps(), removal_maps()),
+                     st.just({"type": "AllBlocksCleared"}))
+              for _ in range(draw(st.integers(0, 5)))]
+    encoding = draw(st.sampled_from(["map", "array", "mixed"]))
+    if encoding != "map":
+        events = [as_array(e) if encoding == "array" or draw(st.booleans()) else e
+                  for e in events if e["type"] != "AllBlocksCleared"]
+    ts = draw(st.one_of(st.floats(allow_nan=False), st.integers(0, 2**40)))
+    envelope: list = [ts, events]
+    rank = mostly(draw, st.sampled_from(["none", "nil", 0, 3]), st.sampled_from([-1, True]))
+    if rank != "none":
+        envelope.append(None if rank == "nil" else rank)
+    return encode(envelope)
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(payloads())
+def test_a_payload_is_read_exactly_as_decoded_or_not_at_all(payload: bytes) -> None:
+    taken = check_reading(payload)
+    # And it is taken whenever every event is plain in form (the lane is not left unused).
+    try:
+        batch = decode_batch(payload, raw_tokens=True)
+    except ValueError:
+        return
+    body = msgspec.msgpack.decode(payload)
+    rank_ok = len(body) == 2 or body[2] is None or type(body[2]) is int and body[2] >= 0
+    ts_ok = type(body[0]) is float or body[0] >= 0
+    if (rank_ok and ts_ok and not batch.malformed and not batch.unknown
+            and all(plain_in_form(e) for e in batch.events)):
+        assert taken, msgspec.msgpack.decode(payload)
+
+
+@settings(max_examples=300, deadline=None)
+@given(payloads(), st.data())
+@example(encode([1.0, [{"type": "BlockRemoved", "block_hashes": [1]}]]), None)
+def test_a_cut_or_damaged_payload_is_never_read_as_something_else(payload: bytes,
+                                                                 data: Any) -> None:
+    if data is None:
+        variants = [payload[:-1], payload + b"\x00"]
+    else:
+        cut = data.draw(st.integers(0, max(len(payload) - 1, 0)))
+        flipped = bytearray(payload)
+        if flipped:
+            at = data.draw(st.integers(0, len(flipped) - 1))
+            flipped[at] = data.draw(st.integers(0, 255))
+        variants = [payload[:cut], bytes(flipped)]
+    for variant in variants:
+        check_reading(variant)
+
+
+def test_what_the_reader_refuses_rather_than_interprets() -> None:
+    store = {"type": "BlockStored", "block_hashes": [7], "token_ids": [1, 2], "block_size": 2}
+    assert check_reading(encode([1.0, [store], 0]))
+    refused = [
+        {b"ts": 1.0, b"events": [store]},                     # a map envelope
+        [1.0, [store], 0, "more"],                            # a longer envelope
+        [1.0, [{**store, "type": "BlockStored"}, {"type": "AllBlocksCleared"}]],
+        [1.0, [dict(reversed(list(store.items())))]],         # the tag not first
+        [1.0, [["BlockStored", [7], None, [1, 2], 2] + [None] * 11]],  # past its fields
+        [-1, [store]],                                        # a negative ts
+    ]
+    for envelope in refused:
+        assert READER.read_plain_batch(encode(envelope)) is None, envelope
+    twice = encode([1.0, [store]]).replace(b"\x84\xa4type", b"\x85\xa4type", 1)
+    twice += encode("block_size") + encode(2)  # block_size given twice
+    assert READER.read_plain_batch(twice) is None
+
+
+def test_real_vllm_traffic_is_read_as_decoded() -> None:
+    """Every live batch of the vLLM 0.32.0 capture that has no clear is taken."""
+    from tests.support.fixtures import live_payloads
+
+    taken = refused = 0
+    for payload in live_payloads().values():
+        if check_reading(payload):
+            taken += 1
+        else:
+            refused += 1
+            assert b"AllBlocksCleared" in payload
+    assert taken > 10
+
+
+# --- through BatchApplier ------------------------------------------------------------------
+
+def applier(index: PrefixIndex, worker: tuple) -> BatchApplier:
+    return BatchApplier(index, worker, TEST_OPTIONS, check=lambda: None,
+                        refused=lambda counter, reason: None)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_stream_through_the_applier_leaves_the_index_as_decoding_does(seed: int) -> None:
+    """Payloads of the random run streams (plain events, and now and then one that is not:
+    another medium, an orphan, a store over a cap), map- or array-encoded."""
+    rng = random.Random(seed)
+    compiled, pure = PrefixIndex(compiled=True), PrefixIndex(compiled=False)
+    appliers = {(w, i): applier(index, w) for w in WORKERS
+                for i, index in enumerate((compiled, pure))}
+    held: dict = {w: [] for w in WORKERS}
+    next_hash = [1]
+    read = 0
+
+    async def scenario() -> None:
+        nonlocal read
+        for seq in range(120):
+            worker = rng.choice(WORKERS)
+            events = random_events(rng, held[worker], next_hash)
+            encoding = rng.choice(["map", "array"])
+            if encoding == "array":  # the array encoding has no raw token ids
+                events = [stored(e) if isinstance(e, RawStored) else e
+                          for e in events if not isinstance(e, RawStored) or stored(e)]
+            payload = encode_batch(events, ts=1.0, encoding=encoding)
+            read += compiled.read_plain_batch(payload) is not None
+            for i in (0, 1):
+                outcome = await appliers[(worker, i)].apply(seq, payload)
+                assert outcome.failed is None and outcome.garbage is None
+            assert layout(compiled) == layout(pure)
+
+    run_async(scenario)
+    compiled._check()
+    assert read > 0
