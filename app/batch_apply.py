@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -133,6 +133,10 @@ class BatchApplier:
         # The index's way of applying runs of plain events in one call (index.runs), when
         # it has one; None: every event one by one.
         self._runs: Callable[..., Run] | None = getattr(index, "apply_run", None)
+        # The index's reader of a whole payload of plain events (no object per event), when
+        # it has one: a payload it refuses is decoded here (app.wire).
+        self._read_plain: Callable[[bytes], Any] | None = (
+            getattr(index, "read_plain_batch", None) if self._runs is not None else None)
         self._limits = RunLimits(stored=(BlockStored, RawStored), removed=BlockRemoved,
                                  max_event_blocks=options.max_blocks_per_event,
                                  max_worker_blocks=options.max_blocks_per_worker,
@@ -152,9 +156,13 @@ class BatchApplier:
             await self.yield_to_loop()
         lazily = len(payload) > _DECODE_WHOLE_BYTES
         started = time.perf_counter()
+        plain = None if lazily or self._read_plain is None else self._read_plain(payload)
         try:
-            batch = (decode_envelope(payload) if lazily
-                     else decode_batch(payload, raw_tokens=self._runs is not None))
+            if plain is not None:  # its events stand in for decoded ones (_apply_events)
+                batch = EventBatch(plain.ts, plain, plain.data_parallel_rank)
+            else:
+                batch = (decode_envelope(payload) if lazily
+                         else decode_batch(payload, raw_tokens=self._runs is not None))
         except WireError as exc:
             outcome.garbage = str(exc)
             took = time.perf_counter() - started  # garbage can be a long read, too
@@ -169,7 +177,7 @@ class BatchApplier:
         step = chunk if lazily else max(1, len(batch.events))
         for start in range(0, len(batch.events), step):
             if not lazily:
-                if not await self._apply_events(seq, batch.events, batch, outcome):
+                if not await self._apply_events(seq, batch.events, batch, outcome, payload):
                     return outcome
                 continue
             # Decoded a chunk at a time, with the loop running in between; an event too
@@ -186,15 +194,17 @@ class BatchApplier:
         outcome.unknown = batch.unknown
         return outcome
 
-    async def _apply_events(self, seq: int, events: list[Event], batch: EventBatch,
-                            outcome: BatchOutcome) -> bool:
+    async def _apply_events(self, seq: int, events: Sequence[Any], batch: EventBatch,
+                            outcome: BatchOutcome, payload: bytes = b"") -> bool:
         """Apply decoded events, counting into ``outcome``; False when a bug stopped it
         (``outcome.failed`` says which).
 
         Runs of plain events (``index.runs``: GPU stores and removals with nothing special
         about them) go to the index in one call each, within the same bounds of work
         between two yields; every other event goes one by one (removals next to each other
-        coalesced), as before runs existed."""
+        coalesced), as before runs existed. ``events`` may be the index's reading of
+        ``payload`` (``read_plain_batch``) instead of decoded events: the first event a
+        run does not take is then where the payload's decoded events take over."""
         outcome.events += len(events)
         run = self._runs
         if run is None:
@@ -215,6 +225,12 @@ class BatchApplier:
             self._unyielded_work += done.work
             outcome.blocks += done.blocks
             position = done.next
+            if type(events) is not list and (done.error is not None
+                                             or not done.full and position < count):
+                decoded = self._decoded(seq, payload, count, batch, outcome)
+                if decoded is None:
+                    return False
+                events = decoded
             if done.error is not None:
                 if not self._failed_at(seq, done.error, batch, outcome):
                     return False
@@ -241,6 +257,19 @@ class BatchApplier:
                     return False
             position = end
         return True
+
+    def _decoded(self, seq: int, payload: bytes, count: int, batch: EventBatch,
+                 outcome: BatchOutcome) -> list[Any] | None:
+        """``payload``'s decoded events, in ``batch`` from now on, for events the index's
+        reading of it stands in for; None (``outcome.failed`` says why) when they are not
+        as many, all kept, as its reading promised: a bug, never bad input."""
+        decoded = decode_batch(payload, raw_tokens=True)
+        if len(decoded.events) != count or decoded.malformed or decoded.unknown:
+            outcome.failed = (f"internal error applying seq {seq}: the index read "
+                              f"{count} events, the decoder {len(decoded.events)}")
+            return None
+        batch.events = decoded.events
+        return decoded.events
 
     async def _apply_one(self, seq: int, event: Event, batch: EventBatch,
                          outcome: BatchOutcome) -> bool:
