@@ -20,8 +20,9 @@ the budget plus one piece of work of each subscriber that a live message woke me
 A request is read only between two turns, so one whose bytes arrive while ingest runs
 would wait for the rest of the turn: the budget also counts as used up as soon as bytes
 wait on a watched HTTP connection (``watch``: ``app.server`` watches each one; an epoll
-asked without waiting, ~0.2 us, at each piece of ingest). The turn then ends after the piece
-under way, the loop reads the request, and from its first byte to its answer's last
+asked without waiting, at a piece of ingest at most every ``LOOK_SECONDS``: asked at every
+piece, that system call was a sixth of the loop thread's time while it ingested). The turn
+then ends after the piece under way, the loop reads the request, and from its first byte to its answer's last
 (``serving``, counted by ``app.server``) a turn's share is ``serving_seconds``: the request's
 task waits behind the turn in front of it. The first piece of each turn is always allowed,
 so a steady flow of requests slows ingest, never stops it. (A new connection's first bytes
@@ -45,6 +46,9 @@ from collections import deque
 TURN_SECONDS = 0.002
 #: The share while requests are being answered: the turn in front of a request's task.
 SERVING_TURN_SECONDS = 0.00005
+#: How often, at most, a turn looks for bytes waiting on a watched connection: what it adds
+#: to a request's wait at most, beside the piece of work under way.
+LOOK_SECONDS = 0.0001
 
 _budgets: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopBudget] = (
     weakref.WeakKeyDictionary())
@@ -52,9 +56,12 @@ _budgets: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopBudget] = (
 
 class LoopBudget:
     def __init__(self, seconds: float = TURN_SECONDS,
-                 serving_seconds: float = SERVING_TURN_SECONDS) -> None:
+                 serving_seconds: float = SERVING_TURN_SECONDS,
+                 look_seconds: float = LOOK_SECONDS) -> None:
         self.seconds = seconds
         self.serving_seconds = min(serving_seconds, seconds)
+        self.look_seconds = look_seconds
+        self._next_look = 0.0  # perf_counter() from which exhausted() looks again
         self.serving = 0  # requests being answered now (app.server counts them)
         self.turns = 0  # turns started for parked callers (for tests and benchmarks)
         self._since: float | None = None  # when this turn's ingest work began
@@ -73,6 +80,9 @@ class LoopBudget:
             return False
         if now - self._since >= (self.serving_seconds if self.serving else self.seconds):
             return True
+        if now < self._next_look:  # looked moments ago
+            return False
+        self._next_look = now + self.look_seconds
         return self.requests_waiting()
 
     @property

@@ -143,7 +143,7 @@ def test_a_cancelled_parked_worker_gives_its_place_up() -> None:
 
 
 def test_bytes_waiting_on_a_watched_connection_use_the_turn_up() -> None:
-    budget = LoopBudget(seconds=3600.0, serving_seconds=3600.0)
+    budget = LoopBudget(seconds=3600.0, serving_seconds=3600.0, look_seconds=0.0)
     ours, peer = socket.socketpair()
     with ours, peer:
         budget.watch(ours.fileno(), ours)
@@ -159,3 +159,15 @@ def test_bytes_waiting_on_a_watched_connection_use_the_turn_up() -> None:
         budget.unwatch(ours.fileno(), ours)
         assert budget.watching == 0
         assert not budget.exhausted()  # bytes wait, but on a connection not watched
+
+
+def test_a_turn_looks_for_waiting_bytes_at_most_every_look_seconds() -> None:
+    budget = LoopBudget(seconds=3600.0, serving_seconds=3600.0, look_seconds=3600.0)
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        budget.watch(ours.fileno(), ours)
+        assert not budget.exhausted()  # starts this turn's clock
+        assert not budget.exhausted()  # looks: nothing waits
+        peer.sendall(b"GET / HTTP/1.1\r\n")
+        assert budget.requests_waiting()
+        assert not budget.exhausted()  # it looked less than an hour ago: not again yet
