@@ -71,11 +71,22 @@ class LoopSocket:
         return bool(self.socket.getsockopt(zmq.EVENTS) & flag)
 
     def recv(self) -> list[bytes] | None:
-        """The next queued message, or None if there is none: never waits."""
+        """The next queued message, or None if there is none: never waits.
+
+        Its frames are read as ``Frame`` objects, whose ``more`` says whether another
+        follows, and copied out: ``recv_multipart`` asks the socket's ``RCVMORE`` option
+        after each frame instead, through an enum conversion, a tenth of a live batch's
+        cost on the loop. A message's frames arrive together, so the rest is there."""
+        socket = self.socket
         try:
-            return self.socket.recv_multipart(zmq.NOBLOCK)
+            frame = socket.recv(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
+        frames = [frame.bytes]
+        while frame.more:
+            frame = socket.recv(zmq.NOBLOCK, copy=False)
+            frames.append(frame.bytes)
+        return frames
 
     async def wait(self, seconds: float, flag: int = zmq.POLLIN) -> bool:
         """Whether the socket became ready for `flag` within `seconds`. False also at once
