@@ -22,10 +22,11 @@ would wait for the rest of the turn: the budget also counts as used up as soon a
 wait on a watched HTTP connection (``watch``: ``app.server`` watches each one; an epoll
 asked without waiting, at a piece of ingest at most every ``LOOK_SECONDS``: asked at every
 piece, that system call was a sixth of the loop thread's time while it ingested). The turn
-then ends after the piece under way, the loop reads the request, and from its first byte to its answer's last
-(``serving``, counted by ``app.server``) a turn's share is ``serving_seconds``: the request's
-task waits behind the turn in front of it. The first piece of each turn is always allowed,
-so a steady flow of requests slows ingest, never stops it. (A new connection's first bytes
+then ends after the piece under way, the loop reads the request, and from its first byte
+to its answer's last (``serving``, counted by ``app.server``) a turn's share is
+``serving_seconds``: the request's task waits behind the turn in front of it. The first
+piece of each turn is always allowed, so a steady flow of requests slows ingest, never
+stops it. (A new connection's first bytes
 are seen once the loop has accepted it: the listening socket is not watched.)
 
 Invariants: one budget per event loop (``shared_budget``), used only on its loop; every
