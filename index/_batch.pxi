@@ -10,11 +10,9 @@
 # ``decode_batch`` gives the same events, one for one, none left out as malformed or
 # unknown; ``apply_run`` stops at an event that is not plain for the worker's state (an
 # unheld parent, a cap), and the caller continues from that event's index in the decoded
-# list. Unknown map keys are skipped, as the decoder skips them; a key given twice, an
-# envelope or event array longer than its fields, or a map envelope is refused, not
-# interpreted.
-
-from libc.stdint cimport uint8_t
+# list. Unknown map keys are skipped, as the decoder skips them; a key given twice, a map
+# event whose first key is not "type", an envelope or event array longer than its fields,
+# or a map envelope is refused, not interpreted.
 
 DEF _STORE = 1
 DEF _REMOVAL = 2
