@@ -557,7 +557,7 @@ def apply_run(index, worker, object events, Py_ssize_t start, Py_ssize_t work_le
     cdef uint64_t hw[3]
     cdef Record* r
     # Kept in C until the run ends (nothing a run calls reads them in between).
-    cdef Py_ssize_t held_delta = 0, unknown_total = 0
+    cdef Py_ssize_t held_delta = 0, unknown_total = 0, next_event = start
     # The exact classes, to tell most events apart without isinstance.
     cdef tuple store_classes = stored if type(stored) is tuple else (stored,)
     cdef tuple removal_classes = removed if type(removed) is tuple else (removed,)
@@ -662,7 +662,7 @@ def apply_run(index, worker, object events, Py_ssize_t start, Py_ssize_t work_le
                                                         parent_key, token_bytes, size * 4,
                                                         bit, flag, fp_field)
             except Exception as exc:  # only an internal limit (see index.runs)
-                run.next = k + 1
+                next_event = k + 1
                 run.error = exc
                 break
         else:
@@ -682,7 +682,7 @@ def apply_run(index, worker, object events, Py_ssize_t start, Py_ssize_t work_le
                     held_delta -= 1
                 else:
                     unknown_total += 1
-        run.next = k + 1
+        next_event = k + 1
         done_blocks += blocks
         done_work += work
         work_left -= work
@@ -690,6 +690,7 @@ def apply_run(index, worker, object events, Py_ssize_t start, Py_ssize_t work_le
         held[gpu] += held_delta
     if unknown_total:
         index._unknown_removals += unknown_total
+    run.next = next_event
     run.blocks = done_blocks
     run.work = done_work
     return run
