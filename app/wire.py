@@ -215,7 +215,10 @@ _array_events = msgspec.msgpack.Decoder(
 _any = msgspec.msgpack.Decoder()
 _encoder = msgspec.msgpack.Encoder()
 
-_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError)
+# msgspec raises UnicodeDecodeError for a string that is not UTF-8 in a field it decodes
+# (an ``Any`` field such as ``locality``), and RecursionError past its nesting limit.
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError,
+                  RecursionError)
 
 
 def decode_batch(payload: bytes, *, raw_tokens: bool = False) -> EventBatch:

@@ -197,6 +197,22 @@ def test_map_events_skip_unknown_fields_and_types_and_count_bad_ones():
     assert recorder.calls[1][3] == {"medium": "STORAGE", "group_idx": 0}
 
 
+@pytest.mark.parametrize("raw_tokens", [False, True])
+def test_a_string_that_is_not_utf8_costs_only_its_event(raw_tokens: bool) -> None:
+    """msgspec decodes an ``Any`` field such as ``locality`` whatever it holds: a string in
+    it that is not UTF-8 makes that event malformed (it raised UnicodeDecodeError out of
+    decode_batch, past the applier's handling of bad payloads), and a value nested past
+    msgspec's limit makes the payload undecodable."""
+    store = {"type": "BlockStored", "block_hashes": [1], "token_ids": [1], "block_size": 1}
+    payload = pack([3.0, [{**store, "locality": "x"}, store], 0]).replace(b"\xa1x", b"\xa1\x80")
+    batch = decode_batch(payload, raw_tokens=raw_tokens)
+    assert batch.malformed == 1 and len(batch.events) == 1
+    nested = pack([3.0, [{**store, "locality": None}], 0]).replace(
+        b"\xa8locality\xc0", b"\xa8locality" + b"\x91" * 5000 + b"\xc0")
+    with pytest.raises(WireError):
+        decode_batch(nested, raw_tokens=raw_tokens)
+
+
 @pytest.mark.parametrize("payload", [
     b"",
     b"\xc1",
