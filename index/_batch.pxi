@@ -5,7 +5,7 @@
 # form*: a GPU (or unnamed) store or removal in KV-cache group 0 (or none), no LoRA, no extra
 # keys, non-negative int hashes, a block size in (0, 2**20], token ids in [0, 2**32) and
 # ``blocks * block_size`` of them (``index.runs``' static checks, which are stricter than
-# the decoder's types). Anything else, in any event, and it returns None: the caller decodes
+# the decoder's types), and nil locality, ownership and session id. Anything else, in any event, and it returns None: the caller decodes
 # the payload the ordinary way (``app.wire.decode_batch``). So for an accepted payload
 # ``decode_batch`` gives the same events, one for one, none left out as malformed or
 # unknown; ``apply_run`` stops at an event that is not plain for the worker's state (an
@@ -327,9 +327,10 @@ cdef bint _read_field(PlainBatch batch, _Reader* r, int field, _PlainEvent* e,
         return False
     if field == 11:
         return _uint(r, &value)
-    if field >= 12:  # locality, ownership, session id: anything
-        return _skip(r, 0)
-    return False  # a LoRA id or name
+    # Anything else but nil is not taken: a LoRA id or name, and a locality, ownership or
+    # session id (the decoder decodes those whatever they hold, so a string in them that is
+    # not UTF-8 makes the event malformed; vLLM sends nil).
+    return False
 
 
 cdef bint _read_event(PlainBatch batch, _Reader* r, _PlainEvent* e) except -1:

@@ -6,6 +6,7 @@ the decoded events take over."""
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -53,6 +54,8 @@ def plain_in_form(event: Any) -> bool:
         return False
     if event.medium not in (None, "GPU") or event.group_idx not in (None, 0):
         return False
+    if (event.locality, event.ownership) != (None, None):  # decoded, whatever they hold
+        return False
     hashes = event.block_hashes
     if not all(type(h) is int and 0 <= h < 2**64 for h in hashes):
         return False
@@ -69,7 +72,8 @@ def plain_in_form(event: Any) -> bool:
             and (extra is None or extra == [None] * len(hashes))
             and 0 < size <= MAX_PLAIN_BLOCK_SIZE and len(tokens) == len(hashes) * size
             and all(0 <= t < 2**32 for t in tokens)
-            and (parent is None or type(parent) is int and 0 <= parent < 2**64))
+            and (parent is None or type(parent) is int and 0 <= parent < 2**64)
+            and event.session_id is None)
 
 
 def check_reading(payload: bytes) -> bool:
@@ -84,7 +88,8 @@ def check_reading(payload: bytes) -> bool:
         return False
     assert batch.malformed == 0 and batch.unknown == 0
     assert len(plain) == len(batch.events)
-    assert plain.ts == batch.ts and plain.data_parallel_rank == batch.data_parallel_rank
+    assert plain.ts == batch.ts or math.isnan(plain.ts) and math.isnan(batch.ts)
+    assert plain.data_parallel_rank == batch.data_parallel_rank
     for k, event in enumerate(batch.events):
         assert plain.event(k) == as_shown(event)
         assert plain_in_form(event)
@@ -129,8 +134,8 @@ def store_maps(draw: st.DrawFn) -> dict:
                                st.just("sliding_window")),
         "kv_cache_spec_sliding_window": (st.one_of(st.none(), st.integers(0, 4096)),
                                          st.just("x")),
-        "locality": (odd_values, odd_values), "ownership": (odd_values, odd_values),
-        "session_id": (odd_values, odd_values), "some_future_field": (odd_values, odd_values),
+        "locality": (st.none(), odd_values), "ownership": (st.none(), odd_values),
+        "session_id": (st.none(), odd_values), "some_future_field": (odd_values, odd_values),
     }
     for name in draw(st.lists(st.sampled_from(sorted(optional)), unique=True)):
         event[name] = mostly(draw, *optional[name])
@@ -230,6 +235,10 @@ def test_what_the_reader_refuses_rather_than_interprets() -> None:
     ]
     for envelope in refused:
         assert READER.read_plain_batch(encode(envelope)) is None, envelope
+    # A locality the decoder cannot decode (not UTF-8): that event is malformed to it.
+    bad_text = encode([1.0, [{**store, "locality": "x"}]]).replace(b"\xa1x", b"\xa1\x80")
+    assert decode_batch(bad_text).malformed == 1
+    assert READER.read_plain_batch(bad_text) is None
     twice = encode([1.0, [store]]).replace(b"\x84\xa4type", b"\x85\xa4type", 1)
     twice += encode("block_size") + encode(2)  # block_size given twice
     assert READER.read_plain_batch(twice) is None
