@@ -6,6 +6,8 @@ import asyncio
 import socket
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -142,11 +144,18 @@ def test_a_cancelled_parked_worker_gives_its_place_up() -> None:
     assert asyncio.run(scenario()) == ["a", "c"]
 
 
-def test_bytes_waiting_on_a_watched_connection_use_the_turn_up() -> None:
-    budget = LoopBudget(seconds=3600.0, serving_seconds=3600.0, look_seconds=0.0)
+@contextmanager
+def _watching(look_seconds: float) -> Iterator[tuple[LoopBudget, socket.socket, socket.socket]]:
+    """A budget of an hour a turn watching one end of a socket pair; both ends closed."""
+    budget = LoopBudget(seconds=3600.0, serving_seconds=3600.0, look_seconds=look_seconds)
     ours, peer = socket.socketpair()
     with ours, peer:
         budget.watch(ours.fileno(), ours)
+        yield budget, ours, peer
+
+
+def test_bytes_waiting_on_a_watched_connection_use_the_turn_up() -> None:
+    with _watching(look_seconds=0.0) as (budget, ours, peer):
         assert not budget.exhausted()  # starts this turn's clock: an hour's share
         assert not budget.exhausted() and not budget.requests_waiting()
         peer.sendall(b"GET / HTTP/1.1\r\n")
@@ -162,10 +171,7 @@ def test_bytes_waiting_on_a_watched_connection_use_the_turn_up() -> None:
 
 
 def test_a_turn_looks_for_waiting_bytes_at_most_every_look_seconds() -> None:
-    budget = LoopBudget(seconds=3600.0, serving_seconds=3600.0, look_seconds=3600.0)
-    ours, peer = socket.socketpair()
-    with ours, peer:
-        budget.watch(ours.fileno(), ours)
+    with _watching(look_seconds=3600.0) as (budget, _ours, peer):
         assert not budget.exhausted()  # starts this turn's clock
         assert not budget.exhausted()  # looks: nothing waits
         peer.sendall(b"GET / HTTP/1.1\r\n")
