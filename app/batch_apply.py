@@ -263,10 +263,15 @@ class BatchApplier:
         """``payload``'s decoded events, in ``batch`` from now on, for events the index's
         reading of it stands in for; None (``outcome.failed`` says why) when they are not
         as many, all kept, as its reading promised: a bug, never bad input."""
-        decoded = decode_batch(payload, raw_tokens=True)
-        if len(decoded.events) != count or decoded.malformed or decoded.unknown:
+        try:
+            decoded = decode_batch(payload, raw_tokens=True)
+        except WireError:
+            decoded = None
+        if (decoded is None or len(decoded.events) != count or decoded.malformed
+                or decoded.unknown):
+            found = "none" if decoded is None else len(decoded.events)
             outcome.failed = (f"internal error applying seq {seq}: the index read "
-                              f"{count} events, the decoder {len(decoded.events)}")
+                              f"{count} events, the decoder {found}")
             return None
         batch.events = decoded.events
         return decoded.events

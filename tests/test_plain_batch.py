@@ -296,3 +296,22 @@ def test_a_stream_through_the_applier_leaves_the_index_as_decoding_does(seed: in
     run_async(scenario)
     compiled._check()
     assert read > 0
+
+
+def test_a_reading_that_disagrees_with_the_decoder_fails_the_batch() -> None:
+    """Where a run stops, the decoded events take over at its position; if they were ever
+    not the events the index read (a bug), the batch fails (its worker is then cleared)
+    rather than going on with the wrong events."""
+    index = PrefixIndex(compiled=True)
+    store = BlockStored(block_hashes=[1], token_ids=[1, 2], block_size=2)
+    orphan = BlockStored(block_hashes=[2], parent_block_hash=99, token_ids=[3, 4],
+                         block_size=2)  # its parent is not held: the run stops there
+    told = encode_batch([store, orphan, orphan], ts=1.0)
+    index.read_plain_batch = lambda payload: PrefixIndex.read_plain_batch(index, told)
+
+    async def scenario() -> None:
+        outcome = await applier(index, WORKERS[0]).apply(0, encode_batch([store, orphan],
+                                                                         ts=1.0))
+        assert outcome.failed is not None and "the index read 3 events" in outcome.failed
+
+    run_async(scenario)
