@@ -554,8 +554,6 @@ def apply_run(index, worker, object events, Py_ssize_t start, Py_ssize_t work_le
     cdef _PlainEvent* plain
     cdef const uint64_t* hash_words = NULL
     cdef const char* token_bytes
-    cdef uint64_t hw[3]
-    cdef Record* r
     # Kept in C until the run ends (nothing a run calls reads them in between).
     cdef Py_ssize_t held_delta = 0, unknown_total = 0, next_event = start
     # The exact classes, to tell most events apart without isinstance.
