@@ -5,7 +5,9 @@ LoRA, no extra keys and a parent the worker holds (or none), and GPU removals of
 in KV-cache group 0. ``apply_run`` applies consecutive plain events of a decoded batch
 from ``start`` and stops at the first one that is not plain (the caller applies that one
 through ``PrefixIndex.apply_stored``/``apply_removed`` itself, with whatever else it does
-for such events: caps, slices, counting) or that does not fit the caller's budget.
+for such events: caps, slices, counting) or that does not fit the caller's budget. The
+compiled index also takes, instead of decoded events, its own reading of a payload whose
+every event passes this module's checks of an event alone (``read_plain_batch``).
 
 Invariants:
 
