@@ -52,16 +52,24 @@ cdef inline bytearray _buffer(Py_ssize_t size):
     return PyByteArray_FromStringAndSize(NULL, size)
 
 
-cdef int _make_keys(uint64_t* keys, Py_ssize_t count, NodeMap nodes, const char* blocks,
-                    Py_ssize_t step, bytearray scratch) except -1:
-    """Key ``j`` of ``count`` blocks of ``step`` bytes at ``blocks`` into ``keys[2j + 2]``
-    and ``keys[2j + 3]``, each under the key before it (``keys[0:2]``: the first one's
-    parent), with the node slot each will be looked up in fetched meanwhile."""
+cdef Py_ssize_t _key_group(uint64_t* keys, Py_ssize_t base, Py_ssize_t blocks, NodeMap nodes,
+                           const char* source, Py_ssize_t step,
+                           bytearray scratch) except -1:
+    """The next group of a chain of ``blocks`` blocks of ``step`` bytes at ``source``: the
+    keys of blocks ``base`` to ``base + count`` (``count``, returned, is at most
+    WALK_AHEAD) into ``keys[2j + 2]`` and ``keys[2j + 3]``, each under the key before it,
+    with the node slot each will be looked up in fetched meanwhile. ``keys[0:2]`` is
+    block ``base``'s parent: the caller's for block 0, after that the last key of the
+    group before (a full one: only the last group is shorter)."""
     cdef Py_ssize_t j
+    cdef Py_ssize_t count = min(WALK_AHEAD, blocks - base)
+    cdef const char* block = source + base * step
+    if base:
+        memcpy(keys, &keys[2 * WALK_AHEAD], 16)
     for j in range(count):
-        _key_into(&keys[2 * j + 2], &keys[2 * j], blocks + j * step, step, scratch)
+        _key_into(&keys[2 * j + 2], &keys[2 * j], block + j * step, step, scratch)
         nodes.prefetch(&keys[2 * j + 2])
-    return 0
+    return count
 
 
 def store_gpu_chain(index, w, list block_hashes, bytes parent_key, bytes tokens,
@@ -101,7 +109,7 @@ cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, const uint64_t* ha
     cdef HandleMap handles = w.handles
     cdef Py_ssize_t base, count, j
     cdef bytearray scratch = _buffer(16 + step)
-    cdef uint64_t keys[2 * (WALK_AHEAD + 1)]  # see _make_keys
+    cdef uint64_t keys[2 * (WALK_AHEAD + 1)]  # see _key_group
     cdef uint64_t hashes[WALK_AHEAD]  # the group's engine hashes as handle-table keys
     cdef bint[WALK_AHEAD] packed  # ... where they fit one
     cdef uint64_t* key_words
@@ -117,8 +125,7 @@ cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, const uint64_t* ha
     memcpy(keys, PyBytes_AS_STRING(parent_key), 16)
     base = 0
     while base < blocks:
-        count = min(WALK_AHEAD, blocks - base)
-        _make_keys(keys, count, nodes, source + base * step, step, scratch)
+        count = _key_group(keys, base, blocks, nodes, source, step, scratch)
         for j in range(count):
             if block_hashes is None:
                 hashes[j] = hash_words[base + j]
@@ -179,7 +186,6 @@ cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, const uint64_t* ha
                             index._add_second_handle(w, key)
             seed = bit
             seed64 = bit64
-        memcpy(keys, &keys[2 * count], 16)
         base += count
     return held_before
 
@@ -352,14 +358,13 @@ cdef tuple _walk_word(NodeMap nodes, bytes parent_key, bytes tokens, Py_ssize_t 
     cdef Py_ssize_t base, count, j
     cdef const char* source = PyBytes_AS_STRING(tokens)
     cdef bytearray scratch = _buffer(16 + step)
-    cdef uint64_t keys[2 * (WALK_AHEAD + 1)]  # see _make_keys
+    cdef uint64_t keys[2 * (WALK_AHEAD + 1)]  # see _key_group
     cdef uint64_t[WALK_AHEAD] values
     cdef uint64_t value, held
     memcpy(keys, PyBytes_AS_STRING(parent_key), 16)
     base = 0
     while base < blocks:
-        count = min(WALK_AHEAD, blocks - base)
-        _make_keys(keys, count, nodes, source + base * step, step, scratch)
+        count = _key_group(keys, base, blocks, nodes, source, step, scratch)
         for j in range(count):
             values[j] = _low_value(nodes, &keys[2 * j + 2])
         for j in range(count):
@@ -373,7 +378,6 @@ cdef tuple _walk_word(NodeMap nodes, bytes parent_key, bytes tokens, Py_ssize_t 
             if tiered and value & tiered_bit:
                 tiered_hits.append((_key_bytes(&keys[2 * j + 2]),
                                     PyLong_FromUnsignedLongLong(alive)))
-        memcpy(keys, &keys[2 * count], 16)
         base += count
     ended.append((PyLong_FromUnsignedLongLong(alive), blocks))
     return ended, tiered_hits
