@@ -44,7 +44,7 @@ TYPICAL_WEIGHT = 0.125
 
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # a value, not frozen: see routing.WorkerView
 class WorkerLoad:
     """What the proxy's own open requests ask of one worker."""
 

