@@ -116,6 +116,27 @@ class BatchOutcome:
     rejected: str | None = None  # why the index refused the batch's last refused event
 
 
+@dataclass(slots=True)
+class Unfinished:
+    """A batch ``BatchApplier.apply_now`` began: its first run (``done``) stopped short
+    of its end, or used up the work allowed between two yields."""
+
+    batch: EventBatch
+    outcome: BatchOutcome
+    done: Run
+
+
+class NotPlain:
+    """``apply_now``'s answer for a payload the index does not read as plain: nothing was
+    applied, and ``apply`` need not ask the index again."""
+
+    __slots__ = ()
+
+
+NOT_PLAIN = NotPlain()
+Pending = Unfinished | NotPlain | None
+
+
 class BatchApplier:
     """Applies batches for one worker, keeping the loop's turns short (module docstring)."""
 
@@ -148,7 +169,39 @@ class BatchApplier:
             self._budget = shared_budget()
         return self._budget
 
-    async def apply(self, seq: int, payload: bytes) -> BatchOutcome:
+    def apply_now(self, seq: int, payload: bytes) -> BatchOutcome | Pending:
+        """Apply a batch in one call, without the coroutines of ``apply``, when the index
+        reads its payload as plain (``read_plain_batch``: nearly every live batch) and this
+        turn's budget has room: the outcome when one run applied it whole. Otherwise what
+        to hand to ``apply``, which then does the rest: the batch as begun (``Unfinished``:
+        the run stopped short, or used up the work allowed between two yields), or nothing
+        applied (``NOT_PLAIN``, None).
+
+        It is ``apply``'s own first run, taken early: the same events applied, the same
+        counts, the same bounds of work between two yields."""
+        read = self._read_plain
+        if (read is None or len(payload) > _DECODE_WHOLE_BYTES
+                or self._unyielded + 1 >= self.options.chunk_events or self.budget.exhausted()):
+            return None
+        plain = read(payload)
+        if plain is None:
+            return NOT_PLAIN
+        self._unyielded += 1
+        outcome = BatchOutcome(data_parallel_rank=plain.data_parallel_rank, events=len(plain))
+        done = self._run(plain, 0, outcome)
+        if done.next >= outcome.events and done.error is None and not done.full:
+            return outcome
+        return Unfinished(EventBatch(plain.ts, plain, plain.data_parallel_rank), outcome, done)
+
+    async def apply(self, seq: int, payload: bytes, pending: Pending = None) -> BatchOutcome:
+        """Apply one batch, yielding to the loop between bounded pieces of work; or the rest
+        of it, after ``apply_now`` answered ``pending``."""
+        if isinstance(pending, Unfinished):
+            batch, outcome = pending.batch, pending.outcome
+            if not await self._apply_events(seq, batch.events, batch, outcome, payload,
+                                            first=pending.done):
+                return outcome
+            return self._ended(batch, outcome)
         outcome = BatchOutcome()
         self._unyielded += 1  # even an empty or garbage batch is work
         budget = self.budget
@@ -156,7 +209,8 @@ class BatchApplier:
             await self.yield_to_loop()
         lazily = len(payload) > _DECODE_WHOLE_BYTES
         started = time.perf_counter()
-        plain = None if lazily or self._read_plain is None else self._read_plain(payload)
+        plain = (None if lazily or pending is NOT_PLAIN or self._read_plain is None
+                 else self._read_plain(payload))
         try:
             if plain is not None:  # its events stand in for decoded ones (_apply_events)
                 batch = EventBatch(plain.ts, plain, plain.data_parallel_rank)
@@ -190,12 +244,29 @@ class BatchApplier:
                 await self.pause(time.perf_counter() - started)
                 if not await self._apply_events(seq, events, batch, outcome):
                     return outcome
+        return self._ended(batch, outcome)
+
+    @staticmethod
+    def _ended(batch: EventBatch, outcome: BatchOutcome) -> BatchOutcome:
         outcome.malformed = batch.malformed
         outcome.unknown = batch.unknown
         return outcome
 
+    def _run(self, events: Sequence[Any], position: int, outcome: BatchOutcome) -> Run:
+        """One run of ``events`` from ``position`` (``index.runs``), within what is left of
+        the bounds of work between two yields, counted into them and into ``outcome``."""
+        options = self.options
+        done = self._runs(self.worker, events, position,  # type: ignore[misc]
+                          options.slice_blocks - self._unyielded_work,
+                          options.chunk_events - self._unyielded, self._limits)
+        self._unyielded += done.next - position
+        self._unyielded_work += done.work
+        outcome.blocks += done.blocks
+        return done
+
     async def _apply_events(self, seq: int, events: Sequence[Any], batch: EventBatch,
-                            outcome: BatchOutcome, payload: bytes = b"") -> bool:
+                            outcome: BatchOutcome, payload: bytes = b"", *,
+                            first: Run | None = None) -> bool:
         """Apply decoded events, counting into ``outcome``; False when a bug stopped it
         (``outcome.failed`` says which).
 
@@ -204,38 +275,36 @@ class BatchApplier:
         between two yields; every other event goes one by one (removals next to each other
         coalesced), as before runs existed. ``events`` may be the index's reading of
         ``payload`` (``read_plain_batch``) instead of decoded events: the first event a
-        run does not take is then where the payload's decoded events take over."""
-        outcome.events += len(events)
-        run = self._runs
-        if run is None:
+        run does not take is then where the payload's decoded events take over. ``first``:
+        the run from event 0 already made (``apply_now``), to go on from."""
+        if first is None:
+            outcome.events += len(events)
+        if self._runs is None:
             for event in coalesced(events):
                 if not await self._apply_one(seq, event, batch, outcome):
                     return False
             return True
         budget = self.budget
-        options = self.options
         position, count = 0, len(events)
-        while position < count:
-            if self._unyielded >= options.chunk_events or budget.exhausted():
-                await self.yield_to_loop()
-            done = run(self.worker, events, position,
-                       options.slice_blocks - self._unyielded_work,
-                       options.chunk_events - self._unyielded, self._limits)
-            self._unyielded += done.next - position
-            self._unyielded_work += done.work
-            outcome.blocks += done.blocks
-            position = done.next
-            if type(events) is not list and (done.error is not None
-                                             or not done.full and position < count):
+        done = first
+        while done is not None or position < count:
+            if done is None:
+                if self._unyielded >= self.options.chunk_events or budget.exhausted():
+                    await self.yield_to_loop()
+                done = self._run(events, position, outcome)
+            position, run = done.next, done
+            done = None
+            if type(events) is not list and (run.error is not None
+                                             or not run.full and position < count):
                 decoded = self._decoded(seq, payload, count, batch, outcome)
                 if decoded is None:
                     return False
                 events = decoded
-            if done.error is not None:
-                if not self._failed_at(seq, done.error, batch, outcome):
+            if run.error is not None:
+                if not self._failed_at(seq, run.error, batch, outcome):
                     return False
                 continue
-            if done.full:
+            if run.full:
                 await self.yield_to_loop()
                 continue
             if position >= count:

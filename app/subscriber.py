@@ -73,7 +73,7 @@ from typing import Any, Protocol
 
 import zmq
 
-from kvroute.app.batch_apply import BatchApplier
+from kvroute.app.batch_apply import BatchApplier, BatchOutcome, Pending
 from kvroute.app.fleet_pacing import FleetPacing
 from kvroute.app.live_connection import LiveConnection
 from kvroute.app.replay_request import ReplayChannel
@@ -359,7 +359,9 @@ class Subscriber(SubscriberReplays):
                             if frames is None:
                                 break
                             self._check_connection()
-                            await self._on_live(frames)
+                            rest = self._on_live(frames)
+                            if rest is not None:
+                                await rest
                             frames = None
                     elif check is None and time.monotonic() - idle_since >= quiet_for:
                         if (self.status.last_seq is not None or self._unfinished_rebuild
@@ -455,25 +457,34 @@ class Subscriber(SubscriberReplays):
 
     # --- live batches -------------------------------------------------------------------------
 
-    async def _on_live(self, frames: list[bytes]) -> None:
+    def _on_live(self, frames: list[bytes]) -> Awaitable[None] | None:
+        """Take one live message: None when that is done (nearly every batch of a live
+        stream: the next in order, applied whole at once by ``BatchApplier.apply_now``),
+        else the rest of the work, to await."""
         if len(frames) != 3:
             self._malformed(f"live message with {len(frames)} frames, expected 3")
-            return
+            return None
         try:
             seq = decode_seq(frames[1])
         except WireError as exc:
             self._malformed(str(exc))
-            return
+            return None
         previous_live, self._last_live = self._last_live, seq
         payload = frames[2]
         last = self.status.last_seq
         if last is not None and seq == last + 1 and (previous_live is None
                                                      or seq > previous_live):
-            # What classify says IN_ORDER for, without building its verdict: nearly every
-            # batch of a live stream.
-            await self._apply(seq, payload)
-            return
-        verdict = classify(seq, last_applied=last, last_live=previous_live)
+            # What classify says IN_ORDER for, without building its verdict.
+            pending = self._applier.apply_now(seq, payload)
+            if type(pending) is BatchOutcome:
+                self._applied(seq, payload, pending)
+                return None
+            return self._apply(seq, payload, pending=pending)
+        return self._out_of_order(seq, payload, previous_live)
+
+    async def _out_of_order(self, seq: int, payload: bytes, previous_live: int | None) -> None:
+        """A live batch other than the next one in order: a duplicate, a restart or a gap."""
+        verdict = classify(seq, last_applied=self.status.last_seq, last_live=previous_live)
         if verdict.kind is Kind.DUPLICATE:
             known = self._replayed.get(seq)
             if known is None or known == _fingerprint(payload):
@@ -510,21 +521,29 @@ class Subscriber(SubscriberReplays):
 
     # --- applying -----------------------------------------------------------------------------
 
-    async def _apply(self, seq: int, payload: bytes, *, replayed: bool = False) -> None:
-        """Apply one batch; the seq counts even when the payload is garbage."""
+    async def _apply(self, seq: int, payload: bytes, *, replayed: bool = False,
+                     pending: Pending = None) -> None:
+        """Apply one batch (the rest of it, after ``apply_now`` answered ``pending``); the
+        seq counts even when the payload is garbage."""
         self._applying = True
         try:
-            await self._apply_batch(seq, payload, replayed)
+            if replayed:
+                self._remember_replayed(seq, payload)
+            outcome = await self._applier.apply(seq, payload, pending)
         finally:
             self._applying = False
+        self._applied(seq, payload, outcome)
+
+    def _applied(self, seq: int, payload: bytes, outcome: BatchOutcome) -> None:
+        """What applying batch ``seq`` did, into the worker's status and state."""
+        self._record(seq, outcome)
         if self.status.last_seq == seq:
             self._last_payload = payload
 
-    async def _apply_batch(self, seq: int, payload: bytes, replayed: bool) -> None:
+    def _record(self, seq: int, outcome: BatchOutcome) -> None:
+        """Batch ``seq`` applied (or found garbage, or failed): its counts and its effect on
+        the worker's state."""
         status = self.status
-        if replayed:
-            self._remember_replayed(seq, payload)
-        outcome = await self._applier.apply(seq, payload)
         status.last_seq = seq
         if outcome.garbage is not None:
             self._malformed(outcome.garbage)

@@ -6,6 +6,8 @@ the decoded events take over."""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import math
 import random
 from typing import Any
@@ -15,7 +17,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvroute.app.batch_apply import BatchApplier
+from kvroute.app.batch_apply import BatchApplier, BatchOutcome, Unfinished
+from kvroute.app.subscription import SubscriberOptions
 from kvroute.app.wire import (
     BlockRemoved,
     BlockStored,
@@ -260,22 +263,34 @@ def test_real_vllm_traffic_is_read_as_decoded() -> None:
 
 # --- through BatchApplier ------------------------------------------------------------------
 
-def applier(index: PrefixIndex, worker: tuple) -> BatchApplier:
-    return BatchApplier(index, worker, TEST_OPTIONS, check=lambda: None,
+def applier(index: PrefixIndex, worker: tuple,
+            options: SubscriberOptions = TEST_OPTIONS) -> BatchApplier:
+    return BatchApplier(index, worker, options, check=lambda: None,
                         refused=lambda counter, reason: None)
+
+
+def _counts(outcome: BatchOutcome) -> tuple:
+    return (outcome.events, outcome.blocks, outcome.malformed, outcome.unknown,
+            outcome.data_parallel_rank, outcome.rejected is None)
 
 
 @pytest.mark.parametrize("seed", range(10))
 def test_a_stream_through_the_applier_leaves_the_index_as_decoding_does(seed: int) -> None:
     """Payloads of the random run streams (plain events, and now and then one that is not:
-    another medium, an orphan, a store over a cap), map- or array-encoded."""
+    another medium, an orphan, a store over a cap), map- or array-encoded. The compiled
+    index takes each batch as a subscriber does a live one (``apply_now``, then ``apply``
+    for the rest), within bounds of work small enough that runs stop short for them too;
+    the pure one through ``apply``. Same index, same counts, batch after batch."""
     rng = random.Random(seed)
     compiled, pure = PrefixIndex(compiled=True), PrefixIndex(compiled=False)
-    appliers = {(w, i): applier(index, w) for w in WORKERS
+    small = dataclasses.replace(TEST_OPTIONS, chunk_events=rng.choice([3, 9, 256]),
+                                slice_blocks=rng.choice([4, 16, 1024]))
+    appliers = {(w, i): applier(index, w, small) for w in WORKERS
                 for i, index in enumerate((compiled, pure))}
     held: dict = {w: [] for w in WORKERS}
     next_hash = [1]
     read = 0
+    answers: collections.Counter = collections.Counter()
 
     async def scenario() -> None:
         nonlocal read
@@ -288,14 +303,64 @@ def test_a_stream_through_the_applier_leaves_the_index_as_decoding_does(seed: in
                           for e in events if not isinstance(e, RawStored) or stored(e)]
             payload = encode_batch(events, ts=1.0, encoding=encoding)
             read += compiled.read_plain_batch(payload) is not None
-            for i in (0, 1):
-                outcome = await appliers[(worker, i)].apply(seq, payload)
-                assert outcome.failed is None and outcome.garbage is None
+            fast = appliers[(worker, 0)]
+            pending = fast.apply_now(seq, payload)
+            answers[type(pending).__name__] += 1
+            outcome = (pending if isinstance(pending, BatchOutcome)
+                       else await fast.apply(seq, payload, pending))
+            reference = await appliers[(worker, 1)].apply(seq, payload)
+            for done in (outcome, reference):
+                assert done.failed is None and done.garbage is None
+            assert _counts(outcome) == _counts(reference)
             assert layout(compiled) == layout(pure)
 
     run_async(scenario)
     compiled._check()
     assert read > 0
+    # apply_now applied something, and left some batches to apply (every answer of it
+    # shows for some of the seeds; the next test takes each one on purpose).
+    assert answers["BatchOutcome"] + answers["Unfinished"] > 0 and answers["NotPlain"] > 0
+
+
+def test_apply_now_takes_batches_whole_and_leaves_the_rest_to_apply() -> None:
+    """A run that stops short (a worker the index does not know yet, an orphan, the work
+    allowed between two yields used up) leaves the batch begun, and ``apply`` ends it; with
+    no room left in the chunk, ``apply_now`` applies nothing."""
+    store = BlockStored(block_hashes=[1, 2], token_ids=[1, 2, 3, 4], block_size=2)
+    orphan = BlockStored(block_hashes=[3], parent_block_hash=99, token_ids=[5, 6],
+                         block_size=2)
+    after = BlockStored(block_hashes=[4], parent_block_hash=2, token_ids=[7, 8], block_size=2)
+    more = BlockStored(block_hashes=[5, 6], parent_block_hash=4, token_ids=[9, 10, 11, 12],
+                       block_size=2)
+
+    async def begun_then_ended(taker: BatchApplier, seq: int, payload: bytes,
+                               ) -> tuple[Unfinished, BatchOutcome]:
+        begun = taker.apply_now(seq, payload)
+        assert isinstance(begun, Unfinished)
+        return begun, await taker.apply(seq, payload, begun)
+
+    async def scenario() -> None:
+        index = PrefixIndex(compiled=True)
+        taker = applier(index, WORKERS[0])
+        _, first = await begun_then_ended(taker, 0, encode_batch([store], ts=1.0))
+        assert (first.events, first.blocks) == (1, 2)  # the worker is known from then on
+        whole = taker.apply_now(1, encode_batch([after], ts=1.0))
+        assert isinstance(whole, BatchOutcome) and (whole.events, whole.blocks) == (1, 1)
+        _, ended = await begun_then_ended(taker, 2, encode_batch([orphan, more], ts=1.0))
+        assert (ended.events, ended.blocks) == (2, 3)
+        assert index.holds_hash(WORKERS[0], 6)
+
+        tight = applier(index, WORKERS[1], dataclasses.replace(TEST_OPTIONS, slice_blocks=1))
+        await tight.apply(0, encode_batch([store], ts=1.0))
+        begun, ended = await begun_then_ended(tight, 1, encode_batch([after, more], ts=1.0))
+        assert begun.done.full and (ended.events, ended.blocks) == (2, 3)
+        assert index.holds_hash(WORKERS[1], 6)
+
+        spent = applier(PrefixIndex(compiled=True), WORKERS[0],
+                        dataclasses.replace(TEST_OPTIONS, chunk_events=1))
+        assert spent.apply_now(0, encode_batch([store], ts=1.0)) is None
+
+    run_async(scenario)
 
 
 def test_a_reading_that_disagrees_with_the_decoder_fails_the_batch() -> None:
