@@ -19,6 +19,12 @@ Bounds (``SubscriberOptions``):
   worker past ``max_blocks_per_worker`` blocks held, is refused: reported through
   ``refused`` and skipped. Removals are never refused: a skipped one would over-report.
 
+A live batch is mostly taken by ``apply_now``: when the index reads its payload as plain and
+the turn has room, one run applies it in one call, with no coroutine and no yield; a batch
+that run does not finish (a worker the index does not know yet, an event a run does not
+take, the work allowed between two yields used up) goes on through ``apply`` from where it
+stopped, within the same bounds.
+
 Ownership: an applier is its subscriber's only way of writing the worker's entries, and runs
 on the event loop. ``check`` is called after every yield; when it raises ``Abandoned`` (the
 subscriber's connection dropped meanwhile) the batch stops at once, half applied: its
@@ -169,7 +175,7 @@ class BatchApplier:
             self._budget = shared_budget()
         return self._budget
 
-    def apply_now(self, seq: int, payload: bytes) -> BatchOutcome | Pending:
+    def apply_now(self, payload: bytes) -> BatchOutcome | Pending:
         """Apply a batch in one call, without the coroutines of ``apply``, when the index
         reads its payload as plain (``read_plain_batch``: nearly every live batch) and this
         turn's budget has room: the outcome when one run applied it whole. Otherwise what

@@ -475,7 +475,7 @@ class Subscriber(SubscriberReplays):
         if last is not None and seq == last + 1 and (previous_live is None
                                                      or seq > previous_live):
             # What classify says IN_ORDER for, without building its verdict.
-            pending = self._applier.apply_now(seq, payload)
+            pending = self._applier.apply_now(payload)
             if type(pending) is BatchOutcome:
                 self._applied(seq, payload, pending)
                 return None

@@ -304,7 +304,7 @@ def test_a_stream_through_the_applier_leaves_the_index_as_decoding_does(seed: in
             payload = encode_batch(events, ts=1.0, encoding=encoding)
             read += compiled.read_plain_batch(payload) is not None
             fast = appliers[(worker, 0)]
-            pending = fast.apply_now(seq, payload)
+            pending = fast.apply_now(payload)
             answers[type(pending).__name__] += 1
             outcome = (pending if isinstance(pending, BatchOutcome)
                        else await fast.apply(seq, payload, pending))
@@ -335,7 +335,7 @@ def test_apply_now_takes_batches_whole_and_leaves_the_rest_to_apply() -> None:
 
     async def begun_then_ended(taker: BatchApplier, seq: int, payload: bytes,
                                ) -> tuple[Unfinished, BatchOutcome]:
-        begun = taker.apply_now(seq, payload)
+        begun = taker.apply_now(payload)
         assert isinstance(begun, Unfinished)
         return begun, await taker.apply(seq, payload, begun)
 
@@ -344,7 +344,7 @@ def test_apply_now_takes_batches_whole_and_leaves_the_rest_to_apply() -> None:
         taker = applier(index, WORKERS[0])
         _, first = await begun_then_ended(taker, 0, encode_batch([store], ts=1.0))
         assert (first.events, first.blocks) == (1, 2)  # the worker is known from then on
-        whole = taker.apply_now(1, encode_batch([after], ts=1.0))
+        whole = taker.apply_now(encode_batch([after], ts=1.0))
         assert isinstance(whole, BatchOutcome) and (whole.events, whole.blocks) == (1, 1)
         _, ended = await begun_then_ended(taker, 2, encode_batch([orphan, more], ts=1.0))
         assert (ended.events, ended.blocks) == (2, 3)
@@ -358,7 +358,7 @@ def test_apply_now_takes_batches_whole_and_leaves_the_rest_to_apply() -> None:
 
         spent = applier(PrefixIndex(compiled=True), WORKERS[0],
                         dataclasses.replace(TEST_OPTIONS, chunk_events=1))
-        assert spent.apply_now(0, encode_batch([store], ts=1.0)) is None
+        assert spent.apply_now(encode_batch([store], ts=1.0)) is None
 
     run_async(scenario)
 
