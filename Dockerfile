@@ -1,5 +1,31 @@
 # kvroute: KV-cache-aware routing index for vLLM fleets.
 # Build: docker build -t kvroute .    Run: docker run -p 8080:8080 kvroute
+
+# The wheel, built where a C compiler is: the index's compiled loops (index/_fast.pyx)
+# and the route's token reader (app/_token_scan.pyx) ingest two to three times faster
+# than their pure Python references. The image that runs kvroute carries no compiler.
+FROM python:3.11-slim AS build
+
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
+
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /src
+
+# Only what the distribution needs: the tests, benchmarks and chart stay out
+# of the image (see .dockerignore).
+COPY pyproject.toml README.md ./
+COPY index ./index
+COPY app ./app
+COPY sim ./sim
+# Without a compiler the build would still pass, with the pure loops: here that is an error.
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
+    && python -c "import glob, sys, zipfile; names = zipfile.ZipFile(glob.glob('/wheels/kvroute-*.whl')[0]).namelist(); missing = [m for m in ('kvroute/index/_fast.', 'kvroute/app/_token_scan.') if not any(n.startswith(m) and n.endswith('.so') for n in names)]; sys.exit(f'compiled modules missing from the wheel: {missing}' if missing else 0)"
+
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -9,13 +35,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /srv/kvroute
 
-# Only what the distribution needs: the tests, benchmarks and chart stay out
-# of the image (see .dockerignore).
-COPY pyproject.toml README.md ./
-COPY index ./index
-COPY app ./app
-COPY sim ./sim
-RUN pip install --no-cache-dir . \
+COPY --from=build /wheels /wheels
+RUN pip install --no-cache-dir /wheels/kvroute-*.whl \
+    && rm -rf /wheels \
     && groupadd --system --gid 10001 kvroute \
     && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin kvroute \
     && install -d -o 10001 -g 10001 -m 0750 /var/lib/kvroute

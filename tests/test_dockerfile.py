@@ -37,8 +37,37 @@ def only(keyword: str) -> str:
     return found[0]
 
 
+def stages() -> list[list[tuple[str, str]]]:
+    """The instructions of each build stage, in order (each begins with its FROM)."""
+    found: list[list[tuple[str, str]]] = []
+    for keyword, args in instructions():
+        if keyword == "FROM":
+            found.append([])
+        found[-1].append((keyword, args))
+    return found
+
+
 def test_base_image_is_slim_python_311() -> None:
-    assert re.fullmatch(r"python:3\.11[\w.-]*-slim[\w.-]*", only("FROM"))
+    for stage in stages():
+        image = stage[0][1].split()[0]
+        assert re.fullmatch(r"python:3\.11[\w.-]*-slim[\w.-]*", image), image
+
+
+def test_the_image_runs_the_compiled_loops_built_without_a_compiler_in_it() -> None:
+    """A first stage with a C compiler builds the wheel, and fails unless the compiled
+    modules are in it; the image installs that wheel, and no compiler."""
+    build, run = stages()
+    build_name = build[0][1].split()[-1]
+    assert build[0][1].split()[1:] == ["AS", build_name]
+    build_runs = " ".join(args for kw, args in build if kw == "RUN")
+    assert re.search(r"apt-get install\b[^&]*\bgcc\b", build_runs)
+    assert re.search(r"pip wheel\b[^&]*--wheel-dir /wheels \.", build_runs)
+    for module in ("kvroute/index/_fast.", "kvroute/app/_token_scan."):
+        assert module in build_runs, f"the build does not check {module} is in the wheel"
+    assert ("COPY", f"--from={build_name} /wheels /wheels") in run
+    run_runs = " ".join(args for kw, args in run if kw == "RUN")
+    assert "pip install --no-cache-dir /wheels/kvroute-" in run_runs
+    assert "gcc" not in run_runs and "apt-get" not in run_runs
 
 
 def test_runs_as_a_numeric_non_root_user() -> None:
@@ -76,6 +105,8 @@ def test_copy_sources_exist_and_are_not_dockerignored() -> None:
         if line.strip() and not line.startswith("#")
     }
     for _, args in (i for i in instructions() if i[0] == "COPY"):
+        if args.startswith("--from="):
+            continue  # from a build stage, not the context
         *sources, _dest = args.split()
         for source in sources:
             assert (ROOT / source).exists(), f"COPY source {source} is missing"
