@@ -19,11 +19,11 @@ Bounds (``SubscriberOptions``):
   worker past ``max_blocks_per_worker`` blocks held, is refused: reported through
   ``refused`` and skipped. Removals are never refused: a skipped one would over-report.
 
-A live batch is mostly taken by ``apply_now``: when the index reads its payload as plain and
-the turn has room, one run applies it in one call, with no coroutine and no yield; a batch
-that run does not finish (a worker the index does not know yet, an event a run does not
-take, the work allowed between two yields used up) goes on through ``apply`` from where it
-stopped, within the same bounds.
+The next batch in order, live or replayed, is mostly taken by ``apply_now``: when the index
+reads its payload as plain and the turn has room, one run applies it in one call, with no
+coroutine and no yield; a batch that run does not finish (a worker the index does not know
+yet, an event a run does not take, the work allowed between two yields used up) goes on
+through ``apply`` from where it stopped, within the same bounds.
 
 Ownership: an applier is its subscriber's only way of writing the worker's entries, and runs
 on the event loop. ``check`` is called after every yield; when it raises ``Abandoned`` (the

@@ -475,11 +475,7 @@ class Subscriber(SubscriberReplays):
         if last is not None and seq == last + 1 and (previous_live is None
                                                      or seq > previous_live):
             # What classify says IN_ORDER for, without building its verdict.
-            pending = self._applier.apply_now(payload)
-            if type(pending) is BatchOutcome:
-                self._applied(seq, payload, pending)
-                return None
-            return self._apply(seq, payload, pending=pending)
+            return self._take(seq, payload)
         return self._out_of_order(seq, payload, previous_live)
 
     async def _out_of_order(self, seq: int, payload: bytes, previous_live: int | None) -> None:
@@ -520,6 +516,18 @@ class Subscriber(SubscriberReplays):
         self._mark_degraded()
 
     # --- applying -----------------------------------------------------------------------------
+
+    def _take(self, seq: int, payload: bytes, *, replayed: bool = False,
+              ) -> Awaitable[None] | None:
+        """Apply batch ``seq``, the next in order: None when that is done at once (the
+        applier took it whole, ``BatchApplier.apply_now``), else the rest, to await."""
+        if replayed:
+            self._remember_replayed(seq, payload)
+        pending = self._applier.apply_now(payload)
+        if type(pending) is BatchOutcome:
+            self._applied(seq, payload, pending)
+            return None
+        return self._apply(seq, payload, pending=pending)
 
     async def _apply(self, seq: int, payload: bytes, *, replayed: bool = False,
                      pending: Pending = None) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from kvroute.app.batch_apply import Abandoned, BatchApplier
@@ -84,6 +85,8 @@ class SubscriberReplays:
         def _check_connection(self) -> None: ...
         def _remember_replayed(self, seq: int, payload: bytes) -> None: ...
         async def _apply(self, seq: int, payload: bytes, *, replayed: bool = False) -> None: ...
+        def _take(self, seq: int, payload: bytes, *,
+                  replayed: bool = False) -> Awaitable[None] | None: ...
 
     async def _rebuild(self) -> None:
         """Clear the worker and learn everything the publisher still buffers."""
@@ -283,7 +286,9 @@ class SubscriberReplays:
                 continue  # already applied (a replay overlapping live batches)
             if verdict.kind is Kind.GAP:
                 return "hole"  # the ROUTER dropped frames (its HWM): ask again from here
-            await self._apply(reply.seq, reply.payload, replayed=True)
+            rest = self._take(reply.seq, reply.payload, replayed=True)
+            if rest is not None:
+                await rest
 
     def _replay_cut(self, start: int) -> str:
         """The replay connection dropped mid-answer. ZMQ drops one that sends a frame over
