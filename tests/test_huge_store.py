@@ -104,6 +104,20 @@ def test_slices_carry_every_field_and_chain_through_the_previous_slice():
     assert [p.parent_block_hash for p in orphan.slices(lambda h: False)] == [99, 99, 99]
 
 
+def test_the_lists_are_read_a_piece_at_a_time_across_the_reads():
+    """The unpacker reads a list's encoding as it needs it (``_READ_BYTES`` at a time), so
+    a step's elements straddle the reads: every hash and token id arrives, in order."""
+    blocks = 9_000  # 144,000 token ids of 5 bytes: eleven reads of the token ids
+    event = chain(1, blocks, block_size=16)
+    event = msgspec.structs.replace(event, token_ids=[2**32 - 1 - t for t in event.token_ids])
+    store = HugeStore.open(raw_event(event, "array"), 1000)
+    assert store is not None and store.valid
+    assert len(list(store.decode_steps())) == 9 and store.valid
+    pieces = list(store.slices(lambda h: True))
+    assert [h for p in pieces for h in p.block_hashes] == event.block_hashes
+    assert [t for p in pieces for t in p.token_ids] == event.token_ids
+
+
 @pytest.mark.parametrize("broken", [
     {"token_ids": [1, 2, 3]},                 # does not fill its blocks
     {"token_ids": [-1] + [0] * 39},           # the index refuses it whole
