@@ -76,7 +76,7 @@ def store_gpu_chain(index, w, list block_hashes, bytes parent_key, bytes tokens,
                     Py_ssize_t step, object bit, object flag, long fp_field):
     """See ``_store_gpu_chain`` (this is its entry point from Python)."""
     return _store_gpu_chain(index, w, block_hashes, NULL, len(block_hashes), parent_key,
-                            PyBytes_AS_STRING(tokens), step, bit, flag, fp_field)
+                            PyBytes_AS_STRING(tokens), step, bit, flag, fp_field, None)
 
 
 cdef inline object _hash_at(list block_hashes, const uint64_t* words, Py_ssize_t i):
@@ -89,7 +89,7 @@ cdef inline object _hash_at(list block_hashes, const uint64_t* words, Py_ssize_t
 cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, const uint64_t* hash_words,
                                  Py_ssize_t blocks, bytes parent_key, const char* source,
                                  Py_ssize_t step, object bit, object flag,
-                                 long fp_field) except -1:
+                                 long fp_field, list stored_keys) except -1:
     """``PrefixIndex.apply_stored``'s hot loop (a GPU chain without extra keys): bind each
     block's handle and place its node; a duplicate or changed handle goes through
     ``index._hold`` and a second handle of held content through ``index._add_second_handle``,
@@ -103,8 +103,10 @@ cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, const uint64_t* ha
     tables' dict methods, as the pure loop does.
 
     The engine hashes are ``block_hashes`` or, when that is None, ``blocks`` words at
-    ``hash_words``; the tokens are ``blocks * step`` bytes at ``source``. The caller has
-    checked that ``w.handles``/``index._nodes`` are the compiled tables."""
+    ``hash_words``; the tokens are ``blocks * step`` bytes at ``source``. Each block's
+    content key is appended to ``stored_keys`` unless that is None (a run confirms them as
+    placement guesses). The caller has checked that ``w.handles``/``index._nodes`` are the
+    compiled tables."""
     cdef NodeMap nodes = index._nodes
     cdef HandleMap handles = w.handles
     cdef Py_ssize_t base, count, j
@@ -138,6 +140,8 @@ cdef Py_ssize_t _store_gpu_chain(index, w, list block_hashes, const uint64_t* ha
         for j in range(count):
             block_hash = None
             key_words = &keys[2 * j + 2]
+            if stored_keys is not None:
+                stored_keys.append(_key_bytes(key_words))
             if (packed[j] and not handles._other
                     and (key_words[0] | key_words[1])):  # an all-zero key is not a record's
                 new_handle = handles.find(&hashes[j]) is NULL
@@ -530,8 +534,11 @@ def apply_run(index, worker, object events, Py_ssize_t start, Py_ssize_t work_le
     state and the limits are left (the same checks, in the same place)."""
     run = Run(start)
     w = index._workers.get(worker)
-    if w is None or w.unconfirmed or index.placements.has(worker):
+    if w is None or w.unconfirmed:
         return run
+    # The content keys stored, when the worker has placement guesses: they are guesses no
+    # more (apply_stored confirms them as it stores, a run once it ends).
+    cdef list stored_keys = [] if index.placements.has(worker) else None
     cdef list listed = events if type(events) is list else None
     cdef PlainBatch batch = None if listed is not None else <PlainBatch?>events
     cdef Py_ssize_t count = len(events)
@@ -662,7 +669,7 @@ def apply_run(index, worker, object events, Py_ssize_t start, Py_ssize_t work_le
                     index._set_block_size(w, size)
                 held_delta += blocks - _store_gpu_chain(index, w, hashes, hash_words, blocks,
                                                         parent_key, token_bytes, size * 4,
-                                                        bit, flag, fp_field)
+                                                        bit, flag, fp_field, stored_keys)
             except Exception as exc:  # only an internal limit (see index.runs)
                 next_event = k + 1
                 run.error = exc
@@ -690,6 +697,8 @@ def apply_run(index, worker, object events, Py_ssize_t start, Py_ssize_t work_le
         work_left -= work
     if held_delta:
         held[gpu] += held_delta
+    if stored_keys:
+        index.placements.confirm(worker, stored_keys)
     if unknown_total:
         index._unknown_removals += unknown_total
     run.next = next_event

@@ -144,10 +144,11 @@ def plain_removal(index: PrefixIndex, worker: Hashable, event: Any, limits: RunL
 
 
 def runnable(index: PrefixIndex, worker: Hashable) -> bool:
-    """Whether runs apply to ``worker`` at all: it is known, has no unconfirmed blocks and
-    no placement guesses (those need the per-event bookkeeping of ``apply_stored``)."""
+    """Whether runs apply to ``worker`` at all: it is known and has no unconfirmed blocks
+    (those need the per-event bookkeeping of ``apply_stored``). Placement guesses do not
+    stop a run: the blocks it stores are confirmed, as ``apply_stored`` confirms them."""
     w = index._workers.get(worker)
-    return w is not None and not w.unconfirmed and not index.placements.has(worker)
+    return w is not None and not w.unconfirmed
 
 
 def apply_run(index: PrefixIndex, worker: Hashable, events: Sequence[Any], start: int,

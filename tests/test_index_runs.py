@@ -125,20 +125,50 @@ def feed_in_runs(index, worker: tuple, events: list, rng: random.Random) -> None
             position += 1
 
 
+def guesses(index: PrefixIndex) -> dict:
+    """The placement guesses left, per worker: key -> expiry."""
+    return {worker: dict(keys) for worker, keys in index.placements._guessed.items()}
+
+
+def guess_some(rng: random.Random, worker: tuple, events: list, indexes: list) -> None:
+    """Now and then, guesses on ``worker`` for the tokens of one of the root chains about to
+    be stored (the store confirms them), or for tokens no event stores."""
+    if rng.random() < 0.4:
+        return
+    chains = [e.token_ids for e in (stored(e) if isinstance(e, RawStored) else e
+                                    for e in events)
+              if isinstance(e, BlockStored) and e.parent_block_hash is None
+              and e.lora_name is None and all(0 <= t < 2**32 for t in e.token_ids)]
+    tokens = (rng.choice(chains) if chains and rng.random() < 0.8
+              else [rng.randrange(50_000) for _ in range(3 * BLOCK)])
+    for index in indexes:
+        index.place(worker, tokens, block_size=BLOCK, expires=1e9)
+
+
 def run_stream(seed: int, batches: int) -> None:
+    """Random batches applied one event at a time to a pure index, and in runs to a
+    compiled and a pure one, with placement guesses now and then on the worker a batch is
+    for: the same index, and the same guesses left, after every batch."""
     rng = random.Random(seed)
     twin, reference = TwinIndex(), PrefixIndex(compiled=False)
     held = {w: [] for w in WORKERS}
     next_hash = [1]
+    confirmed = 0
     for _ in range(batches):
         worker = rng.choice(WORKERS)
         events = random_events(rng, held[worker], next_hash)
+        guess_some(rng, worker, events, [twin, reference])
+        guessed = sum(map(len, guesses(reference).values()))
         for event in events:
             one_by_one(reference, worker, event)
+        confirmed += guessed - sum(map(len, guesses(reference).values()))
         feed_in_runs(twin, worker, events, rng)
         assert layout(twin.compiled) == layout(reference)
+        assert guesses(twin.compiled) == guesses(twin.pure) == guesses(reference)
     twin._check()
     reference._check()
+    if batches >= 100:
+        assert confirmed > 0  # stores confirmed guesses, through runs and one by one
 
 
 @pytest.mark.parametrize("seed", range(12))
