@@ -12,7 +12,10 @@ with replay ROUTERs; one ``kvroute serve`` subscribes to all of them. Scenarios,
 - ``huge``: one batch of worker 0 carrying one BlockStored of ``--huge-blocks`` blocks
   (kvroute's caps, 65,536 blocks and 16 MiB per message by default, are raised for it);
 - ``replay``: worker 0's next ``--replay-batches`` batches go to its replay buffer only,
-  then one live batch: kvroute sees the gap and fills it from the replay ROUTER.
+  then one live batch: kvroute sees the gap and fills it from the replay ROUTER;
+- ``burst, routing``: the burst again (other content), while the prober's routes are real
+  ones, each leaving a placement guess on the worker it chose, as a gateway's do
+  (``route_probe --placing``); its route p99 is that of those routes.
 
 For each: kvroute's worst event-loop lag (its ``kvroute_event_loop_lag_*`` metrics), and
 from outside, a prober in a process of its own (benchmarks.route_probe) sending routes (a
@@ -43,11 +46,12 @@ from benchmarks.peer_bench import (
     stop_publisher,
 )
 from benchmarks.peer_sides import Kvroute
-from benchmarks.peer_stream import BLOCK, Mix, marker_store, marker_tokens, roots
+from benchmarks.peer_stream import BLOCK, CHAIN_BLOCKS, Mix, marker_store, marker_tokens, roots
 from benchmarks.report import emit
 from kvroute.app.wire import BlockStored, encode_batch
 
 STALL_TARGET_MS = 50.0
+PLACING = "burst, routing"  # the scenario whose prober's routes leave placement guesses
 _HUGE_HASHES = 1 << 52
 _HUGE_TOKENS = 3_000_000_000
 _REPLAY_HASHES = 1 << 53
@@ -88,8 +92,9 @@ class Prober:
     (benchmarks.route_probe) until ``stop``: their round trips in ms, as seen by a client
     of kvroute."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, *, placing: bool = False) -> None:
         self.port = port
+        self.placing = placing
         self.routes: list[float] = []
         self.began: list[float] = []  # time.monotonic() when each route was sent
         self.health: list[float] = []
@@ -97,7 +102,8 @@ class Prober:
 
     def start(self) -> None:
         self._proc = subprocess.Popen([sys.executable, "-m", "benchmarks.route_probe",
-                                       str(self.port)], stdin=subprocess.PIPE,
+                                       str(self.port), *(["--placing"] if self.placing else [])],
+                                      stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, text=True)
         assert self._proc.stdout is not None
         json.loads(self._proc.stdout.readline())  # its client is made: probing from now
@@ -118,7 +124,7 @@ class Prober:
 
 def scenario(kv: Kvroute, publisher: Any, mix: Mix, workdir: Path, timeout: float,
              unpublished: int = 0) -> dict[str, Any]:
-    prober = Prober(kv.port)
+    prober = Prober(kv.port, placing=mix.name == PLACING)
     prober.start()
     try:
         row = ingest([kv], publisher, mix, workdir / f"{mix.name}.mix", kv, timeout,
@@ -152,8 +158,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     burst = roots(workers, args.blocks, args.lag, number=10)
     burst.name = "burst"
     floor = decode_floor(burst)
+    routed = roots(workers, args.blocks, args.lag, number=13,
+                   first_chain=burst.stored // CHAIN_BLOCKS)
+    routed.name = PLACING
     mixes = [(burst, 0), (huge(workers, args.huge_blocks, 11), 0),
-             (replay(workers, args.replay_batches, 12), args.replay_batches)]
+             (replay(workers, args.replay_batches, 12), args.replay_batches), (routed, 0)]
     result: dict[str, Any] = {"benchmark": "ingest", "workers": workers,
                               "stall_target_ms": STALL_TARGET_MS,
                               "decode_floor_blocks_per_s": floor}

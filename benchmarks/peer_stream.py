@@ -76,7 +76,9 @@ def doc_tokens(doc: int, tokens: int) -> list[int]:
     return list(range(start, start + tokens))
 
 
-def roots(workers: int, blocks: int, lag: int, number: int = 0) -> Mix:
+def roots(workers: int, blocks: int, lag: int, number: int = 0, first_chain: int = 0) -> Mix:
+    """Root chains: ``first_chain`` numbers the first (another mix of other content after
+    one of N chains: ``first_chain=N``)."""
     per_batch = CHAINS_PER_BATCH * CHAIN_BLOCKS
     batches = max(lag + 1, blocks // (workers * per_batch))
     payloads: list[list[bytes]] = []
@@ -86,7 +88,7 @@ def roots(workers: int, blocks: int, lag: int, number: int = 0) -> Mix:
         for i in range(batches):
             events: list[Event] = []
             for j in range(CHAINS_PER_BATCH):
-                chain = (w * batches + i) * CHAINS_PER_BATCH + j
+                chain = first_chain + (w * batches + i) * CHAINS_PER_BATCH + j
                 first = _ROOT_HASHES + chain * CHAIN_BLOCKS
                 tokens = list(range(chain * CHAIN_BLOCKS * BLOCK,
                                     (chain + 1) * CHAIN_BLOCKS * BLOCK))
@@ -96,7 +98,7 @@ def roots(workers: int, blocks: int, lag: int, number: int = 0) -> Mix:
                 if j == 0 and i % max(1, batches // 4) == 0 and w % 8 == 0:
                     samples.append((w, tokens, i >= batches - lag))
             if i >= lag:
-                old = (w * batches + i - lag) * per_batch
+                old = first_chain * CHAIN_BLOCKS + (w * batches + i - lag) * per_batch
                 events += [BlockRemoved(block_hashes=[_ROOT_HASHES + old + k])
                            for k in range(per_batch)]
             if i == batches - 1:

@@ -7,7 +7,10 @@ thread that watches ingest (it parses every worker's scores): a round trip then 
 waiting for that thread, up to the interpreter's 5 ms switch interval, which is no part of
 what kvroute answers.
 
-Usage: python -m benchmarks.route_probe PORT (ingest_bench.Prober starts it).
+With ``--placing`` its routes are real ones (no ``probe``), each for another prompt: every
+answer leaves a placement guess on the worker it names, as a gateway's routes do.
+
+Usage: python -m benchmarks.route_probe PORT [--placing] (ingest_bench.Prober starts it).
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ import httpx
 
 def main() -> None:
     port = int(sys.argv[1])
+    placing = "--placing" in sys.argv[2:]
     stop = threading.Event()
     # The owner closes stdin to stop the probe; reading it to the end waits for that.
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-    body = {"token_ids": list(range(1024)), "probe": True}
+    body: dict = {"token_ids": list(range(1024)), "probe": not placing}
     routes: list[float] = []
     began: list[float] = []
     health: list[float] = []
@@ -33,6 +37,8 @@ def main() -> None:
         print(json.dumps({"ready": True}), flush=True)
         while not stop.is_set():
             began.append(time.monotonic())
+            if placing:  # another prompt each time: guesses spread over the workers
+                body["token_ids"] = list(range(len(began) << 10, (len(began) + 1) << 10))
             started = time.perf_counter()
             http.post("/v1/route", json=body).raise_for_status()
             middle = time.perf_counter()
