@@ -579,6 +579,38 @@ def test_a_followed_answer_counts_as_load_until_the_instances_metrics_do_and_a_p
         server.stop()
 
 
+def test_a_guess_gives_way_to_the_store_it_foretold_and_its_eviction_shows(
+        cluster: SimCluster):
+    """A route for real leaves a guess on the chosen instance: its blocks pending. Once the
+    instance computes the prompt, its live batches (applied in runs, guess or not) hold
+    those blocks and confirm the guess; so when the instance later evicts them, the route
+    shows them gone at once, not still pending until the guess's 600 s run out."""
+    server = start_service(placement_ttl=600.0)
+    try:
+        with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as client:
+            for url in cluster.urls:
+                register(client, url)
+            prompt = unique_tokens(902, 4 * BLOCK + 1)
+            followed = client.post("/v1/route", json={"token_ids": prompt}).json()
+
+            def chosen() -> dict:
+                scores = route(client, token_ids=prompt, all_scores=True).json()["scores"]
+                return next(s for s in scores if s["instance"] == followed["instance"])
+
+            assert chosen()["pending_blocks"] == 4 and chosen()["by_medium"]["GPU"] == 0
+            complete(followed["url"], prompt)
+            wait_for(lambda: chosen()["by_medium"]["GPU"] == 4, "the instance's store")
+            assert chosen()["pending_blocks"] == 0
+            # Other prompts fill the instance's 64 blocks: it evicts the prompt's.
+            for n in range(5):
+                complete(followed["url"], unique_tokens(903 + n, 16 * BLOCK + 1))
+            gone = wait_for(lambda: (lambda s: s if s["matched_blocks"] == 0 else None)(
+                chosen()), "the prompt's blocks to be evicted")
+            assert gone["pending_blocks"] == 0 and gone["by_medium"]["GPU"] == 0
+    finally:
+        server.stop()
+
+
 def test_an_idle_instances_leftover_gauges_do_not_count_as_load(cluster: SimCluster):
     """vLLM's running/waiting gauges keep the last step's counts while the engine idles
     (the simulator reports them the same way); its token counters stop moving. Once they
