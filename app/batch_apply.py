@@ -3,8 +3,13 @@ with the event loop running between them.
 
 Bounds (``SubscriberOptions``):
 
-- A payload up to ``_DECODE_WHOLE_BYTES`` is decoded in one call; a bigger one has its
-  envelope decoded, then ``chunk_events`` events at a time, except that one event over
+- A payload the compiled index reads as plain (``read_plain_batch``: every event a GPU
+  store or removal with nothing special about it) is read in one pass into its C arrays,
+  whatever its size (~1 ms per MB), and applied from there. An event of it that no run
+  takes, in a payload over ``_DECODE_WHOLE_BYTES``, is rebuilt a slice at a time
+  (``app.plain_slices``) instead of decoding the payload.
+- Any other payload up to ``_DECODE_WHOLE_BYTES`` is decoded in one call; a bigger one has
+  its envelope decoded, then ``chunk_events`` events at a time, except that one event over
   ``huge_store.HUGE_EVENT_BYTES`` (a store of ~40,000 blocks or more) is decoded and
   applied a slice at a time (``app.huge_store``: nothing applied before all of it is
   decoded and checked; meanwhile routes see a prefix of its chain).
@@ -44,6 +49,7 @@ import msgspec
 
 from kvroute.app.huge_store import HUGE_EVENT_BYTES, HugeStore
 from kvroute.app.loop_budget import LoopBudget, shared_budget
+from kvroute.app.plain_slices import event_slices
 from kvroute.app.wire import (
     SLICE_TOKENS_PER_BLOCK,
     AllBlocksCleared,
@@ -210,13 +216,20 @@ class BatchApplier:
             return self._ended(batch, outcome)
         outcome = BatchOutcome()
         self._unyielded += 1  # even an empty or garbage batch is work
-        budget = self.budget
-        if budget.exhausted():  # the fleet's work in this turn of the loop is done
-            await self.yield_to_loop()
         lazily = len(payload) > _DECODE_WHOLE_BYTES
+        # The fleet's work in this turn of the loop is done, or receiving a big payload
+        # (copying it out of ZeroMQ: ~1 ms per MB) was a stretch of its own already.
+        if lazily or self.budget.exhausted():
+            await self.yield_to_loop()
         started = time.perf_counter()
-        plain = (None if lazily or pending is NOT_PLAIN or self._read_plain is None
+        # The index's reading, when it takes the payload: one pass with no object per hash
+        # or token (~1 ms per MB), where decoding a big payload lazily (below) is several
+        # passes and a call per slice.
+        plain = (None if pending is NOT_PLAIN or self._read_plain is None
                  else self._read_plain(payload))
+        if lazily and (took := time.perf_counter() - started) >= _LONG_DECODE:
+            await self.pause(took)  # a read that found the payload not plain, too
+            started = time.perf_counter()
         try:
             if plain is not None:  # its events stand in for decoded ones (_apply_events)
                 batch = EventBatch(plain.ts, plain, plain.data_parallel_rank)
@@ -230,16 +243,16 @@ class BatchApplier:
                 await self.pause(took)
             return outcome
         outcome.data_parallel_rank = batch.data_parallel_rank
-        chunk = self.options.chunk_events
         took = time.perf_counter() - started
-        if lazily or took >= _LONG_DECODE:  # a chunk's decoding is another stretch
+        # Decoded lazily, each chunk's decoding is another stretch: the loop runs first.
+        if lazily and plain is None or took >= _LONG_DECODE:
             await self.pause(took)
-        step = chunk if lazily else max(1, len(batch.events))
+        if plain is not None or not lazily:
+            if not await self._apply_events(seq, batch.events, batch, outcome, payload):
+                return outcome
+            return self._ended(batch, outcome)
+        step = self.options.chunk_events
         for start in range(0, len(batch.events), step):
-            if not lazily:
-                if not await self._apply_events(seq, batch.events, batch, outcome, payload):
-                    return outcome
-                continue
             # Decoded a chunk at a time, with the loop running in between; an event too
             # big for one call goes through app.huge_store.
             for raws, huge in _split_huge(batch.events[start:start + step]):
@@ -302,10 +315,16 @@ class BatchApplier:
             done = None
             if type(events) is not list and (run.error is not None
                                              or not run.full and position < count):
-                decoded = self._decoded(seq, payload, count, batch, outcome)
-                if decoded is None:
-                    return False
-                events = decoded
+                if len(payload) <= _DECODE_WHOLE_BYTES:
+                    decoded = self._decoded(seq, payload, count, batch, outcome)
+                    if decoded is None:
+                        return False
+                    events = decoded
+                elif run.error is None:  # too big to decode whole: rebuilt from the reading
+                    if not await self._apply_read(seq, events, position, batch, outcome):
+                        return False
+                    position += 1
+                    continue
             if run.error is not None:
                 if not self._failed_at(seq, run.error, batch, outcome):
                     return False
@@ -370,6 +389,28 @@ class BatchApplier:
             return self._failed_at(seq, exc, batch, outcome)
         if isinstance(event, AllBlocksCleared):
             outcome.exact_again = True
+        return True
+
+    async def _apply_read(self, seq: int, plain: Any, k: int, batch: EventBatch,
+                          outcome: BatchOutcome) -> bool:
+        """Event ``k`` of the index's reading of a payload too big to decode in one call,
+        which no run took: applied as ``_apply_one`` applies a decoded event (the caps for
+        the whole event first), from slices rebuilt one at a time (``app.plain_slices``).
+        False when a bug stopped it."""
+        kind, blocks, _, _ = plain.head(k)
+        if kind == "BlockStored" and self._over_a_cap(seq, blocks, True):
+            outcome.exact_again = False
+            return True
+        for piece in event_slices(plain, k, self.options.slice_blocks, self._holds):
+            self._unyielded += 1
+            if self._unyielded >= self.options.chunk_events or self.budget.exhausted():
+                await self.yield_to_loop()
+            try:
+                outcome.blocks += await self._apply_event(piece)
+            except Abandoned:
+                raise
+            except Exception as exc:
+                return self._failed_at(seq, exc, batch, outcome)
         return True
 
     def _failed_at(self, seq: int, exc: BaseException, batch: EventBatch,

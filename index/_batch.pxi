@@ -69,6 +69,33 @@ cdef class PlainBatch:
         parent = self.parent_of(k)
         return ("BlockStored", hashes, parent, tokens, e.block_size)
 
+    def head(self, Py_ssize_t k):
+        """Event ``k`` without its lists: ``(type, blocks, parent_block_hash, block_size)``."""
+        if not 0 <= k < self.count:
+            raise IndexError(k)
+        cdef _PlainEvent* e = &self.events[k]
+        if e.kind == _REMOVAL:
+            return ("BlockRemoved", e.blocks, None, 0)
+        return ("BlockStored", e.blocks, self.parent_of(k), e.block_size)
+
+    def piece(self, Py_ssize_t k, Py_ssize_t start, Py_ssize_t end):
+        """Blocks ``[start, end)`` of event ``k``: ``(block_hashes, token_ids)``, the hashes
+        a list and the token ids a ``TOKEN_TYPECODE`` array (empty for a removal). Costs
+        the piece, not the event: a huge event is rebuilt a slice at a time."""
+        if not 0 <= k < self.count:
+            raise IndexError(k)
+        cdef _PlainEvent* e = &self.events[k]
+        if not 0 <= start <= end <= e.blocks:
+            raise IndexError((start, end))
+        hashes = [PyLong_FromUnsignedLongLong(self.hashes[e.first_hash + i])
+                  for i in range(start, end)]
+        tokens = _array(TOKEN_TYPECODE)
+        if e.kind == _STORE and end > start:
+            tokens.frombytes(PyBytes_FromStringAndSize(
+                <const char*>&self.tokens[e.first_token + start * e.block_size],
+                (end - start) * e.block_size * sizeof(uint32_t)))
+        return hashes, tokens
+
     cdef object parent_of(self, Py_ssize_t k):
         cdef _PlainEvent* e = &self.events[k]
         return PyLong_FromUnsignedLongLong(e.parent) if e.has_parent else None

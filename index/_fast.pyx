@@ -26,8 +26,11 @@ from cpython.object cimport PyObject
 from libc.stdint cimport uint64_t
 from libc.string cimport memcmp, memcpy
 
+from array import array as _array
+
 from xxhash import xxh3_128_digest
 
+from kvroute.index.keys import TOKEN_TYPECODE
 from kvroute.index.runs import MAX_PLAIN_BLOCK_SIZE, PLAIN_KINDS, TOKENS_PER_WORK, Run
 
 include "_keys.pxi"

@@ -159,15 +159,26 @@ class RouteWatchingIndex(LoopWatchingIndex):
             await asyncio.sleep(0)
 
 
-def test_a_huge_store_over_the_wire_is_applied_a_slice_at_a_time_while_routes_are_answered():
+@pytest.mark.parametrize("plain", [True, False], ids=["read", "decoded"])
+def test_a_huge_store_over_the_wire_is_applied_a_slice_at_a_time_while_routes_are_answered(
+        plain: bool):
     """A store whose encoded event is over HUGE_EVENT_BYTES: no turn of the loop does more
     than slice_blocks blocks of its work; routes asked at every turn see the worker hold
     a prefix of it that only grows, strictly between nothing and all of it at times; and
-    the index ends exactly as the whole event leaves it."""
+    the index ends exactly as the whole event leaves it.
+
+    ``read``: a plain store, which the compiled index reads (``read_plain_batch``) and the
+    applier rebuilds a slice at a time (``app.plain_slices``). ``decoded``: the same store
+    with a locality, which the index does not read: it goes through ``HugeStore``."""
     slice_blocks = 512
     blocks = HUGE_EVENT_BYTES // 40 + 1_000  # a 16-token block encodes to over 40 bytes
     huge = chain(1, blocks, block_size=16, seed=3)
+    if not plain:
+        huge = msgspec.structs.replace(huge, locality="rack-1")
     assert len(raw_event(huge, "map")) > HUGE_EVENT_BYTES
+    for encoding in ("map", "array"):
+        payload = encode_batch([huge], ts=0.0, encoding=encoding)
+        assert (PrefixIndex(compiled=True).read_plain_batch(payload) is not None) is plain
 
     async def scenario(ctx):
         options = dataclasses.replace(TEST_OPTIONS, slice_blocks=slice_blocks,

@@ -17,7 +17,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from kvroute.app import batch_apply
 from kvroute.app.batch_apply import BatchApplier, BatchOutcome, Unfinished
+from kvroute.app.plain_slices import event_slices
 from kvroute.app.subscription import SubscriberOptions
 from kvroute.app.wire import (
     BlockRemoved,
@@ -25,6 +27,7 @@ from kvroute.app.wire import (
     RawStored,
     decode_batch,
     encode_batch,
+    slices,
     stored,
 )
 from kvroute.index import PrefixIndex
@@ -274,17 +277,36 @@ def _counts(outcome: BatchOutcome) -> tuple:
             outcome.data_parallel_rank, outcome.rejected is None)
 
 
+@pytest.mark.parametrize("lazily", [False, True], ids=["small", "big"])
 @pytest.mark.parametrize("seed", range(10))
-def test_a_stream_through_the_applier_leaves_the_index_as_decoding_does(seed: int) -> None:
+def test_a_stream_through_the_applier_leaves_the_index_as_decoding_does(
+        seed: int, lazily: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Payloads of the random run streams (plain events, and now and then one that is not:
     another medium, an orphan, a store over a cap), map- or array-encoded. The compiled
     index takes each batch as a subscriber does a live one (``apply_now``, then ``apply``
     for the rest), within bounds of work small enough that runs stop short for them too;
-    the pure one through ``apply``. Same index, same counts, batch after batch."""
+    the pure one through ``apply``. Same index, same counts, batch after batch.
+
+    ``big``: every payload counts as too big to decode in one call, and every event as a
+    huge one. The compiled index then rebuilds the events no run takes from its reading, a
+    slice at a time (``app.plain_slices``); the pure one decodes lazily, each store through
+    ``app.huge_store``."""
+    rebuilt = collections.Counter()
+    if lazily:
+        monkeypatch.setattr(batch_apply, "_DECODE_WHOLE_BYTES", 0)
+        monkeypatch.setattr(batch_apply, "HUGE_EVENT_BYTES", 0)
+
+        def counted(plain, k, *args):
+            rebuilt[plain.head(k)[0]] += 1
+            return event_slices(plain, k, *args)
+        monkeypatch.setattr(batch_apply, "event_slices", counted)
     rng = random.Random(seed)
     compiled, pure = PrefixIndex(compiled=True), PrefixIndex(compiled=False)
+    # Caps that refuse some stores (of 45 blocks; past 400 held) for some seeds.
     small = dataclasses.replace(TEST_OPTIONS, chunk_events=rng.choice([3, 9, 256]),
-                                slice_blocks=rng.choice([4, 16, 1024]))
+                                slice_blocks=rng.choice([4, 16, 1024]),
+                                max_blocks_per_event=rng.choice([40, 65_536]),
+                                max_blocks_per_worker=rng.choice([400, 10**6]))
     appliers = {(w, i): applier(index, w, small) for w in WORKERS
                 for i, index in enumerate((compiled, pure))}
     held: dict = {w: [] for w in WORKERS}
@@ -317,6 +339,9 @@ def test_a_stream_through_the_applier_leaves_the_index_as_decoding_does(seed: in
     run_async(scenario)
     compiled._check()
     assert read > 0
+    if lazily:  # the stores no run took (orphans, a cap, more work than a run's bound)
+        assert rebuilt["BlockStored"] > 0
+        return
     # apply_now applied something, and left some batches to apply (every answer of it
     # shows for some of the seeds; the next test takes each one on purpose).
     assert answers["BatchOutcome"] + answers["Unfinished"] > 0 and answers["NotPlain"] > 0
@@ -380,3 +405,46 @@ def test_a_reading_that_disagrees_with_the_decoder_fails_the_batch() -> None:
         assert outcome.failed is not None and "the index read 3 events" in outcome.failed
 
     run_async(scenario)
+
+
+# --- events of a big payload's reading, rebuilt a slice at a time --------------------------
+
+@settings(max_examples=300, deadline=None)
+@given(blocks=st.integers(0, 40), block_size=st.integers(1, 40),
+       parent=st.sampled_from([None, 7, 2**64 - 1]), held=st.booleans(),
+       max_blocks=st.integers(1, 12), removal=st.booleans(),
+       encoding=st.sampled_from(["map", "array"]))
+def test_a_read_event_is_rebuilt_in_the_slices_of_the_decoded_one(
+        blocks: int, block_size: int, parent: int | None, held: bool, max_blocks: int,
+        removal: bool, encoding: str) -> None:
+    """``event_slices`` of an event of the index's reading gives ``wire.slices``' slices of
+    the decoded event: the same hashes, parents (an orphan's named in every slice), token
+    ids and block size, cut at the same blocks."""
+    hashes = [10**6 + b for b in range(blocks)]
+    if removal:
+        event: Any = BlockRemoved(block_hashes=hashes)
+    else:
+        blocks = max(blocks, 1)
+        hashes = [10**6 + b for b in range(blocks)]
+        event = BlockStored(block_hashes=hashes, parent_block_hash=parent,
+                            token_ids=[(7 * t) % 2**32 for t in range(blocks * block_size)],
+                            block_size=block_size)
+    payload = encode_batch([event], ts=1.0, encoding=encoding)
+    plain = PrefixIndex(compiled=True).read_plain_batch(payload)
+    assert plain is not None
+    decoded = decode_batch(payload).events[0]
+
+    def holds(block_hash: int) -> bool:
+        assert block_hash == parent  # asked only of a split store's parent
+        return held
+
+    def shown(piece: Any) -> tuple:
+        if isinstance(piece, BlockRemoved):
+            return ("removed", list(piece.block_hashes))
+        return ("stored", list(piece.block_hashes), piece.parent_block_hash,
+                list(piece.token_ids), piece.block_size, piece.medium, piece.lora_name,
+                piece.extra_keys, piece.group_idx, piece.kv_cache_spec_kind)
+
+    rebuilt = [shown(p) for p in event_slices(plain, 0, max_blocks, holds)]
+    assert rebuilt == [shown(p) for p in slices(decoded, max_blocks, holds)]
+    assert len(rebuilt) >= 1
