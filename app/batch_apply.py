@@ -4,10 +4,11 @@ with the event loop running between them.
 Bounds (``SubscriberOptions``):
 
 - A payload the compiled index reads as plain (``read_plain_batch``: every event a GPU
-  store or removal with nothing special about it) is read in one pass into its C arrays,
-  whatever its size (~1 ms per MB), and applied from there. An event of it that no run
-  takes, in a payload over ``_DECODE_WHOLE_BYTES``, is rebuilt a slice at a time
-  (``app.plain_slices``) instead of decoding the payload.
+  store or removal with nothing special about it) is read in one pass, whatever its size
+  (~1 ms per MB; lists of over 65,536 items checked but left in the payload), and applied
+  from there. An event of it that no run takes, in a payload over
+  ``_DECODE_WHOLE_BYTES``, is rebuilt a slice at a time (``app.plain_slices``) instead of
+  decoding the payload.
 - Any other payload up to ``_DECODE_WHOLE_BYTES`` is decoded in one call; a bigger one has
   its envelope decoded, then ``chunk_events`` events at a time, except that one event over
   ``huge_store.HUGE_EVENT_BYTES`` (a store of ~40,000 blocks or more) is decoded and
@@ -88,6 +89,9 @@ _DECODE_WHOLE_BYTES = 256 * 1024
 # in front of each of them. Real batches decode in well under a millisecond.
 _LONG_DECODE = 0.005
 _MAX_PAUSE = 0.05
+# What receiving a payload costs about, a stretch before its decoding: 26 MB took 15-80 ms
+# on a busy 2-core machine (most of it faulting in the fresh memory it is copied to).
+_RECEIVED_SECONDS_PER_BYTE = 1e-9
 
 
 def _split_huge(raws: list[msgspec.Raw]) -> Iterator[tuple[list[msgspec.Raw], msgspec.Raw | None]]:
@@ -216,11 +220,11 @@ class BatchApplier:
             return self._ended(batch, outcome)
         outcome = BatchOutcome()
         self._unyielded += 1  # even an empty or garbage batch is work
-        lazily = len(payload) > _DECODE_WHOLE_BYTES
-        # The fleet's work in this turn of the loop is done, or receiving a big payload
-        # (copying it out of ZeroMQ: ~1 ms per MB) was a stretch of its own already.
-        if lazily or self.budget.exhausted():
+        if self.budget.exhausted():  # the fleet's work in this turn of the loop is done
             await self.yield_to_loop()
+        lazily = len(payload) > _DECODE_WHOLE_BYTES
+        if lazily:  # receiving it was a stretch already: copied out of ZeroMQ, fresh memory
+            await self.pause(len(payload) * _RECEIVED_SECONDS_PER_BYTE)
         started = time.perf_counter()
         # The index's reading, when it takes the payload: one pass with no object per hash
         # or token (~1 ms per MB), where decoding a big payload lazily (below) is several

@@ -581,6 +581,8 @@ def apply_run(index, worker, object events, Py_ssize_t start, Py_ssize_t work_le
         hashes = None  # a PlainBatch's hashes are words (hash_words)
         if batch is not None:
             plain = &batch.events[k]
+            if plain.hashes_at >= 0 or plain.tokens_at >= 0:
+                break  # lists left in the payload: far more work than a run's bound
             is_store = plain.kind == _STORE
             is_removal = not is_store
             blocks = plain.blocks

@@ -25,13 +25,14 @@ from kvroute.app.wire import (
     BlockRemoved,
     BlockStored,
     RawStored,
+    apply_event,
     decode_batch,
     encode_batch,
     slices,
     stored,
 )
 from kvroute.index import PrefixIndex
-from kvroute.index.runs import MAX_PLAIN_BLOCK_SIZE, PLAIN_KINDS
+from kvroute.index.runs import MAX_PLAIN_BLOCK_SIZE, PLAIN_KINDS, RunLimits
 from tests.conftest import run_async
 from tests.support.events import TEST_OPTIONS
 from tests.support.index_impl import layout
@@ -448,3 +449,49 @@ def test_a_read_event_is_rebuilt_in_the_slices_of_the_decoded_one(
     rebuilt = [shown(p) for p in event_slices(plain, 0, max_blocks, holds)]
     assert rebuilt == [shown(p) for p in slices(decoded, max_blocks, holds)]
     assert len(rebuilt) >= 1
+
+
+@pytest.mark.parametrize("encoding", ["map", "array"])
+def test_long_lists_are_left_in_the_payload_and_read_a_piece_at_a_time(encoding: str) -> None:
+    """Lists of over 65,536 items are checked in the reading but left in the payload:
+    every piece of them, in order or not, is the decoded event's, and no run takes such an
+    event, however large its bound of work; through the applier the index ends as the
+    decoded events leave it."""
+    long_hashes = BlockStored(block_hashes=[2**63 + b for b in range(70_000)],
+                              token_ids=[b % 2**32 for b in range(70_000)], block_size=1)
+    long_tokens = BlockStored(block_hashes=[10 + b for b in range(5_000)],
+                              parent_block_hash=2**63 + 69_999,
+                              token_ids=[(b * 7919) % 2**32 for b in range(80_000)],
+                              block_size=16)
+    removal = BlockRemoved(block_hashes=[2**63 + b for b in range(0, 70_000, 2)])
+    events = [long_hashes, long_tokens, removal]
+    payload = encode_batch(events, ts=1.0, encoding=encoding)
+    index = PrefixIndex(compiled=True)
+    plain = index.read_plain_batch(payload)
+    assert plain is not None
+    assert [plain.left_in_payload(k) for k in range(3)] == [True, True, False]
+    decoded = decode_batch(payload).events
+    for k, event in enumerate(decoded):
+        assert plain.event(k) == as_shown(event)
+    for start, end in [(4_000, 5_000), (0, 10), (10, 2_000), (1_000, 1_001), (4_999, 5_000)]:
+        hashes, tokens = plain.piece(1, start, end)
+        assert hashes == long_tokens.block_hashes[start:end]
+        assert list(tokens) == long_tokens.token_ids[start * 16:end * 16]
+    options = dataclasses.replace(TEST_OPTIONS, slice_blocks=10**6, chunk_events=10**6,
+                                  max_blocks_per_event=10**6)
+    pure = PrefixIndex(compiled=False)
+    for twin in (index, pure):
+        twin.apply_stored(WORKERS[0], [1], None, [5], 1)  # known: runs apply to it
+    for event in decoded:
+        apply_event(pure, WORKERS[0], event)
+    run = index.apply_run(WORKERS[0], plain, 0, 10**7, 10**7, RunLimits(
+        BlockStored, BlockRemoved, 10**6, 10**7, 10**7))
+    assert run.next == 0 and run.blocks == 0  # a run does not take it
+
+    async def scenario() -> None:
+        outcome = await applier(index, WORKERS[0], options).apply(0, payload)
+        assert outcome.failed is None and outcome.events == 3
+        assert outcome.blocks == 70_000 + 5_000 + 35_000
+
+    run_async(scenario)
+    assert layout(index) == layout(pure)
