@@ -100,7 +100,7 @@ import heapq
 import sys
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from xxhash import xxh3_64_intdigest, xxh3_128_digest
 
@@ -292,9 +292,9 @@ def score_workers(
                   else workers[i].other_demand for i in loaded}
         least = min(others.values())
         for i, other in others.items():
-            if other > least:
-                scores[i] = replace(scores[i], crowding_cost=(
-                    weights.crowded_token * uncached[i] * (other - least) / other))
+            if other > least:  # set here, on a score still being made (replace: ~14 µs)
+                scores[i].crowding_cost = (
+                    weights.crowded_token * uncached[i] * (other - least) / other)
     return scores
 
 
