@@ -59,6 +59,7 @@ from kvroute.app.wire import (
     Event,
     EventBatch,
     Hash,
+    Payload,
     RawStored,
     WireError,
     apply_event,
@@ -185,7 +186,7 @@ class BatchApplier:
             self._budget = shared_budget()
         return self._budget
 
-    def apply_now(self, payload: bytes) -> BatchOutcome | Pending:
+    def apply_now(self, payload: Payload) -> BatchOutcome | Pending:
         """Apply a batch in one call, without the coroutines of ``apply``, when the index
         reads its payload as plain (``read_plain_batch``: nearly every live batch) and this
         turn's budget has room: the outcome when one run applied it whole. Otherwise what
@@ -209,7 +210,7 @@ class BatchApplier:
             return outcome
         return Unfinished(EventBatch(plain.ts, plain, plain.data_parallel_rank), outcome, done)
 
-    async def apply(self, seq: int, payload: bytes, pending: Pending = None) -> BatchOutcome:
+    async def apply(self, seq: int, payload: Payload, pending: Pending = None) -> BatchOutcome:
         """Apply one batch, yielding to the loop between bounded pieces of work; or the rest
         of it, after ``apply_now`` answered ``pending``."""
         if isinstance(pending, Unfinished):
@@ -288,7 +289,7 @@ class BatchApplier:
         return done
 
     async def _apply_events(self, seq: int, events: Sequence[Any], batch: EventBatch,
-                            outcome: BatchOutcome, payload: bytes = b"", *,
+                            outcome: BatchOutcome, payload: Payload = b"", *,
                             first: Run | None = None) -> bool:
         """Apply decoded events, counting into ``outcome``; False when a bug stopped it
         (``outcome.failed`` says which).
@@ -356,7 +357,7 @@ class BatchApplier:
             position = end
         return True
 
-    def _decoded(self, seq: int, payload: bytes, count: int, batch: EventBatch,
+    def _decoded(self, seq: int, payload: Payload, count: int, batch: EventBatch,
                  outcome: BatchOutcome) -> list[Any] | None:
         """``payload``'s decoded events, in ``batch`` from now on, for events the index's
         reading of it stands in for; None (``outcome.failed`` says why) when they are not

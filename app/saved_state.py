@@ -98,7 +98,7 @@ class SavedState:
         return sum(saved.head.blocks for saved in self.workers.values())
 
 
-def payload_fingerprint(payload: bytes) -> int:
+def payload_fingerprint(payload: bytes | memoryview) -> int:
     """What a saved worker remembers of its last batch (stable across processes, unlike
     ``hash()``)."""
     return xxh3_64_intdigest(payload)

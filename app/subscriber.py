@@ -88,7 +88,7 @@ from kvroute.app.subscription import (
     WorkerStatus,
 )
 from kvroute.app.tasks import cancel_and_wait
-from kvroute.app.wire import IndexWriter, WireError, decode_seq
+from kvroute.app.wire import IndexWriter, Payload, WireError, decode_seq
 from kvroute.index.holdings import Holdings
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ def _weakly(method: Callable[..., None]) -> Callable[..., None]:
     return call
 
 
-def _fingerprint(payload: bytes) -> int:
+def _fingerprint(payload: Payload) -> int:
     # Payloads carry the step's timestamp, so two engines' batches never share bytes.
     return hash(payload)
 
@@ -211,7 +211,7 @@ class Subscriber(SubscriberReplays):
         self._refused: str | None = None
         # The payload of the batch at last_seq (None when unknown) and whether a batch is
         # being applied: the index matches last_seq only between batches (save_point).
-        self._last_payload: bytes | None = None
+        self._last_payload: Payload | None = None
         self._applying = False
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -457,7 +457,7 @@ class Subscriber(SubscriberReplays):
 
     # --- live batches -------------------------------------------------------------------------
 
-    def _on_live(self, frames: list[bytes]) -> Awaitable[None] | None:
+    def _on_live(self, frames: list[Payload]) -> Awaitable[None] | None:
         """Take one live message: None when that is done (nearly every batch of a live
         stream: the next in order, applied whole at once by ``BatchApplier.apply_now``),
         else the rest of the work, to await."""
@@ -478,7 +478,7 @@ class Subscriber(SubscriberReplays):
             return self._take(seq, payload)
         return self._out_of_order(seq, payload, previous_live)
 
-    async def _out_of_order(self, seq: int, payload: bytes, previous_live: int | None) -> None:
+    async def _out_of_order(self, seq: int, payload: Payload, previous_live: int | None) -> None:
         """A live batch other than the next one in order: a duplicate, a restart or a gap."""
         verdict = classify(seq, last_applied=self.status.last_seq, last_live=previous_live)
         if verdict.kind is Kind.DUPLICATE:
@@ -517,7 +517,7 @@ class Subscriber(SubscriberReplays):
 
     # --- applying -----------------------------------------------------------------------------
 
-    def _take(self, seq: int, payload: bytes, *, replayed: bool = False,
+    def _take(self, seq: int, payload: Payload, *, replayed: bool = False,
               ) -> Awaitable[None] | None:
         """Apply batch ``seq``, the next in order: None when that is done at once (the
         applier took it whole, ``BatchApplier.apply_now``), else the rest, to await."""
@@ -529,7 +529,7 @@ class Subscriber(SubscriberReplays):
             return None
         return self._apply(seq, payload, pending=pending)
 
-    async def _apply(self, seq: int, payload: bytes, *, replayed: bool = False,
+    async def _apply(self, seq: int, payload: Payload, *, replayed: bool = False,
                      pending: Pending = None) -> None:
         """Apply one batch (the rest of it, after ``apply_now`` answered ``pending``); the
         seq counts even when the payload is garbage."""
@@ -542,7 +542,7 @@ class Subscriber(SubscriberReplays):
             self._applying = False
         self._applied(seq, payload, outcome)
 
-    def _applied(self, seq: int, payload: bytes, outcome: BatchOutcome) -> None:
+    def _applied(self, seq: int, payload: Payload, outcome: BatchOutcome) -> None:
         """What applying batch ``seq`` did, into the worker's status and state."""
         self._record(seq, outcome)
         if self.status.last_seq == seq:
@@ -608,7 +608,7 @@ class Subscriber(SubscriberReplays):
 
     # --- bookkeeping --------------------------------------------------------------------------
 
-    def _remember_replayed(self, seq: int, payload: bytes) -> None:
+    def _remember_replayed(self, seq: int, payload: Payload) -> None:
         if len(self._replayed) >= _MAX_REPLAYED_FINGERPRINTS:
             del self._replayed[next(iter(self._replayed))]  # the oldest
         self._replayed[seq] = _fingerprint(payload)

@@ -38,7 +38,7 @@ from kvroute.app.replay_request import ReplayChannel, ReplayRequest
 from kvroute.app.saved_state import SavedWorker, payload_fingerprint
 from kvroute.app.sequence import Kind, classify
 from kvroute.app.subscription import SubscriberOptions, WorkerEndpoint, WorkerState, WorkerStatus
-from kvroute.app.wire import WireError, decode_replay_frame
+from kvroute.app.wire import Payload, WireError, decode_replay_frame
 from kvroute.index.holdings import Holdings
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ class SubscriberReplays:
     _refused: str | None
     _degraded: bool
     _unfinished_rebuild: bool
-    _last_payload: bytes | None
+    _last_payload: Payload | None
 
     if TYPE_CHECKING:  # the subscriber's bookkeeping it uses (defined by Subscriber)
         def _clear_worker(self) -> None: ...
@@ -83,9 +83,9 @@ class SubscriberReplays:
         def _malformed(self, reason: str) -> None: ...
         def _give_up(self, reason: str) -> None: ...
         def _check_connection(self) -> None: ...
-        def _remember_replayed(self, seq: int, payload: bytes) -> None: ...
-        async def _apply(self, seq: int, payload: bytes, *, replayed: bool = False) -> None: ...
-        def _take(self, seq: int, payload: bytes, *,
+        def _remember_replayed(self, seq: int, payload: Payload) -> None: ...
+        async def _apply(self, seq: int, payload: Payload, *, replayed: bool = False) -> None: ...
+        def _take(self, seq: int, payload: Payload, *,
                   replayed: bool = False) -> Awaitable[None] | None: ...
 
     async def _rebuild(self) -> None:
@@ -132,7 +132,7 @@ class SubscriberReplays:
             self._mark_degraded()
         self._settle()
 
-    async def _judge_saved(self, start: int, seq: int | None, payload: bytes) -> bool:
+    async def _judge_saved(self, start: int, seq: int | None, payload: Payload) -> bool:
         """The first reply of a resume's replay (``seq`` None: the end marker): restore the
         saved holdings as it says; False when they are refused (another engine's)."""
         saved, self._resuming = self._resuming, None

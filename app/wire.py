@@ -36,6 +36,8 @@ import msgspec
 
 Hash = int | bytes
 Encoding = Literal["map", "array"]
+#: A message's frame as received: bytes, or a big one read in place (app.loop_socket).
+Payload = bytes | memoryview
 
 #: The 8-byte seq frame vLLM's replay ROUTER sends after the last buffered batch.
 END_SEQ = b"\xff" * 8
@@ -221,7 +223,7 @@ _DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeErr
                   RecursionError)
 
 
-def decode_batch(payload: bytes, *, raw_tokens: bool = False) -> EventBatch:
+def decode_batch(payload: Payload, *, raw_tokens: bool = False) -> EventBatch:
     """Decode one payload frame; see the module docstring for what raises and what is counted.
 
     ``raw_tokens``: a map-encoded batch keeps its stores' token ids encoded (``RawStored``,
@@ -243,14 +245,14 @@ def decode_batch(payload: bytes, *, raw_tokens: bool = False) -> EventBatch:
     return _decode_event_by_event(payload)
 
 
-def _decode_event_by_event(payload: bytes) -> EventBatch:
+def _decode_event_by_event(payload: Payload) -> EventBatch:
     batch = decode_envelope(payload)
     raws, batch.events = batch.events, []
     batch.events = _decode_each(raws, batch)
     return batch
 
 
-def decode_envelope(payload: bytes) -> EventBatch:
+def decode_envelope(payload: Payload) -> EventBatch:
     """A payload's envelope with its events left encoded: ``events`` holds one
     ``msgspec.Raw`` per event, for ``decode_events`` to decode a slice at a time (a big
     payload in one ``decode_batch`` call would hold the caller that long). Costs one pass
@@ -381,10 +383,10 @@ class ReplayFrame(msgspec.Struct, frozen=True):
     """One reply from the replay ROUTER as a DEALER sees it; ``seq is None`` ends the replay."""
 
     seq: int | None
-    payload: bytes
+    payload: Payload
 
 
-def decode_replay_frame(frames: Sequence[bytes]) -> ReplayFrame:
+def decode_replay_frame(frames: Sequence[Payload]) -> ReplayFrame:
     """Understand both reply formats.
 
     0.32.0: ``[b"", topic, seq, payload]``, ended by ``[b"", b"", END_SEQ, b""]``;

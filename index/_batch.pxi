@@ -14,6 +14,8 @@
 # event whose first key is not "type", an envelope or event array longer than its fields,
 # or a map envelope is refused, not interpreted.
 
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+
 DEF _STORE = 1
 DEF _REMOVAL = 2
 DEF _MAX_DEPTH = 32  # nesting a skipped value may have
@@ -55,7 +57,8 @@ cdef class PlainBatch:
 
     cdef readonly double ts
     cdef readonly object data_parallel_rank
-    cdef bytes payload  # what lists left in it are read from
+    cdef Py_buffer payload  # held until the batch goes: lists left in it are read from it
+    cdef bint has_payload
     cdef Py_ssize_t count
     cdef _PlainEvent* events
     cdef uint64_t* hashes
@@ -64,6 +67,8 @@ cdef class PlainBatch:
     cdef Py_ssize_t tokens_used, tokens_room
 
     def __dealloc__(self):
+        if self.has_payload:
+            PyBuffer_Release(&self.payload)
         free(self.events)
         free(self.hashes)
         free(self.tokens)
@@ -142,8 +147,8 @@ cdef class PlainBatch:
         return hashes, tokens
 
     cdef void _reader(self, _Reader* r, Py_ssize_t pos) noexcept:
-        r.p = <const unsigned char*>PyBytes_AS_STRING(self.payload)
-        r.n = PyBytes_GET_SIZE(self.payload)
+        r.p = <const unsigned char*>self.payload.buf
+        r.n = self.payload.len
         r.pos = pos
 
     cdef object parent_of(self, Py_ssize_t k):
@@ -517,17 +522,19 @@ cdef bint _read_ts(_Reader* r, double* ts):
     return False
 
 
-def read_plain_batch(bytes payload):
-    """``payload`` as a ``PlainBatch``, or None when it is anything but an array envelope
-    ``[ts, events]`` or ``[ts, events, data_parallel_rank]`` of events all plain in form
-    (module text above)."""
+def read_plain_batch(payload):
+    """``payload`` (bytes, or any buffer: a big message's ZeroMQ frame is read in place) as
+    a ``PlainBatch``, or None when it is anything but an array envelope ``[ts, events]`` or
+    ``[ts, events, data_parallel_rank]`` of events all plain in form (module text above).
+    The batch holds the payload's buffer while it lives."""
     cdef _Reader r
     cdef Py_ssize_t items, count, k
     cdef uint64_t rank
     cdef PlainBatch batch = PlainBatch.__new__(PlainBatch)
-    batch.payload = payload
-    r.p = <const unsigned char*>PyBytes_AS_STRING(payload)
-    r.n = PyBytes_GET_SIZE(payload)
+    PyObject_GetBuffer(payload, &batch.payload, PyBUF_SIMPLE)
+    batch.has_payload = True
+    r.p = <const unsigned char*>batch.payload.buf
+    r.n = batch.payload.len
     r.pos = 0
     items = _header(&r, 0x90, 0xdc)
     if items < 2 or items > 3 or not _read_ts(&r, &batch.ts):

@@ -364,7 +364,7 @@ class PrefixIndex:
         return _apply_run_reference(self, worker, events, start, work_left, events_left,
                                     limits)
 
-    def read_plain_batch(self, payload: bytes) -> Sequence[Any] | None:
+    def read_plain_batch(self, payload: bytes | memoryview) -> Sequence[Any] | None:
         """A vLLM event batch (its msgpack payload) read for ``apply_run`` without an object
         per event, when every one of its events is plain in form (``index.runs``) and the
         compiled loops are in use; else None, and the caller decodes the payload itself.

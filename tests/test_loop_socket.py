@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import pytest
 import zmq
 
-from kvroute.app.loop_socket import LoopSocket, Monitor
+from kvroute.app.loop_socket import BIG_FRAME_BYTES, LoopSocket, Monitor
 from tests.conftest import run_async, wait_until
 
 
@@ -50,6 +50,32 @@ def test_a_message_queued_before_the_wait_is_seen_without_a_signal(ctx) -> None:
             assert time.monotonic() - started < 10  # not the timeout: it was already there
             assert reader.recv() == [b"one"]
             assert reader.recv() is None
+
+    run_async(scenario)
+
+
+def test_a_big_frame_is_handed_over_in_place_and_outlives_the_next_messages(ctx) -> None:
+    """Frames up to BIG_FRAME_BYTES are copied out as bytes; a bigger one is ZeroMQ's
+    message itself, as a read-only memoryview: the same bytes, hashed as they hash, and
+    still whole after later messages reuse the socket's buffers."""
+    big = bytes(range(256)) * (BIG_FRAME_BYTES // 256 + 7)
+    edge = b"e" * BIG_FRAME_BYTES
+
+    async def scenario() -> None:
+        with _connected(ctx) as (sender, reader):
+            sender.send_multipart([b"seq", edge, big])
+            await wait_until(reader.ready, what="the message queued")
+            frames = reader.recv()
+            assert frames is not None and [type(f) for f in frames] == [bytes, bytes,
+                                                                      memoryview]
+            held = frames[2]
+            assert held.readonly and hash(held) == hash(big)
+            for n in range(3):
+                sender.send_multipart([b"seq", bytes([n]) * (2 * BIG_FRAME_BYTES)])
+                await wait_until(reader.ready, what="a later message")
+                later = reader.recv()
+                assert later is not None and later[1] == bytes([n]) * (2 * BIG_FRAME_BYTES)
+            assert held == big and bytes(held) == big
 
     run_async(scenario)
 
