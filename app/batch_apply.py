@@ -90,9 +90,6 @@ _DECODE_WHOLE_BYTES = 256 * 1024
 # in front of each of them. Real batches decode in well under a millisecond.
 _LONG_DECODE = 0.005
 _MAX_PAUSE = 0.05
-# What receiving a payload costs about, a stretch before its decoding: 26 MB took 15-80 ms
-# on a busy 2-core machine (most of it faulting in the fresh memory it is copied to).
-_RECEIVED_SECONDS_PER_BYTE = 1e-9
 
 
 def _split_huge(raws: list[msgspec.Raw]) -> Iterator[tuple[list[msgspec.Raw], msgspec.Raw | None]]:
@@ -224,8 +221,6 @@ class BatchApplier:
         if self.budget.exhausted():  # the fleet's work in this turn of the loop is done
             await self.yield_to_loop()
         lazily = len(payload) > _DECODE_WHOLE_BYTES
-        if lazily:  # receiving it was a stretch already: copied out of ZeroMQ, fresh memory
-            await self.pause(len(payload) * _RECEIVED_SECONDS_PER_BYTE)
         started = time.perf_counter()
         # The index's reading, when it takes the payload: one pass with no object per hash
         # or token (~1 ms per MB), where decoding a big payload lazily (below) is several
