@@ -89,10 +89,10 @@ class LoopSocket:
             frame = socket.recv(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
-        frames = [_taken(frame)]
+        frames = [frame.bytes if len(frame) <= BIG_FRAME_BYTES else _in_place(frame)]
         while frame.more:
             frame = socket.recv(zmq.NOBLOCK, copy=False)
-            frames.append(_taken(frame))
+            frames.append(frame.bytes if len(frame) <= BIG_FRAME_BYTES else _in_place(frame))
         return frames
 
     async def wait(self, seconds: float, flag: int = zmq.POLLIN) -> bool:
@@ -175,9 +175,9 @@ class Monitor:
             pair.close()
 
 
-def _taken(frame: zmq.Frame) -> Frame:
-    """A received frame's bytes: a copy, or a big one in place (read-only, so it hashes)."""
-    return frame.bytes if len(frame) <= BIG_FRAME_BYTES else frame.buffer.toreadonly()
+def _in_place(frame: zmq.Frame) -> memoryview:
+    """A big frame's bytes where ZeroMQ holds them, read-only (so they hash)."""
+    return frame.buffer.toreadonly()
 
 
 def _settle(waiter: asyncio.Future[bool] | None, result: bool) -> None:
