@@ -463,16 +463,22 @@ def test_long_lists_are_left_in_the_payload_and_read_a_piece_at_a_time(encoding:
                               parent_block_hash=2**63 + 69_999,
                               token_ids=[(b * 7919) % 2**32 for b in range(80_000)],
                               block_size=16)
-    removal = BlockRemoved(block_hashes=[2**63 + b for b in range(0, 70_000, 2)])
+    removal = BlockRemoved(block_hashes=[2**63 + b for b in range(0, 140_000, 2)])
     events = [long_hashes, long_tokens, removal]
     payload = encode_batch(events, ts=1.0, encoding=encoding)
     index = PrefixIndex(compiled=True)
     plain = index.read_plain_batch(payload)
     assert plain is not None
-    assert [plain.left_in_payload(k) for k in range(3)] == [True, True, False]
+    assert [plain.left_in_payload(k) for k in range(3)] == [True, True, True]
     decoded = decode_batch(payload).events
     for k, event in enumerate(decoded):
         assert plain.event(k) == as_shown(event)
+    # Checked all the same: cut short, or one token id not one, and it is not read.
+    assert index.read_plain_batch(payload[:len(payload) // 2]) is None
+    damaged = encode_batch([long_hashes, msgspec.structs.replace(
+        long_tokens, token_ids=[*long_tokens.token_ids[:-7], 2**32,
+                                *long_tokens.token_ids[-6:]])], ts=1.0, encoding=encoding)
+    assert index.read_plain_batch(damaged) is None
     for start, end in [(4_000, 5_000), (0, 10), (10, 2_000), (1_000, 1_001), (4_999, 5_000)]:
         hashes, tokens = plain.piece(1, start, end)
         assert hashes == long_tokens.block_hashes[start:end]
@@ -491,7 +497,7 @@ def test_long_lists_are_left_in_the_payload_and_read_a_piece_at_a_time(encoding:
     async def scenario() -> None:
         outcome = await applier(index, WORKERS[0], options).apply(0, payload)
         assert outcome.failed is None and outcome.events == 3
-        assert outcome.blocks == 70_000 + 5_000 + 35_000
+        assert outcome.blocks == 70_000 + 5_000 + 70_000
 
     run_async(scenario)
     assert layout(index) == layout(pure)
