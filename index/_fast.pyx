@@ -55,6 +55,24 @@ cdef inline bytearray _buffer(Py_ssize_t size):
     return PyByteArray_FromStringAndSize(NULL, size)
 
 
+def chain_keys(bytes tokens, Py_ssize_t block_size, bytes parent):
+    """``index.placement.chain_keys`` of token bytes (``keys.token_bytes``) under the key
+    ``parent``, in C: the same keys, one per full block, first block first."""
+    cdef Py_ssize_t step = block_size * 4, i
+    cdef Py_ssize_t blocks = PyBytes_GET_SIZE(tokens) // step if step > 0 else 0
+    cdef uint64_t key[2]
+    cdef const char* source = PyBytes_AS_STRING(tokens)
+    cdef bytearray scratch = _buffer(16 + step)
+    if PyBytes_GET_SIZE(parent) != 16:
+        raise ValueError("a parent key is 16 bytes")
+    memcpy(key, PyBytes_AS_STRING(parent), 16)
+    keys = []
+    for i in range(blocks):
+        _key_into(key, key, source + i * step, step, scratch)
+        keys.append(_key_bytes(key))
+    return keys
+
+
 cdef Py_ssize_t _key_group(uint64_t* keys, Py_ssize_t base, Py_ssize_t blocks, NodeMap nodes,
                            const char* source, Py_ssize_t step,
                            bytearray scratch) except -1:

@@ -31,6 +31,31 @@ def test_chain_keys_are_the_index_keys():
     assert match["w"].blocks == 4 and match["w"].pending == 0
 
 
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2**32 - 1), max_size=80), block_size=st.integers(1, 9),
+       lora=st.sampled_from([None, "adapter"]), c_hashing=st.booleans())
+def test_the_compiled_chain_keys_are_the_reference_keys(tokens, block_size, lora,
+                                                        c_hashing) -> None:
+    """``_fast.chain_keys`` (which the compiled index places, confirms and extends guesses
+    with) gives ``placement.chain_keys``' keys byte for byte, with xxh3 called from C or
+    through Python, under the root key or another parent; a parent not 16 bytes long is
+    refused."""
+    from kvroute.index import _fast
+    from kvroute.index.keys import root_key, token_bytes
+    root = root_key(block_size, lora)
+    data = token_bytes(tokens)
+    try:
+        _fast.c_hashing(c_hashing)
+        assert _fast.chain_keys(data, block_size, root) == chain_keys(tokens, block_size, lora)
+        other = b"\x07" * 16
+        assert (_fast.chain_keys(data, block_size, other)
+                == chain_keys(tokens, block_size, parent=other))
+        with pytest.raises(ValueError, match="16 bytes"):
+            _fast.chain_keys(data, block_size, root[:8])
+    finally:
+        _fast.c_hashing(True)
+
+
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("place"), st.sampled_from(WORKERS), st.integers(1, 6),
