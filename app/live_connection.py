@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import zmq
 
-from kvroute.app.loop_socket import Frame, LoopSocket, Monitor
+from kvroute.app.loop_socket import LoopSocket, Monitor, Received
 
 _UP = zmq.EVENT_HANDSHAKE_SUCCEEDED
 _DOWN = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CLOSED
@@ -53,7 +53,7 @@ class LiveConnection:
         assert self._sub is not None, "not open"
         return self._sub.socket
 
-    def queued(self) -> list[Frame] | None:
+    def queued(self) -> list[Received] | None:
         """A message already queued, or None, without waiting: many per wake-up of the
         loop cost one wait per wake-up, not one per message."""
         assert self._sub is not None, "not open"

@@ -33,12 +33,12 @@ from collections.abc import Callable, Mapping
 
 import zmq
 
-__all__ = ["BIG_FRAME_BYTES", "Frame", "LoopSocket", "Monitor"]
+__all__ = ["BIG_FRAME_BYTES", "LoopSocket", "Monitor", "Received"]
 
 #: A received frame over this size is not copied (``LoopSocket.recv``).
 BIG_FRAME_BYTES = 1 << 20
 #: A received frame: bytes, or a big one in place (its memoryview keeps the message alive).
-Frame = bytes | memoryview
+Received = bytes | memoryview
 
 _monitor_numbers = itertools.count()
 _EVENT_ID = struct.Struct("=H")  # a monitor message's first frame starts with the event id
@@ -75,7 +75,7 @@ class LoopSocket:
         """Whether a receive (POLLIN) or a send (POLLOUT) would not block now."""
         return bool(self.socket.getsockopt(zmq.EVENTS) & flag)
 
-    def recv(self) -> list[Frame] | None:
+    def recv(self) -> list[Received] | None:
         """The next queued message, or None if there is none: never waits.
 
         Its frames are read as ``zmq.Frame`` objects, whose ``more`` says whether another

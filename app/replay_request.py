@@ -21,7 +21,7 @@ import asyncio
 
 import zmq
 
-from kvroute.app.loop_socket import Frame, LoopSocket, Monitor
+from kvroute.app.loop_socket import LoopSocket, Monitor, Received
 from kvroute.app.replay_channels import KeptChannels
 from kvroute.app.wire import encode_seq
 
@@ -142,7 +142,7 @@ class ReplayRequest:
     async def __aexit__(self, *exc: object) -> None:
         self._channel.release(keep=self._finished)
 
-    async def next_frames(self) -> list[Frame] | None:
+    async def next_frames(self) -> list[Received] | None:
         """The next reply's frames; None once the connection has dropped and every reply it
         delivered has been read. Raises TimeoutError after ``timeout`` seconds without
         either."""
