@@ -6,9 +6,10 @@ Bounds (``SubscriberOptions``):
 - A payload the compiled index reads as plain (``read_plain_batch``: every event a GPU
   store or removal with nothing special about it) is read in one pass, whatever its size
   (~1 ms per MB; lists of over 65,536 items checked but left in the payload), and applied
-  from there. An event of it that no run takes, in a payload over
-  ``_DECODE_WHOLE_BYTES``, is rebuilt a slice at a time (``app.plain_slices``) instead of
-  decoding the payload.
+  from there. One over ``_DECODE_WHOLE_BYTES`` is read on another thread, the loop
+  running meanwhile (the index checks long lists without the GIL). An event of it that no
+  run takes is rebuilt a slice at a time (``app.plain_slices``) instead of decoding the
+  payload.
 - Any other payload up to ``_DECODE_WHOLE_BYTES`` is decoded in one call; a bigger one has
   its envelope decoded, then ``chunk_events`` events at a time, except that one event over
   ``huge_store.HUGE_EVENT_BYTES`` (a store of ~40,000 blocks or more) is decoded and
@@ -221,15 +222,22 @@ class BatchApplier:
         if self.budget.exhausted():  # the fleet's work in this turn of the loop is done
             await self.yield_to_loop()
         lazily = len(payload) > _DECODE_WHOLE_BYTES
-        started = time.perf_counter()
         # The index's reading, when it takes the payload: one pass with no object per hash
         # or token (~1 ms per MB), where decoding a big payload lazily (below) is several
-        # passes and a call per slice.
-        plain = (None if pending is NOT_PLAIN or self._read_plain is None
-                 else self._read_plain(payload))
-        if lazily and (took := time.perf_counter() - started) >= _LONG_DECODE:
-            await self.pause(took)  # a read that found the payload not plain, too
-            started = time.perf_counter()
+        # passes and a call per slice. A big payload's is done on another thread: the index
+        # checks a long list without the GIL (most of a huge event's reading, 10-25 ms), so
+        # the loop answers routes meanwhile. This batch waits for it; the worker's next
+        # batches wait behind this one.
+        started = time.perf_counter()
+        plain = None
+        if pending is not NOT_PLAIN and self._read_plain is not None:
+            if lazily:
+                plain = await asyncio.to_thread(self._read_plain, payload)
+                self._unyielded = self._unyielded_work = 0  # the loop ran meanwhile
+                self._check()
+                started = time.perf_counter()
+            else:
+                plain = self._read_plain(payload)
         try:
             if plain is not None:  # its events stand in for decoded ones (_apply_events)
                 batch = EventBatch(plain.ts, plain, plain.data_parallel_rank)

@@ -470,7 +470,7 @@ cdef object _raw_tokens(object raw):
         PyBuffer_Release(&view)
 
 
-cdef inline unsigned long long _be(const unsigned char* p, int size):
+cdef inline unsigned long long _be(const unsigned char* p, int size) noexcept nogil:
     cdef unsigned long long v = 0
     cdef int i
     for i in range(size):
@@ -500,7 +500,7 @@ cdef object _parse_tokens(const unsigned char* p, Py_ssize_t n):
 
 
 cdef Py_ssize_t _token_words(const unsigned char* p, Py_ssize_t n, Py_ssize_t pos,
-                             Py_ssize_t count, uint32_t* data) noexcept:
+                             Py_ssize_t count, uint32_t* data) noexcept nogil:
     """``count`` msgpack ints from ``p[pos:n]`` into ``data``, each in [0, 2**32); the
     position after them, or -1 when one is not such an int (or the bytes end first)."""
     cdef Py_ssize_t i
@@ -537,7 +537,7 @@ cdef Py_ssize_t _token_words(const unsigned char* p, Py_ssize_t n, Py_ssize_t po
             return -1
         v = _be(p + pos, size)
         pos += size
-        if v > 0xFFFFFFFF:
+        if v >> 32:  # over 2**32 - 1
             return -1
         data[i] = <uint32_t>v
     return pos

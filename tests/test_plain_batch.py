@@ -6,10 +6,12 @@ the decoded events take over."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import math
 import random
+import threading
 from typing import Any
 
 import msgspec
@@ -501,3 +503,46 @@ def test_long_lists_are_left_in_the_payload_and_read_a_piece_at_a_time(encoding:
 
     run_async(scenario)
     assert layout(index) == layout(pure)
+
+
+def test_a_big_payload_is_read_on_another_thread_while_the_loop_runs() -> None:
+    """A payload over ``_DECODE_WHOLE_BYTES`` is read off the loop: here the reading waits
+    for a task of the loop's to see it has begun, which it could never do if the reading
+    held the loop's thread. The batch is then applied from that reading, in order."""
+    store = BlockStored(block_hashes=[2**63 + b for b in range(20_000)],
+                        token_ids=[b % 50_000 for b in range(20_000 * 16)], block_size=16)
+    payload = encode_batch([store], ts=1.0)
+    assert len(payload) > batch_apply._DECODE_WHOLE_BYTES
+    index = PrefixIndex(compiled=True)
+    options = dataclasses.replace(TEST_OPTIONS, max_blocks_per_event=10**6,
+                                  max_blocks_per_worker=10**6)
+    reading_began, loop_saw_it = threading.Event(), threading.Event()
+    read_on: list[int] = []
+    read = index.read_plain_batch
+
+    def waiting_read(data: Any) -> Any:
+        read_on.append(threading.get_ident())
+        reading_began.set()
+        if not loop_saw_it.wait(30):
+            raise AssertionError("the loop did not run while the payload was read")
+        return read(data)
+
+    async def watch() -> None:
+        for _ in range(3000):  # 30 s at most
+            if reading_began.is_set():
+                loop_saw_it.set()
+                return
+            await asyncio.sleep(0.01)
+
+    async def scenario() -> None:
+        taker = applier(index, WORKERS[0], options)
+        taker._read_plain = waiting_read
+        watcher = asyncio.create_task(watch())
+        outcome = await taker.apply(0, payload)
+        await watcher
+        assert read_on and read_on[0] != threading.get_ident()
+        assert outcome.failed is None and outcome.garbage is None
+        assert (outcome.events, outcome.blocks) == (1, 20_000)
+
+    run_async(scenario)
+    assert index.blocks_held(WORKERS[0]) == 20_000
