@@ -372,6 +372,36 @@ def walk_tokens(NodeMap nodes, bytes parent_key, bytes tokens, Py_ssize_t step, 
 cdef object _WORD = 1 << 64
 
 
+def extent(NodeMap nodes, list keys, object bit, object guessed, object unconfirmed,
+           Py_ssize_t held=0):
+    """``Placements.extent`` for a worker whose holder bit lies below bit 64, its
+    ``really_holds`` being that bit set on the key's node: (blocks, of which pending), how
+    many of ``keys`` from the first it really holds, is ``guessed`` to hold or holds
+    ``unconfirmed`` (both containers of keys). The caller knows the worker really holds
+    the first ``held`` keys (its match): they are counted, not looked up. The rest are
+    looked up in C; a Python call per key made this ~0.25 µs a block (0.5 ms for a
+    32k-token prompt, for each worker with a guess)."""
+    if not 0 < bit < _WORD:
+        raise ValueError("a holder bit below bit 64")
+    if not 0 <= held <= len(keys):
+        raise ValueError("held is more keys than there are")
+    cdef uint64_t bit64 = PyLong_AsUnsignedLongLong(bit)
+    cdef uint64_t words[2]
+    cdef Py_ssize_t count = held, pending = 0, i
+    cdef object key
+    for i in range(held, len(keys)):
+        key = <object>PyList_GET_ITEM(keys, i)
+        if type(key) is not bytes or PyBytes_GET_SIZE(key) != 16:
+            raise ValueError("a content key is 16 bytes")
+        memcpy(words, PyBytes_AS_STRING(key), 16)
+        if _low_value(nodes, words) & bit64:
+            count += 1
+        elif key in guessed or key in unconfirmed:
+            count += 1
+            pending += 1
+        else:
+            break
+    return count, pending
 
 
 cdef tuple _walk_word(NodeMap nodes, bytes parent_key, bytes tokens, Py_ssize_t step,

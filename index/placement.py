@@ -36,6 +36,8 @@ from kvroute.index.keys import TOKEN_BYTES, root_key, token_bytes
 
 __all__ = ["Placements", "chain_keys"]
 
+_NO_KEYS: frozenset[bytes] = frozenset()
+
 
 def chain_keys(token_ids: Sequence[int] | bytes, block_size: int,
                lora_name: str | None = None, *, parent: bytes | None = None) -> list[bytes]:
@@ -134,6 +136,11 @@ class Placements:
 
     def has(self, worker: Hashable) -> bool:
         return worker in self._guessed
+
+    def guessed(self, worker: Hashable) -> Container[bytes]:
+        """The keys guessed for `worker` now, for the caller to look in (never to change),
+        as `extent` does: the compiled index's own extent reads them."""
+        return self._guessed.get(worker, _NO_KEYS)
 
     def extent(self, worker: Hashable, keys: Sequence[bytes],
                really_holds: Callable[[bytes], bool],

@@ -1027,10 +1027,17 @@ class PrefixIndex:
             if keys is None:
                 keys = keys_by_size[w.block_size] = self._chain_keys(
                     tokens, w.block_size, root_key(w.block_size, lora_name))
-            blocks, pending = self.placements.extent(
-                w.worker, keys, lambda key, bit=w.bit: bool(nodes.get(key, 0) & bit),
-                w.unconfirmed_keys)
             real = result.get(w.worker)
+            if self._fast is not None and w.bit <= UINT64_MASK:
+                # The match walked the same keys: the worker really holds its blocks.
+                held = real.blocks if real is not None and real.block_size == w.block_size else 0
+                blocks, pending = self._fast.extent(
+                    nodes, keys, w.bit, self.placements.guessed(w.worker), w.unconfirmed_keys,
+                    held)
+            else:
+                blocks, pending = self.placements.extent(
+                    w.worker, keys, lambda key, bit=w.bit: bool(nodes.get(key, 0) & bit),
+                    w.unconfirmed_keys)
             if real is None:  # matched nothing held (the caller asked for matches only)
                 real = _new_match(0, 0, w.block_size,
                                   {"GPU": 0, "CPU": 0, "STORAGE": 0})

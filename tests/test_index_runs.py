@@ -130,11 +130,13 @@ def guesses(index: PrefixIndex) -> dict:
     return {worker: dict(keys) for worker, keys in index.placements._guessed.items()}
 
 
-def guess_some(rng: random.Random, worker: tuple, events: list, indexes: list) -> None:
+def guess_some(rng: random.Random, worker: tuple, events: list, indexes: list,
+               ) -> list[int] | None:
     """Now and then, guesses on ``worker`` for the tokens of one of the root chains about to
-    be stored (the store confirms them), or for tokens no event stores."""
+    be stored (the store confirms them), or for tokens no event stores: the tokens guessed,
+    if any."""
     if rng.random() < 0.4:
-        return
+        return None
     chains = [e.token_ids for e in (stored(e) if isinstance(e, RawStored) else e
                                     for e in events)
               if isinstance(e, BlockStored) and e.parent_block_hash is None
@@ -143,21 +145,26 @@ def guess_some(rng: random.Random, worker: tuple, events: list, indexes: list) -
               else [rng.randrange(50_000) for _ in range(3 * BLOCK)])
     for index in indexes:
         index.place(worker, tokens, block_size=BLOCK, expires=1e9)
+    return tokens
 
 
 def run_stream(seed: int, batches: int) -> None:
     """Random batches applied one event at a time to a pure index, and in runs to a
     compiled and a pure one, with placement guesses now and then on the worker a batch is
-    for: the same index, and the same guesses left, after every batch."""
+    for: the same index, and the same guesses left, after every batch; and the same
+    matches, guesses counted, for the prompts guessed lately and longer ones."""
     rng = random.Random(seed)
     twin, reference = TwinIndex(), PrefixIndex(compiled=False)
     held = {w: [] for w in WORKERS}
     next_hash = [1]
     confirmed = 0
+    prompts: list[list[int]] = []
     for _ in range(batches):
         worker = rng.choice(WORKERS)
         events = random_events(rng, held[worker], next_hash)
-        guess_some(rng, worker, events, [twin, reference])
+        guessed_tokens = guess_some(rng, worker, events, [twin, reference])
+        if guessed_tokens is not None:
+            prompts = [*prompts[-3:], guessed_tokens]
         guessed = sum(map(len, guesses(reference).values()))
         for event in events:
             one_by_one(reference, worker, event)
@@ -165,6 +172,9 @@ def run_stream(seed: int, batches: int) -> None:
         feed_in_runs(twin, worker, events, rng)
         assert layout(twin.compiled) == layout(reference)
         assert guesses(twin.compiled) == guesses(twin.pure) == guesses(reference)
+        for tokens in prompts:
+            for prompt in (tokens, [*tokens, *range(7, 7 + BLOCK + 1)]):
+                assert twin.compiled.match(prompt) == reference.match(prompt)
     twin._check()
     reference._check()
     if batches >= 100:

@@ -71,6 +71,50 @@ ops = st.lists(
 )
 
 
+KEY_NUMBERS = st.lists(st.integers(0, 11), max_size=12, unique=True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(held=KEY_NUMBERS, guessed=KEY_NUMBERS, unconfirmed=KEY_NUMBERS, wide=KEY_NUMBERS,
+       bit_index=st.integers(0, 63), others=st.integers(0, 2**66), order=st.permutations(
+           range(12)), walked_count=st.integers(0, 12), known=st.integers(0, 12))
+def test_the_compiled_extent_is_the_reference_extent(held, guessed, unconfirmed, wide,
+                                                     bit_index, others, order,
+                                                     walked_count, known) -> None:
+    """``_fast.extent`` (how far the compiled index extends a match with a worker's
+    guesses) answers as ``Placements.extent`` does with the worker's bit on a key's node
+    for ``really_holds``: keys held, guessed, unconfirmed, several of these or none, walked
+    in any order; other workers' bits beside the worker's, and node values past 64 bits
+    (kept apart, in the node table's dict). Told that the first keys are held (as many as
+    are, or fewer), it answers the same."""
+    from kvroute.index import _fast
+    keys = chain_keys(list(range(48)), 4)
+    bit = 1 << bit_index
+    nodes = _fast.NodeMap()
+    for i, key in enumerate(keys):
+        value = (others & ~bit) | (bit if i in held else 0) | (1 << 70 if i in wide else 0)
+        if value:
+            nodes[key] = value
+    placements = Placements()
+    placements.place("w", [keys[i] for i in guessed], 10.0)
+    pending_keys = {keys[i]: 1 for i in unconfirmed}
+    walked = [keys[i] for i in order[:walked_count]]
+    expected = placements.extent("w", walked, lambda key: bool(nodes.get(key, 0) & bit),
+                                 pending_keys)
+    assert _fast.extent(nodes, walked, bit, placements.guessed("w"), pending_keys) == expected
+    leading = next((n for n, key in enumerate(walked) if not nodes.get(key, 0) & bit),
+                   len(walked))
+    assert _fast.extent(nodes, walked, bit, placements.guessed("w"), pending_keys,
+                        min(known, leading)) == expected
+    with pytest.raises(ValueError, match="more keys"):
+        _fast.extent(nodes, walked, bit, placements.guessed("w"), pending_keys,
+                     len(walked) + 1)
+    with pytest.raises(ValueError, match="below bit 64"):
+        _fast.extent(nodes, walked, 1 << 64, placements.guessed("w"), pending_keys)
+    with pytest.raises(ValueError, match="16 bytes"):
+        _fast.extent(nodes, [b"short"], bit, placements.guessed("w"), pending_keys)
+
+
 @settings(max_examples=300, deadline=None)
 @given(ops)
 def test_guesses_follow_a_brute_force_model(operations):
