@@ -585,7 +585,7 @@ def apply_run(index, worker, object events, Py_ssize_t start, Py_ssize_t work_le
     state and the limits are left (the same checks, in the same place)."""
     run = Run(start)
     w = index._workers.get(worker)
-    if w is None or w.unconfirmed:
+    if w is None:
         return run
     # The content keys stored, when the worker has placement guesses: they are guesses no
     # more (apply_stored confirms them as it stores, a run once it ends).
@@ -720,6 +720,9 @@ def apply_run(index, worker, object events, Py_ssize_t start, Py_ssize_t work_le
                     groups[0] = True
                 if w.block_size != size:
                     index._set_block_size(w, size)
+                if w.unconfirmed:  # saved blocks this store names are unconfirmed no more
+                    index._end_unconfirmed(w, hashes if hashes is not None else [
+                        PyLong_FromUnsignedLongLong(hash_words[i]) for i in range(blocks)])
                 held_delta += blocks - _store_gpu_chain(index, w, hashes, hash_words, blocks,
                                                         parent_key, token_bytes, size * 4,
                                                         bit, flag, fp_field, stored_keys)
@@ -734,15 +737,17 @@ def apply_run(index, worker, object events, Py_ssize_t start, Py_ssize_t work_le
             if work > work_left:
                 run.full = True
                 break
-            # remove_gpu's loop; the worker has no unconfirmed blocks (checked above),
-            # so a hash it does not hold is simply unknown.
+            # remove_gpu's loop: a hash the worker does not hold ends an unconfirmed
+            # block, or is unknown.
             for i in range(blocks):
                 if (_take_off(nodes, handles, keep, holders_min, None, hash_words[i])
                         if hashes is None else
                         _take_off(nodes, handles, keep, holders_min,
                                   <object>PyList_GET_ITEM(hashes, i), 0)):
                     held_delta -= 1
-                else:
+                elif not w.unconfirmed or not index._end_unconfirmed(w, (
+                        PyLong_FromUnsignedLongLong(hash_words[i]) if hashes is None
+                        else <object>PyList_GET_ITEM(hashes, i),)):
                     unknown_total += 1
         next_event = k + 1
         done_blocks += blocks

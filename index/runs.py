@@ -144,11 +144,12 @@ def plain_removal(index: PrefixIndex, worker: Hashable, event: Any, limits: RunL
 
 
 def runnable(index: PrefixIndex, worker: Hashable) -> bool:
-    """Whether runs apply to ``worker`` at all: it is known and has no unconfirmed blocks
-    (those need the per-event bookkeeping of ``apply_stored``). Placement guesses do not
-    stop a run: the blocks it stores are confirmed, as ``apply_stored`` confirms them."""
-    w = index._workers.get(worker)
-    return w is not None and not w.unconfirmed
+    """Whether runs apply to ``worker`` at all: it is known. Placement guesses do not stop
+    a run: the blocks it stores are confirmed, as ``apply_stored`` confirms them. Nor do
+    unconfirmed blocks (``restore_unconfirmed``): a store or removal naming one ends it, as
+    ``apply_stored``/``apply_removed`` end it; only a store whose parent is unconfirmed is
+    not plain (``plain_store``)."""
+    return worker in index._workers
 
 
 def apply_run(index: PrefixIndex, worker: Hashable, events: Sequence[Any], start: int,

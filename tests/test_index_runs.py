@@ -107,8 +107,10 @@ def one_by_one(index: PrefixIndex, worker: tuple, event) -> None:
         pass
 
 
-def feed_in_runs(index, worker: tuple, events: list, rng: random.Random) -> None:
-    position = 0
+def feed_in_runs(index, worker: tuple, events: list, rng: random.Random) -> int:
+    """``events`` in runs of random bounds, each event no run takes one by one: how many
+    the runs took."""
+    position = taken = 0
     while position < len(events):
         work_left = rng.choice([0, 3, 16, 64])
         events_left = rng.choice([1, 2, 5, 256])
@@ -119,10 +121,12 @@ def feed_in_runs(index, worker: tuple, events: list, rng: random.Random) -> None
         assert done.blocks == sum(len(e.block_hashes) for e in events[position:done.next])
         if done.full and done.next == position:
             continue  # the caller yields, then asks again with a new budget
+        taken += done.next - position
         position = done.next
         if not done.full and position < len(events):
             one_by_one(index, worker, events[position])
             position += 1
+    return taken
 
 
 def guesses(index: PrefixIndex) -> dict:
@@ -148,19 +152,34 @@ def guess_some(rng: random.Random, worker: tuple, events: list, indexes: list,
     return tokens
 
 
+def restart_some(rng: random.Random, worker: tuple, indexes: list) -> None:
+    """Now and then, ``worker``'s holdings as a restart that no replay could vouch for
+    leaves them: cleared, and held again unconfirmed (so later stores and removals that
+    name them end them, in runs as one by one)."""
+    if rng.random() > 0.08:
+        return
+    capture = indexes[-1].capture(worker)
+    pieces = [] if capture is None else list(capture.pieces(7))
+    for index in indexes:
+        index.clear_worker(worker)
+        index.restore_unconfirmed(worker, pieces, expires=1e9)
+
+
 def run_stream(seed: int, batches: int) -> None:
     """Random batches applied one event at a time to a pure index, and in runs to a
     compiled and a pure one, with placement guesses now and then on the worker a batch is
-    for: the same index, and the same guesses left, after every batch; and the same
-    matches, guesses counted, for the prompts guessed lately and longer ones."""
+    for, and now and then its holdings made unconfirmed (``restart_some``): the same index,
+    and the same guesses left, after every batch; and the same matches, guesses counted,
+    for the prompts guessed lately and longer ones."""
     rng = random.Random(seed)
     twin, reference = TwinIndex(), PrefixIndex(compiled=False)
     held = {w: [] for w in WORKERS}
     next_hash = [1]
-    confirmed = 0
+    confirmed = runs_ended_unconfirmed = 0
     prompts: list[list[int]] = []
     for _ in range(batches):
         worker = rng.choice(WORKERS)
+        restart_some(rng, worker, [twin, reference])
         events = random_events(rng, held[worker], next_hash)
         guessed_tokens = guess_some(rng, worker, events, [twin, reference])
         if guessed_tokens is not None:
@@ -169,7 +188,10 @@ def run_stream(seed: int, batches: int) -> None:
         for event in events:
             one_by_one(reference, worker, event)
         confirmed += guessed - sum(map(len, guesses(reference).values()))
-        feed_in_runs(twin, worker, events, rng)
+        unconfirmed = twin.unconfirmed_blocks(worker)
+        taken = feed_in_runs(twin, worker, events, rng)
+        if unconfirmed and twin.unconfirmed_blocks(worker) < unconfirmed:
+            runs_ended_unconfirmed += taken
         assert layout(twin.compiled) == layout(reference)
         assert guesses(twin.compiled) == guesses(twin.pure) == guesses(reference)
         for tokens in prompts:
@@ -179,6 +201,7 @@ def run_stream(seed: int, batches: int) -> None:
     reference._check()
     if batches >= 100:
         assert confirmed > 0  # stores confirmed guesses, through runs and one by one
+        assert runs_ended_unconfirmed > 0  # runs took batches that ended unconfirmed blocks
 
 
 @pytest.mark.parametrize("seed", range(12))
