@@ -395,8 +395,8 @@ def bench_queries(quick: bool) -> list[dict[str, Any]]:
             gc.collect()
             (wall, cpu), (pure_wall, _), (floor_wall, _), (hash_wall, _) = timed_us(
                 [query, pure_query, lookups, hashing], repeats)
-            # Under a gateway's routes every worker routed to lately has placement guesses;
-            # a worker with any is walked through them too, from the prompt's first block.
+            # Under a gateway's routes every worker routed to lately has placement guesses,
+            # and a worker with any has its match extended through them (_add_guesses).
             for w in range(workers):
                 index.place((f"i{w}", 0), other, block_size=BLOCK, expires=math.inf)
             assert index.match(prompt) == answer == pure.match(prompt)  # guesses of others
