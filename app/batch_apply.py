@@ -43,9 +43,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
@@ -78,6 +78,7 @@ if TYPE_CHECKING:
     from kvroute.app.subscription import SubscriberOptions
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # A payload up to this size is decoded in one call (every real vLLM batch is far smaller):
 # ~10 ms at worst, for one full of malformed events, which decode one by one (~40 ms per
@@ -232,9 +233,7 @@ class BatchApplier:
         plain = None
         if pending is not NOT_PLAIN and self._read_plain is not None:
             if lazily:
-                plain = await asyncio.to_thread(self._read_plain, payload)
-                self._unyielded = self._unyielded_work = 0  # the loop ran meanwhile
-                self._check()
+                plain = await self._away(asyncio.to_thread(self._read_plain, payload))
                 started = time.perf_counter()
             else:
                 plain = self._read_plain(payload)
@@ -519,19 +518,19 @@ class BatchApplier:
     async def yield_to_loop(self) -> None:
         """Let the loop run (queries, other workers); ``check`` may then void the step. When
         the fleet's ingest work of this turn is used up, that is until the next turn."""
-        self._unyielded = 0
-        self._unyielded_work = 0
         budget = self.budget
-        if budget.exhausted():
-            await budget.next_turn()
-        else:
-            await asyncio.sleep(0)
-        self._check()
+        await self._away(budget.next_turn() if budget.exhausted() else asyncio.sleep(0))
 
     async def pause(self, took: float) -> None:
         """``yield_to_loop`` after decoding that took ``took`` seconds in one call: when
         that was long, the loop gets about as long again (see ``_LONG_DECODE``)."""
+        await self._away(asyncio.sleep(min(took, _MAX_PAUSE) if took >= _LONG_DECODE else 0))
+
+    async def _away(self, awaitable: Awaitable[T]) -> T:
+        """``awaitable``'s result: the loop runs meanwhile, so the work counted since the
+        last yield starts again from nothing, and ``check`` may then void the step."""
         self._unyielded = 0
         self._unyielded_work = 0
-        await asyncio.sleep(min(took, _MAX_PAUSE) if took >= _LONG_DECODE else 0)
+        result = await awaitable
         self._check()
+        return result
