@@ -1,6 +1,7 @@
 """Runs of plain events (index.runs): applying a batch's events a run at a time, with any
 budget, leaves the index exactly as applying them one by one through ``apply_event``; the
-compiled and the pure run loops give the same answers and layouts (``TwinIndex``), on
+compiled and the pure run loops give the same answers and layouts (``TwinIndex``), and so
+do runs of the compiled index's own reading of the payloads (``read_plain_batch``), on
 streams mixing plain events with every kind that is not plain (other media, LoRA, extra
 keys, orphans, signed hashes, bad token ids, clears, stores over the caps)."""
 
@@ -129,6 +130,40 @@ def feed_in_runs(index, worker: tuple, events: list, rng: random.Random) -> int:
     return taken
 
 
+def feed_plain(index: PrefixIndex, worker: tuple, events: list, rng: random.Random) -> int:
+    """``events`` as a subscriber gives them: each longest stretch whose payload the index
+    reads as plain (``read_plain_batch``) in runs of that reading, the rest as
+    ``feed_in_runs`` gives decoded events. Returns how many events runs took from
+    readings."""
+    position = taken = 0
+    while position < len(events):
+        end = position
+        while end < len(events) and index.read_plain_batch(
+                encode_batch(events[position:end + 1], ts=0.0)) is not None:
+            end += 1
+        if end == position:
+            feed_in_runs(index, worker, events[position:position + 1], rng)
+            position += 1
+            continue
+        payload = encode_batch(events[position:end], ts=0.0)
+        plain = index.read_plain_batch(payload)
+        decoded = decode_batch(payload, raw_tokens=True).events
+        at = 0
+        while at < len(plain):
+            done = index.apply_run(worker, plain, at, rng.choice([0, 3, 16, 64]),
+                                   rng.choice([1, 2, 5, 256]), LIMITS)
+            assert done.error is None and at <= done.next <= len(plain)
+            if done.full and done.next == at:
+                continue
+            taken += done.next - at
+            at = done.next
+            if not done.full and at < len(plain):
+                one_by_one(index, worker, decoded[at])
+                at += 1
+        position = end
+    return taken
+
+
 def guesses(index: PrefixIndex) -> dict:
     """The placement guesses left, per worker: key -> expiry."""
     return {worker: dict(keys) for worker, keys in index.placements._guessed.items()}
@@ -167,21 +202,23 @@ def restart_some(rng: random.Random, worker: tuple, indexes: list) -> None:
 
 def run_stream(seed: int, batches: int) -> None:
     """Random batches applied one event at a time to a pure index, and in runs to a
-    compiled and a pure one, with placement guesses now and then on the worker a batch is
+    compiled and a pure one and to a compiled one fed the payloads it reads (``feed_plain``),
+    with placement guesses now and then on the worker a batch is
     for, and now and then its holdings made unconfirmed (``restart_some``): the same index,
     and the same guesses left, after every batch; and the same matches, guesses counted,
     for the prompts guessed lately and longer ones."""
     rng = random.Random(seed)
     twin, reference = TwinIndex(), PrefixIndex(compiled=False)
+    read = PrefixIndex(compiled=True)  # fed what its reading takes as PlainBatches
     held = {w: [] for w in WORKERS}
     next_hash = [1]
-    confirmed = runs_ended_unconfirmed = 0
+    confirmed = runs_ended_unconfirmed = read_taken = 0
     prompts: list[list[int]] = []
     for _ in range(batches):
         worker = rng.choice(WORKERS)
-        restart_some(rng, worker, [twin, reference])
+        restart_some(rng, worker, [twin, reference, read])
         events = random_events(rng, held[worker], next_hash)
-        guessed_tokens = guess_some(rng, worker, events, [twin, reference])
+        guessed_tokens = guess_some(rng, worker, events, [twin, reference, read])
         if guessed_tokens is not None:
             prompts = [*prompts[-3:], guessed_tokens]
         guessed = sum(map(len, guesses(reference).values()))
@@ -190,6 +227,9 @@ def run_stream(seed: int, batches: int) -> None:
         confirmed += guessed - sum(map(len, guesses(reference).values()))
         unconfirmed = twin.unconfirmed_blocks(worker)
         taken = feed_in_runs(twin, worker, events, rng)
+        read_taken += feed_plain(read, worker, events, rng)
+        assert layout(read) == layout(reference)
+        assert guesses(read) == guesses(reference)
         if unconfirmed and twin.unconfirmed_blocks(worker) < unconfirmed:
             runs_ended_unconfirmed += taken
         assert layout(twin.compiled) == layout(reference)
@@ -199,9 +239,11 @@ def run_stream(seed: int, batches: int) -> None:
                 assert twin.compiled.match(prompt) == reference.match(prompt)
     twin._check()
     reference._check()
+    read._check()
     if batches >= 100:
         assert confirmed > 0  # stores confirmed guesses, through runs and one by one
         assert runs_ended_unconfirmed > 0  # runs took batches that ended unconfirmed blocks
+        assert read_taken > 0  # runs took events of payloads read as plain
 
 
 @pytest.mark.parametrize("seed", range(12))
