@@ -30,7 +30,9 @@ The next batch in order, live or replayed, is mostly taken by ``apply_now``: whe
 reads its payload as plain and the turn has room, one run applies it in one call, with no
 coroutine and no yield; a batch that run does not finish (a worker the index does not know
 yet, an event a run does not take, the work allowed between two yields used up) goes on
-through ``apply`` from where it stopped, within the same bounds.
+through ``apply`` from where it stopped, within the same bounds. The live batches queued on
+a subscriber's socket are taken as ``apply_now`` takes them by ``drain``, in one compiled
+call that also receives them (app/_live_drain.pyx), until one is anything else.
 
 Ownership: an applier is its subscriber's only way of writing the worker's entries, and runs
 on the event loop. ``check`` is called after every yield; when it raises ``Abandoned`` (the
@@ -51,6 +53,7 @@ import msgspec
 
 from kvroute.app.huge_store import HUGE_EVENT_BYTES, HugeStore
 from kvroute.app.loop_budget import LoopBudget, shared_budget
+from kvroute.app.loop_socket import BIG_FRAME_BYTES
 from kvroute.app.plain_slices import event_slices
 from kvroute.app.wire import (
     SLICE_TOKENS_PER_BLOCK,
@@ -73,7 +76,16 @@ from kvroute.app.wire import (
 )
 from kvroute.index.runs import Run, RunLimits
 
+try:  # compiled with the index (app/_live_drain.pyx); without it every message goes by Python
+    from kvroute.app._live_drain import BOUND as _DRAIN_BOUND
+    from kvroute.app._live_drain import Drained
+    from kvroute.app._live_drain import drain as _compiled_drain
+except ImportError:
+    _compiled_drain = None
+    _DRAIN_BOUND = False
+
 if TYPE_CHECKING:
+    from kvroute.app._live_drain import Drained
     from kvroute.app.subscriber import SubscriberIndex
     from kvroute.app.subscription import SubscriberOptions
 
@@ -153,6 +165,10 @@ NOT_PLAIN = NotPlain()
 Pending = Unfinished | NotPlain | None
 
 
+def _begun(plain: Any, outcome: BatchOutcome, done: Run) -> Unfinished:
+    return Unfinished(EventBatch(plain.ts, plain, plain.data_parallel_rank), outcome, done)
+
+
 class BatchApplier:
     """Applies batches for one worker, keeping the loop's turns short (module docstring)."""
 
@@ -178,6 +194,11 @@ class BatchApplier:
                                  max_event_blocks=options.max_blocks_per_event,
                                  max_worker_blocks=options.max_blocks_per_worker,
                                  max_work=options.slice_blocks)
+        # The compiled take of live messages (``drain``): with the compiled index only,
+        # whose reading it needs.
+        self._drain = (_compiled_drain if _compiled_drain is not None and _DRAIN_BOUND
+                       and self._read_plain is not None
+                       and getattr(index, "implementation", None) == "compiled" else None)
 
     @property
     def budget(self) -> LoopBudget:
@@ -207,7 +228,45 @@ class BatchApplier:
         done = self._run(plain, 0, outcome)
         if done.next >= outcome.events and done.error is None and not done.full:
             return outcome
-        return Unfinished(EventBatch(plain.ts, plain, plain.data_parallel_rank), outcome, done)
+        return _begun(plain, outcome, done)
+
+    @property
+    def drains(self) -> bool:
+        """Whether ``drain`` is there (the compiled take and the compiled index)."""
+        return self._drain is not None
+
+    def drain(self, socket_address: int, last_seq: int | None, last_live: int | None,
+              rank: int, limit: int) -> Drained | None:
+        """``apply_now`` for each queued live message on the socket at ``socket_address``
+        while it is the next batch in order (after ``last_seq``, above ``last_live``) and one
+        run applies its plain payload whole, in one compiled call that receives them too
+        (app/_live_drain.pyx): the same reading, runs and bounds as ``apply_now``, this
+        turn's share of the ``LoopBudget`` included. At most ``limit`` messages. None when
+        the turn's work is used up. The message it stopped at, if any, is in the result:
+        the caller goes on with it (``begun`` when part of it was applied)."""
+        assert self._drain is not None
+        budget = self.budget
+        window = budget.stretch()
+        if window is None:
+            return None
+        deadline, arrivals = window
+        options = self.options
+        done = self._drain(socket_address, self.index, self.worker, last_seq, last_live, rank,
+                           limit, deadline, arrivals, budget.look_seconds, self._unyielded,
+                           self._unyielded_work, options.chunk_events, options.slice_blocks,
+                           _DECODE_WHOLE_BYTES, BIG_FRAME_BYTES, self._limits)
+        self._unyielded, self._unyielded_work = done.unyielded, done.unyielded_work
+        if done.requests_waiting:
+            budget.look_now()
+        return done
+
+    @staticmethod
+    def begun(done: Drained) -> Unfinished:
+        """The batch a drain stopped in, part of it applied, as ``apply`` takes it."""
+        run = done.run
+        outcome = BatchOutcome(data_parallel_rank=done.plain.data_parallel_rank,
+                               events=len(done.plain), blocks=run.blocks)
+        return _begun(done.plain, outcome, run)
 
     async def apply(self, seq: int, payload: Payload, pending: Pending = None) -> BatchOutcome:
         """Apply one batch, yielding to the loop between bounded pieces of work; or the rest

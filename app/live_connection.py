@@ -59,6 +59,12 @@ class LiveConnection:
         assert self._sub is not None, "not open"
         return self._sub.recv()
 
+    def socket_address(self) -> int:
+        """The open SUB socket's libzmq handle (``zmq.Socket.underlying``), for a compiled
+        receive on the loop's thread (``BatchApplier.drain``)."""
+        assert self._sub is not None, "not open"
+        return int(self._sub.socket.underlying)
+
     async def wait(self, seconds: float) -> bool:
         """Whether a message is queued within `seconds`; False at once after ``wake()``."""
         assert self._sub is not None, "not open"

@@ -86,6 +86,24 @@ class LoopBudget:
         self._next_look = now + self.look_seconds
         return self.requests_waiting()
 
+    def stretch(self) -> tuple[float, int] | None:
+        """For ingest done in one compiled call (``app.live_drain``): None when this turn's
+        work is used up (``exhausted``), else when the turn's share ends (on
+        ``time.perf_counter``'s clock) and the epoll descriptor that is ready when a request
+        waits (-1: no connection watched). The call looks at it every ``look_seconds``, as
+        ``exhausted`` does, and stops when it is ready or the share is over."""
+        if self.exhausted():
+            return None
+        assert self._since is not None  # started by exhausted()
+        share = self.serving_seconds if self.serving else self.seconds
+        arrivals = self._arrivals.fileno() if self._arrivals is not None and self._watched else -1
+        return self._since + share, arrivals
+
+    def look_now(self) -> None:
+        """The next ``exhausted`` looks for waiting requests whatever the interval (a
+        compiled call saw one)."""
+        self._next_look = 0.0
+
     @property
     def watching(self) -> int:
         """HTTP connections watched now."""
