@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """A subscriber's live messages taken in one call while they are the plain common case: the
-compiled half of ``app.live_drain``.
+compiled half of ``BatchApplier.drain``.
 
 ``drain`` receives from a SUB socket through libzmq's own functions (the library pyzmq
 loaded, looked up by name through pyzmq's extension module, as ``index/_keys.pxi`` finds
@@ -54,6 +54,7 @@ ctypedef void* (*_msg_data_fn)(kvroute_zmq_msg*) noexcept nogil
 ctypedef size_t (*_msg_size_fn)(const kvroute_zmq_msg*) noexcept nogil
 ctypedef int (*_msg_more_fn)(const kvroute_zmq_msg*) noexcept nogil
 ctypedef int (*_msg_close_fn)(kvroute_zmq_msg*) noexcept nogil
+ctypedef int (*_msg_move_fn)(kvroute_zmq_msg*, kvroute_zmq_msg*) noexcept nogil
 ctypedef int (*_errno_fn)() noexcept nogil
 
 cdef _msg_init_fn _msg_init = NULL
@@ -62,6 +63,7 @@ cdef _msg_data_fn _msg_data = NULL
 cdef _msg_size_fn _msg_size = NULL
 cdef _msg_more_fn _msg_more = NULL
 cdef _msg_close_fn _msg_close = NULL
+cdef _msg_move_fn _msg_move = NULL
 cdef _errno_fn _zmq_errno = NULL
 
 DEF _DONTWAIT = 1  # ZMQ_DONTWAIT (checked against pyzmq's at import)
@@ -74,6 +76,11 @@ cdef class InPlace:
     alive as long as a view of it is."""
 
     cdef kvroute_zmq_msg msg
+
+    def __cinit__(self):
+        if _msg_init is NULL:
+            raise RuntimeError("libzmq's message functions were not found")
+        _msg_init(&self.msg)
 
     def __dealloc__(self):
         _msg_close(&self.msg)
@@ -100,7 +107,8 @@ cdef class InPlace:
 def _bind():
     """Look libzmq's message functions up through pyzmq's extension module; False when
     any is missing (the caller keeps the Python path)."""
-    global _msg_init, _msg_recv, _msg_data, _msg_size, _msg_more, _msg_close, _zmq_errno
+    global _msg_init, _msg_recv, _msg_data, _msg_size, _msg_more, _msg_close, _msg_move
+    global _zmq_errno
     import zmq.backend.cython._zmq as backend
     if zmq.DONTWAIT != _DONTWAIT:
         return False
@@ -109,7 +117,7 @@ def _bind():
         return False
     found = [dlsym(handle, name) is not NULL for name in (
         b"zmq_msg_init", b"zmq_msg_recv", b"zmq_msg_data", b"zmq_msg_size", b"zmq_msg_more",
-        b"zmq_msg_close", b"zmq_errno")]
+        b"zmq_msg_close", b"zmq_msg_move", b"zmq_errno")]
     if not all(found):
         return False
     _msg_init = <_msg_init_fn>dlsym(handle, b"zmq_msg_init")
@@ -118,6 +126,7 @@ def _bind():
     _msg_size = <_msg_size_fn>dlsym(handle, b"zmq_msg_size")
     _msg_more = <_msg_more_fn>dlsym(handle, b"zmq_msg_more")
     _msg_close = <_msg_close_fn>dlsym(handle, b"zmq_msg_close")
+    _msg_move = <_msg_move_fn>dlsym(handle, b"zmq_msg_move")
     _zmq_errno = <_errno_fn>dlsym(handle, b"zmq_errno")
     return True
 
@@ -157,7 +166,8 @@ cdef list _receive(void* socket, Py_ssize_t big):
             frames = []
         if <Py_ssize_t>size > big:
             kept = InPlace.__new__(InPlace)
-            kept.msg = msg  # the message moves into the object, which closes it
+            _msg_move(&kept.msg, &msg)  # into the object, which closes it
+            _msg_close(&msg)  # empty now
             frames.append(memoryview(kept))
             if not _msg_more(&kept.msg):
                 return frames

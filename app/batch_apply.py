@@ -78,7 +78,6 @@ from kvroute.index.runs import Run, RunLimits
 
 try:  # compiled with the index (app/_live_drain.pyx); without it every message goes by Python
     from kvroute.app._live_drain import BOUND as _DRAIN_BOUND
-    from kvroute.app._live_drain import Drained
     from kvroute.app._live_drain import drain as _compiled_drain
 except ImportError:
     _compiled_drain = None

@@ -87,7 +87,7 @@ class LoopBudget:
         return self.requests_waiting()
 
     def stretch(self) -> tuple[float, int] | None:
-        """For ingest done in one compiled call (``app.live_drain``): None when this turn's
+        """For ingest done in one compiled call (``BatchApplier.drain``): None when this turn's
         work is used up (``exhausted``), else when the turn's share ends (on
         ``time.perf_counter``'s clock) and the epoll descriptor that is ready when a request
         waits (-1: no connection watched). The call looks at it every ``look_seconds``, as
