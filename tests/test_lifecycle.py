@@ -22,8 +22,9 @@ def test_close_stops_every_task_and_socket_it_started(dead_url: str):
             service = Service(settings)
             await service.start()
             await service.registry.add(InstanceConfig(url=sim.urls[1]))
-            await wait_until(lambda: all(w.state == "live" for w in service.registry.workers()),
-                             "workers to go live")
+            # Both found (the second instance's discovery may trail its registration) and live.
+            await wait_until(lambda: [w.state for w in service.registry.workers()]
+                             == ["live", "live"], "workers to go live")
             workers = list(service.registry.workers())
             assert len(workers) == 2 and len(service.registry) == 3
             assert len(asyncio.all_tasks() - before) >= 4  # 2 subscribers, discovery, load
