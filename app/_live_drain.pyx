@@ -100,9 +100,6 @@ cdef class InPlace:
         view.internal = NULL
         view.obj = self
 
-    def __releasebuffer__(self, Py_buffer* view):
-        pass
-
 
 def _bind():
     """Look libzmq's message functions up through pyzmq's extension module; False when
@@ -151,8 +148,7 @@ cdef list _receive(void* socket, Py_ssize_t big):
     cdef size_t size
     while True:
         _msg_init(&msg)
-        with nogil:
-            rc = _msg_recv(&msg, socket, _DONTWAIT)
+        rc = _msg_recv(&msg, socket, _DONTWAIT)  # never waits: the GIL stays held
         if rc < 0:
             error = _zmq_errno()
             _msg_close(&msg)
@@ -198,14 +194,13 @@ cdef class Drained:
 
 def drain(Py_ssize_t socket_address, index, worker, object last_seq, object last_live,
           object rank, Py_ssize_t limit, double deadline, int arrivals, double look,
-          Py_ssize_t unyielded,
-          Py_ssize_t unyielded_work, Py_ssize_t chunk_events, Py_ssize_t slice_blocks,
-          Py_ssize_t whole_bytes, Py_ssize_t big, limits):
+          Py_ssize_t unyielded, Py_ssize_t unyielded_work, Py_ssize_t chunk_events,
+          Py_ssize_t slice_blocks, Py_ssize_t whole_bytes, Py_ssize_t big, limits):
     """Apply queued live messages while each is the next batch (``last_seq + 1``, above
     ``last_live``), its payload (at most ``whole_bytes``) reads as plain with the
     endpoint's ``rank`` (or none), and one run applies it whole within the bounds since
-    the last yield (``chunk_events``, ``slice_blocks``). Stops before the ``limit``-th
-    message, at ``deadline`` (``time.perf_counter``'s clock), when the epoll descriptor
+    the last yield (``chunk_events``, ``slice_blocks``). Takes at most ``limit``; stops at
+    ``deadline`` (``time.perf_counter``'s clock), when the epoll descriptor
     ``arrivals`` (-1: none) is ready, looked at every ``look`` seconds (a request waits:
     ``app.loop_budget``), before a message that would end the events allowed between two
     yields, when nothing is queued (``empty``), or at a message that is anything else: that

@@ -15,13 +15,18 @@ import time
 import pytest
 import zmq
 
+from kvroute.app import batch_apply
 from kvroute.app.batch_apply import BatchApplier, BatchOutcome, Unfinished
 from kvroute.app.loop_budget import LoopBudget
+from kvroute.app.subscriber import Subscriber
 from kvroute.app.subscription import SubscriberOptions
 from kvroute.app.wire import BlockRemoved, BlockStored, apply_event, encode_batch, encode_seq
 from kvroute.index import PrefixIndex
 from kvroute.index.runs import RunLimits
+from kvroute.sim.publisher import EventPublisher
+from tests.support.events import TEST_OPTIONS, EventSource, Ledger, Running, endpoint_of, run
 from tests.support.index_impl import layout
+from tests.test_subscriber_index import synced
 
 live_drain = pytest.importorskip("kvroute.app._live_drain",
                                  reason="the compiled drain is built with the compiled index")
@@ -206,19 +211,6 @@ def test_the_applier_drains_within_the_turn_and_counts_toward_its_yields(pair):
 def test_a_subscriber_drains_live_batches_as_its_python_path_takes_them(monkeypatch):
     """The same live stream, with drops, into a subscriber with the drain and one without:
     both indexes answer as the truth does, and the counts of the in-order stretch agree."""
-    from kvroute.app import batch_apply
-    from kvroute.app.subscriber import Subscriber
-    from kvroute.sim.publisher import EventPublisher
-    from tests.support.events import (
-        TEST_OPTIONS,
-        EventSource,
-        Ledger,
-        Running,
-        endpoint_of,
-        run,
-    )
-    from tests.test_subscriber_index import synced
-
     compiled = batch_apply._compiled_drain
     taken: list[int] = []
     begun: list[bool] = []
