@@ -483,10 +483,7 @@ class Subscriber(SubscriberReplays):
         if done.taken:
             self._last_live = status.last_seq = done.seq
             self._last_payload = done.payload
-            status.last_event_time = time.time()
-            status.batches += done.taken
-            status.events += done.events
-            status.blocks += done.blocks
+            self._count_applied(done.taken, done.events, done.blocks)
             if status.state.serving:
                 self._settle()
         left -= done.taken
@@ -612,11 +609,7 @@ class Subscriber(SubscriberReplays):
                             self.worker, rank)
         if outcome.rejected is not None:
             status.last_error = outcome.rejected
-        status.last_event_time = time.time()
-        # The COUNTERS every batch adds to, without _count's lookups by name.
-        status.batches += 1
-        status.events += outcome.events
-        status.blocks += outcome.blocks
+        self._count_applied(1, outcome.events, outcome.blocks)
         if outcome.malformed:
             status.malformed += outcome.malformed
         if outcome.unknown:
@@ -625,6 +618,15 @@ class Subscriber(SubscriberReplays):
             self._degraded = False
         if status.state.serving:
             self._settle()
+
+    def _count_applied(self, batches: int, events: int, blocks: int) -> None:
+        """Batches applied, into the COUNTERS every batch adds to (without _count's lookups
+        by name), and the time of the last one."""
+        status = self.status
+        status.last_event_time = time.time()
+        status.batches += batches
+        status.events += events
+        status.blocks += blocks
 
     def _store_refused(self, counter: str, reason: str) -> None:
         """A store the applier refused for a cap: the worker may now under-report."""
