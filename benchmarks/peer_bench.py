@@ -18,8 +18,11 @@ Measured in one run:
 - after ingest, both indexers' answers checked against what the stream leaves each worker
   holding; a mismatch, or a marker not seen within the deadline, is reported (the peer
   losing events), not waited for;
-- query p50/p99 at 1k/8k/32k tokens over the deep mix's holdings, beside each one's own
-  health round trip; RSS per holding (growth from before ingest over holdings).
+- query p50/p99 at 1k/8k/32k tokens over the deep mix's holdings, each query after one of
+  the side's own health round trips, so the work per query (p50 minus the health p50 of
+  the same stretch) is not skewed by what the machine did meanwhile (the first length
+  measured comes right after ingest, when both indexers and the publisher may still be
+  busy); RSS per holding (growth from before ingest over holdings).
 
 ``--quick`` (what ``make bench`` runs) is a smaller stream, and runs kvroute alone when
 the peer's venv is not there yet (``make bench-peer`` installs it). JSON and a table
@@ -175,20 +178,30 @@ def ingest(sides: list[Side], publisher: subprocess.Popen[str], mix: Mix, path: 
 
 
 def queries(side: Side, mix: Mix, count: int, rng: random.Random) -> dict[str, Any]:
+    """Query p50/p99 per prompt length over ``mix``'s documents, each query after a health
+    round trip: the index's work per query (p50 minus the health p50 of the same stretch)
+    compares two things measured in the same moments of a shared, noisy machine."""
     docs = sorted(mix.holders)
     out: dict[str, Any] = {}
     wrong = 0
+    every_health: list[float] = []
     for length in QUERY_LENGTHS:
-        times = []
+        times, health = [], []
         for _ in range(count):
             doc = rng.choice(docs)
+            health.append(side.health() * 1000)
             took, got = side.query(doc_tokens(doc, length))
             times.append(took * 1000)
             best = max(got.values(), default=0)
             wrong += best != length
-        out[f"{length}"] = {"p50_ms": statistics.median(times), "p99_ms": percentile(times, 0.99)}
-    health = [side.health() * 1000 for _ in range(count)]
-    out["health"] = {"p50_ms": statistics.median(health), "p99_ms": percentile(health, 0.99)}
+        every_health += health
+        p50, health_p50 = statistics.median(times), statistics.median(health)
+        out[f"{length}"] = {"p50_ms": p50, "p99_ms": percentile(times, 0.99),
+                            "health_p50_ms": health_p50,
+                            "health_p99_ms": percentile(health, 0.99),
+                            "work_p50_ms": p50 - health_p50}
+    out["health"] = {"p50_ms": statistics.median(every_health),
+                     "p99_ms": percentile(every_health, 0.99)}
     out["wrong_best_matches"] = wrong
     return out
 
@@ -273,6 +286,10 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"| {label} p50 (p99) | " + " | ".join(
             f"{q[n][length]['p50_ms']:.2f} ({q[n][length]['p99_ms']:.2f}) ms" for n in names)
             + " | |")
+        if length != "health":
+            lines.append(f"| {label}: work p50 (health p50, p99 beside it) | " + " | ".join(
+                f"{q[n][length]['work_p50_ms']:.2f} ms ({q[n][length]['health_p50_ms']:.2f}, "
+                f"{q[n][length]['health_p99_ms']:.2f} ms)" for n in names) + " | |")
     if "rss_bytes_per_holding" in result:
         lines.append(f"| RSS per holding ({result['holdings']:,}) | " + " | ".join(
             f"{result['rss_bytes_per_holding'][n]:.0f} B" for n in names) + " | |")
