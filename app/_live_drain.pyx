@@ -179,16 +179,19 @@ cdef class Drained:
     among them; the last one's ``seq`` and ``payload``), the bounds of work since the last
     yield as they now stand (``unyielded``, ``unyielded_work``), and the message it stopped
     at, if any (``frames``), with the reading and run it began on it (``plain``, ``run``:
-    None when nothing of it was applied)."""
+    None when nothing of it was applied). ``bounded``: it stopped, before receiving, for
+    the bounds of work between two yields: the events or blocks allowed (or a message like
+    the last one taken would not fit in what is left of them), the turn's deadline, a
+    waiting request (``requests_waiting``). The caller yields, then drains on."""
 
     cdef public Py_ssize_t taken, events, blocks, unyielded, unyielded_work
     cdef public object seq, payload, frames, plain, run
-    cdef public bint empty, requests_waiting
+    cdef public bint empty, requests_waiting, bounded
 
     def __init__(self):
         self.taken = self.events = self.blocks = 0
         self.seq = self.payload = self.frames = self.plain = self.run = None
-        self.empty = self.requests_waiting = False
+        self.empty = self.requests_waiting = self.bounded = False
 
 
 def drain(Py_ssize_t socket_address, index, worker, object last_seq, object last_live,
@@ -202,8 +205,9 @@ def drain(Py_ssize_t socket_address, index, worker, object last_seq, object last
     ``deadline`` (``time.perf_counter``'s clock), when the epoll descriptor
     ``arrivals`` (-1: none) is ready, looked at every ``look`` seconds (a request waits:
     ``app.loop_budget``), before a message that would end the events allowed between two
-    yields, when nothing is queued (``empty``), or at a message that is anything else: that
-    one is handed back in ``Drained``."""
+    yields or, like the last one taken, would not fit in what is left of them (these four
+    are ``bounded``), when nothing is queued (``empty``), or at a message that is anything
+    else: that one is handed back in ``Drained``."""
     cdef Drained done = Drained()
     cdef void* socket = <void*>socket_address
     cdef list frames
@@ -220,14 +224,15 @@ def drain(Py_ssize_t socket_address, index, worker, object last_seq, object last
         return done
     read = index.read_plain_batch
     apply_run = index.apply_run
-    while done.taken < limit and done.unyielded + 1 < chunk_events:
+    while done.taken < limit:
         now = _now()
-        if now >= deadline:
+        if done.unyielded + 1 >= chunk_events or now >= deadline:
+            done.bounded = True
             break
         if arrivals >= 0 and now >= next_look:
             next_look = now + look
             if epoll_wait(arrivals, &ready, 1, 0) > 0:
-                done.requests_waiting = True
+                done.requests_waiting = done.bounded = True
                 break
         frames = _receive(socket, big)
         if frames is None:
@@ -268,4 +273,10 @@ def drain(Py_ssize_t socket_address, index, worker, object last_seq, object last
         done.seq = seq
         last_live = seq
         done.payload = payload
+        # Live batches of one stream are alike: one more like this one would be begun and
+        # left unfinished at the bound, so stop before it (the caller yields, then goes on).
+        if (done.unyielded + count + 1 > chunk_events
+                or done.unyielded_work + run.work > slice_blocks):
+            done.bounded = True
+            break
     return done

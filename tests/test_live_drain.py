@@ -8,6 +8,7 @@ two yields, an empty socket)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import select
 import time
@@ -158,23 +159,50 @@ def test_it_takes_nothing_past_its_bounds(pair):
     index = fresh()
     for seq in range(1, 6):
         pair.send(seq, batch(chain(10 * seq, 1)))
-    assert pair.drain(index, 0, deadline=time.perf_counter() - 1).taken == 0
-    assert pair.drain(index, 0, unyielded=255).taken == 0  # the next one ends the chunk
+    late = pair.drain(index, 0, deadline=time.perf_counter() - 1)
+    assert late.taken == 0 and late.bounded
+    full = pair.drain(index, 0, unyielded=255)  # the next one ends the chunk
+    assert full.taken == 0 and full.bounded
     read, write = os.pipe()
     arrivals = select.epoll()
     try:
         arrivals.register(read, select.EPOLLIN)
         os.write(write, b"x")  # "a request waits"
         waiting = pair.drain(index, 0, arrivals=arrivals.fileno())
-        assert waiting.taken == 0 and waiting.requests_waiting
+        assert waiting.taken == 0 and waiting.requests_waiting and waiting.bounded
     finally:
         arrivals.close()
         os.close(read)
         os.close(write)
-    assert pair.drain(index, 0, limit=2).taken == 2  # nothing was taken before
+    counted = pair.drain(index, 0, limit=2)
+    assert counted.taken == 2 and not counted.bounded  # nothing was taken before
     done = pair.drain(index, 2)
-    assert (done.taken, done.seq, done.empty) == (3, 5, True)
+    assert (done.taken, done.seq, done.empty, done.bounded) == (3, 5, True, False)
     assert index.blocks_held(WORKER) == 5
+
+
+@pytest.mark.parametrize("bound", ["events", "blocks"])
+def test_it_stops_before_a_batch_like_the_last_one_taken_would_not_fit(pair, bound):
+    """Live batches of a stream are alike: rather than begin one it cannot finish before
+    the next yield (a run left for the Python path), it stops, ``bounded``, with it queued."""
+    index, reference = fresh(), fresh()
+    events = [[chain(100 * s + 10 * k, 2) for k in range(3)] for s in range(1, 4)]
+    for seq, e in enumerate(events, start=1):
+        pair.send(seq, batch(*e))
+    # Each batch: 1 + 3 events, 6 blocks. Room for two of either, not three.
+    if bound == "events":
+        done = pair.drain(index, 0, chunk_events=11)
+    else:
+        done = live_drain.drain(pair.inbox.underlying, index, WORKER, 0, None, 0, 100, FAR,
+                                -1, 0.0, 0, 0, 256, 17, 256 * 1024, 1 << 20, LIMITS)
+    assert (done.taken, done.seq, done.bounded) == (2, 2, True)
+    assert done.frames is None and done.run is None and not done.empty
+    for e in events[:2]:
+        for event in e:
+            apply_event(reference, WORKER, event)
+    assert layout(index) == layout(reference)
+    rest = pair.drain(index, 2)  # after a yield: the third was left queued, whole
+    assert (rest.taken, rest.seq, rest.run) == (1, 3, None)
 
 
 def test_no_last_seq_takes_nothing(pair):
@@ -214,11 +242,15 @@ def test_a_subscriber_drains_live_batches_as_its_python_path_takes_them(monkeypa
     compiled = batch_apply._compiled_drain
     taken: list[int] = []
     begun: list[bool] = []
+    bounded: list[bool] = []
+    # Few events between two yields, so the drain stops at that bound often.
+    options = dataclasses.replace(TEST_OPTIONS, chunk_events=24)
 
     def counting(*args):
         done = compiled(*args)
         taken.append(done.taken)
         begun.append(done.run is not None)
+        bounded.append(done.bounded and done.taken > 0)
         return done
 
     def stream(drain) -> tuple[int, int, int]:
@@ -230,7 +262,7 @@ def test_a_subscriber_drains_live_batches_as_its_python_path_takes_them(monkeypa
                 index = PrefixIndex()
                 ledgers = {("vllm-a", 0): Ledger(publisher)}
                 source = EventSource(7)
-                sub = Subscriber(endpoint_of(publisher), index, ctx=ctx, options=TEST_OPTIONS)
+                sub = Subscriber(endpoint_of(publisher), index, ctx=ctx, options=options)
                 async with Running(sub):
                     ledgers[("vllm-a", 0)].publish(source.batch(4))
                     await synced([sub], index, ledgers, "started")
@@ -249,7 +281,8 @@ def test_a_subscriber_drains_live_batches_as_its_python_path_takes_them(monkeypa
         return counts[0]
 
     with_drain = stream(counting)
-    # Both ways out of the drain were taken: batches applied whole, and batches it began
-    # (an event no run takes: this stream's stores hang off removed blocks now and then).
-    assert sum(taken) > 0 and any(begun)
+    # Every way out of the drain was taken: batches applied whole, batches it began (an
+    # event no run takes: this stream's stores hang off removed blocks now and then), and
+    # stops at the bound between two yields, after which the subscriber drains on.
+    assert sum(taken) > 0 and any(begun) and any(bounded)
     assert stream(None) == with_drain
