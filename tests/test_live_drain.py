@@ -69,10 +69,11 @@ class Pair:
 
     def drain(self, index: PrefixIndex, last_seq: int | None, *, last_live: int | None = None,
               limit: int = 100, deadline: float = FAR, arrivals: int = -1,
-              unyielded: int = 0, chunk_events: int = 256, big: int = 1 << 20):
+              unyielded: int = 0, chunk_events: int = 256, slice_blocks: int = 1024,
+              big: int = 1 << 20):
         return live_drain.drain(self.inbox.underlying, index, WORKER, last_seq, last_live, 0,
                                 limit, deadline, arrivals, 0.0, unyielded, 0, chunk_events,
-                                1024, 256 * 1024, big, LIMITS)
+                                slice_blocks, 256 * 1024, big, LIMITS)
 
     def close(self) -> None:
         self.inbox.close(0)
@@ -190,11 +191,8 @@ def test_it_stops_before_a_batch_like_the_last_one_taken_would_not_fit(pair, bou
     for seq, e in enumerate(events, start=1):
         pair.send(seq, batch(*e))
     # Each batch: 1 + 3 events, 6 blocks. Room for two of either, not three.
-    if bound == "events":
-        done = pair.drain(index, 0, chunk_events=11)
-    else:
-        done = live_drain.drain(pair.inbox.underlying, index, WORKER, 0, None, 0, 100, FAR,
-                                -1, 0.0, 0, 0, 256, 17, 256 * 1024, 1 << 20, LIMITS)
+    room = {"chunk_events": 11} if bound == "events" else {"slice_blocks": 17}
+    done = pair.drain(index, 0, **room)
     assert (done.taken, done.seq, done.bounded) == (2, 2, True)
     assert done.frames is None and done.run is None and not done.empty
     for e in events[:2]:
