@@ -176,13 +176,12 @@ cdef list _receive(void* socket, Py_ssize_t big):
 
 cdef class Drained:
     """What one ``drain`` call did: ``taken`` messages applied whole (``events``, ``blocks``
-    among them; the last one's ``seq`` and ``payload``), the bounds of work since the last
-    yield as they now stand (``unyielded``, ``unyielded_work``), and the message it stopped
-    at, if any (``frames``), with the reading and run it began on it (``plain``, ``run``:
-    None when nothing of it was applied). ``bounded``: it stopped, before receiving, for
-    the bounds of work between two yields: the events or blocks allowed (or a message like
-    the last one taken would not fit in what is left of them), the turn's deadline, a
-    waiting request (``requests_waiting``). The caller yields, then drains on."""
+    among them; the last one's ``seq`` and ``payload``), the work done since its last look
+    at the clock (``unyielded`` events, ``unyielded_work`` blocks), and
+    the message it stopped at, if any (``frames``), with the reading and run it began on it
+    (``plain``, ``run``: None when nothing of it was applied). ``bounded``: it stopped,
+    before receiving, at the turn's deadline or for a waiting request
+    (``requests_waiting``). The caller yields, then drains on."""
 
     cdef public Py_ssize_t taken, events, blocks, unyielded, unyielded_work
     cdef public object seq, payload, frames, plain, run
@@ -200,14 +199,20 @@ def drain(Py_ssize_t socket_address, index, worker, object last_seq, object last
           Py_ssize_t slice_blocks, Py_ssize_t whole_bytes, Py_ssize_t big, limits):
     """Apply queued live messages while each is the next batch (``last_seq + 1``, above
     ``last_live``), its payload (at most ``whole_bytes``) reads as plain with the
-    endpoint's ``rank`` (or none), and one run applies it whole within the bounds since
-    the last yield (``chunk_events``, ``slice_blocks``). Takes at most ``limit``; stops at
-    ``deadline`` (``time.perf_counter``'s clock), when the epoll descriptor
-    ``arrivals`` (-1: none) is ready, looked at every ``look`` seconds (a request waits:
-    ``app.loop_budget``), before a message that would end the events allowed between two
-    yields or, like the last one taken, would not fit in what is left of them (these four
-    are ``bounded``), when nothing is queued (``empty``), or at a message that is anything
-    else: that one is handed back in ``Drained``."""
+    endpoint's ``rank`` (or none), and one run applies it whole within ``chunk_events``
+    events and ``slice_blocks`` blocks of work since the last look at the clock (for the
+    first message, the caller's ``unyielded`` events and ``unyielded_work`` blocks count).
+    Takes at most ``limit``. Before each message it looks at the clock: it stops at
+    ``deadline`` (``time.perf_counter``'s clock) or when the epoll descriptor ``arrivals``
+    (-1: none) is ready, looked at every ``look`` seconds (a request waits:
+    ``app.loop_budget``), or when the caller's work left no room for an event; these are
+    ``bounded``. It stops too when nothing is queued (``empty``), or at a message that is
+    anything else: that one is handed back in ``Drained``.
+
+    So the events and blocks bound each message's run, not the sum since the last yield as
+    on the Python path (``BatchApplier.apply``): the drain needs no yield to look at the
+    turn's clock or for a waiting request, and one yield (a pass of the event loop and a
+    wake-up of the subscriber's task) cost about as much as applying a small batch."""
     cdef Drained done = Drained()
     cdef void* socket = <void*>socket_address
     cdef list frames
@@ -226,7 +231,7 @@ def drain(Py_ssize_t socket_address, index, worker, object last_seq, object last
     apply_run = index.apply_run
     while done.taken < limit:
         now = _now()
-        if done.unyielded + 1 >= chunk_events or now >= deadline:
+        if now >= deadline or unyielded + 1 >= chunk_events:
             done.bounded = True
             break
         if arrivals >= 0 and now >= next_look:
@@ -259,11 +264,10 @@ def drain(Py_ssize_t socket_address, index, worker, object last_seq, object last
             done.frames = frames
             break
         count = len(plain)
-        done.unyielded += 1
-        run = apply_run(worker, plain, 0, slice_blocks - done.unyielded_work,
-                        chunk_events - done.unyielded, limits)
-        done.unyielded += run.next
-        done.unyielded_work += run.work
+        run = apply_run(worker, plain, 0, slice_blocks - unyielded_work,
+                        chunk_events - unyielded - 1, limits)
+        done.unyielded = unyielded + 1 + run.next
+        done.unyielded_work = unyielded_work + run.work
         if run.next < count or run.error is not None or run.full:
             done.frames, done.plain, done.run = frames, plain, run
             break
@@ -273,10 +277,5 @@ def drain(Py_ssize_t socket_address, index, worker, object last_seq, object last
         done.seq = seq
         last_live = seq
         done.payload = payload
-        # Live batches of one stream are alike: one more like this one would be begun and
-        # left unfinished at the bound, so stop before it (the caller yields, then goes on).
-        if (done.unyielded + count + 1 > chunk_events
-                or done.unyielded_work + run.work > slice_blocks):
-            done.bounded = True
-            break
+        unyielded = unyielded_work = 0  # the clock is looked at before the next one
     return done

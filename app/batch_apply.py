@@ -17,8 +17,9 @@ Bounds (``SubscriberOptions``):
   decoded and checked; meanwhile routes see a prefix of its chain).
 - At most ``chunk_events`` events, or ``slice_blocks`` blocks of index work, are applied
   between two yields to the loop, counted across batches (a replay of thousands of small
-  batches yields too); and all appliers together stop for the turn once the loop's
-  ``LoopBudget`` is used up (``app.loop_budget``: a burst from many workers at once).
+  batches yields too), except in ``drain``, which looks at the turn's clock before each
+  batch and bounds each one's run so; and all appliers together stop for the turn once the
+  loop's ``LoopBudget`` is used up (``app.loop_budget``: a burst from many workers at once).
   An event of more work is applied in slices (``wire.slices``) that
   leave the index exactly as one call would. A clear is one call whatever it costs
   (bounded by ``max_blocks_per_worker``).
@@ -32,7 +33,9 @@ coroutine and no yield; a batch that run does not finish (a worker the index doe
 yet, an event a run does not take, the work allowed between two yields used up) goes on
 through ``apply`` from where it stopped, within the same bounds. The live batches queued on
 a subscriber's socket are taken as ``apply_now`` takes them by ``drain``, in one compiled
-call that also receives them (app/_live_drain.pyx), until one is anything else.
+call that also receives them (app/_live_drain.pyx), until one is anything else, the turn is
+over or a request waits: it looks at the turn's clock and for a waiting request before each
+message, so it needs no yield between them.
 
 Ownership: an applier is its subscriber's only way of writing the worker's entries, and runs
 on the event loop. ``check`` is called after every yield; when it raises ``Abandoned`` (the
@@ -239,10 +242,16 @@ class BatchApplier:
         """``apply_now`` for each queued live message on the socket at ``socket_address``
         while it is the next batch in order (after ``last_seq``, above ``last_live``) and one
         run applies its plain payload whole, in one compiled call that receives them too
-        (app/_live_drain.pyx): the same reading, runs and bounds as ``apply_now``, this
-        turn's share of the ``LoopBudget`` included. At most ``limit`` messages. None when
-        the turn's work is used up. The message it stopped at, if any, is in the result:
-        the caller goes on with it (``begun`` when part of it was applied)."""
+        (app/_live_drain.pyx): the same reading and runs as ``apply_now``, within this
+        turn's share of the ``LoopBudget``. At most ``limit`` messages. None when the turn's
+        work is used up. The message it stopped at, if any, is in the result: the caller
+        goes on with it (``begun`` when part of it was applied).
+
+        Unlike ``apply_now``, it does not yield between batches for the events and blocks
+        applied since the last yield: it looks at the turn's clock, and for a waiting
+        request, before each message, and ``chunk_events`` and ``slice_blocks`` bound each
+        message's run (the first one's with the work counted since the last yield). The
+        work counted toward the next yield is then that since its last look."""
         assert self._drain is not None
         budget = self.budget
         window = budget.stretch()

@@ -474,8 +474,8 @@ class Subscriber(SubscriberReplays):
         """Live messages taken by the applier's compiled drain (``BatchApplier.drain``), at
         most ``left``, recorded as ``_record`` records each: (what is left of the bound,
         the message it stopped at for ``_on_live``, or what to await: the rest of a batch it
-        began, or a yield to the loop when it took some and stopped for the work allowed
-        between two yields; whether nothing more is queued)."""
+        began, or a yield to the loop when it took some and stopped at the turn's end or
+        for a waiting request; whether nothing more is queued)."""
         status = self.status
         done = self._applier.drain(self._live.socket_address(), status.last_seq,
                                    self._last_live, self.endpoint.dp_rank, left)
@@ -489,9 +489,9 @@ class Subscriber(SubscriberReplays):
                 self._settle()
         left -= done.taken
         if done.bounded and done.taken:
-            # The work allowed between two yields is used up: drain on after one. (Nothing
-            # taken: _on_live's batch is applied after the yield whatever waits, so each
-            # turn takes one at least.)
+            # The turn is over, or a request waits: drain on after a yield. (Nothing taken:
+            # _on_live's batch is applied after the yield whatever waits, so each turn takes
+            # one at least.)
             return left, None, self._applier.yield_to_loop(), False
         if done.run is None:
             return left, done.frames, None, done.empty

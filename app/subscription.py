@@ -138,7 +138,11 @@ class SubscriberOptions:
     reconnect_ivl_ms: int = 100     # ZMQ reconnect interval, doubled by ZMQ up to the max
     reconnect_ivl_max_ms: int = 5_000
     idle_check: float = 5.0         # quiet live stream: look for dropped tail batches
-    chunk_events: int = 256         # events decoded or applied between two yields to the loop
+    # Events decoded or applied between two yields to the loop. (The compiled drain of live
+    # batches looks at the turn's clock and for a waiting request before each batch, and
+    # yields only when the turn is over or a request waits: this and slice_blocks bound each
+    # batch it applies, not their sum: app/_live_drain.pyx.)
+    chunk_events: int = 256
     # Blocks of index work between two yields to the loop (a block of more than
     # wire.SLICE_TOKENS_PER_BLOCK tokens counts as one per that many): about 0.5 ms of
     # PrefixIndex work. An HTTP answer takes 6 to 10 turns of the loop, and a busy

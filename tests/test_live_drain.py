@@ -2,16 +2,16 @@
 applies exactly the queued messages that are the next batch in order, read as plain and
 applied whole by one run, leaves the index as the Python path does, and hands back the
 first other message as it was sent; it stops at each bound without taking a message it
-should not (the count, the turn's deadline, a waiting request, the events allowed between
-two yields, an empty socket)."""
+should not (the count, the turn's deadline, a waiting request, an empty socket), and the
+events and blocks allowed bound each message's run, not their sum."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import select
 import time
+import weakref
 
 import pytest
 import zmq
@@ -69,11 +69,11 @@ class Pair:
 
     def drain(self, index: PrefixIndex, last_seq: int | None, *, last_live: int | None = None,
               limit: int = 100, deadline: float = FAR, arrivals: int = -1,
-              unyielded: int = 0, chunk_events: int = 256, slice_blocks: int = 1024,
-              big: int = 1 << 20):
+              unyielded: int = 0, unyielded_work: int = 0, chunk_events: int = 256,
+              slice_blocks: int = 1024, big: int = 1 << 20):
         return live_drain.drain(self.inbox.underlying, index, WORKER, last_seq, last_live, 0,
-                                limit, deadline, arrivals, 0.0, unyielded, 0, chunk_events,
-                                slice_blocks, 256 * 1024, big, LIMITS)
+                                limit, deadline, arrivals, 0.0, unyielded, unyielded_work,
+                                chunk_events, slice_blocks, 256 * 1024, big, LIMITS)
 
     def close(self) -> None:
         self.inbox.close(0)
@@ -110,7 +110,8 @@ def test_in_order_plain_batches_are_applied_and_the_first_other_message_comes_ba
     assert done.events == sum(map(len, events)) and done.blocks == 4 * 5 + 2
     assert done.frames == gap and done.plain is None and done.run is None
     assert layout(index) == layout(reference)
-    assert not done.empty and done.unyielded == 4 + sum(map(len, events))
+    # The work since its last look at the clock: the last message taken.
+    assert not done.empty and (done.unyielded, done.unyielded_work) == (1 + 2, 3 + 2)
 
 
 def test_each_kind_of_other_message_is_handed_back_whole(pair):
@@ -162,7 +163,7 @@ def test_it_takes_nothing_past_its_bounds(pair):
         pair.send(seq, batch(chain(10 * seq, 1)))
     late = pair.drain(index, 0, deadline=time.perf_counter() - 1)
     assert late.taken == 0 and late.bounded
-    full = pair.drain(index, 0, unyielded=255)  # the next one ends the chunk
+    full = pair.drain(index, 0, unyielded=255)  # the caller's work left no room for an event
     assert full.taken == 0 and full.bounded
     read, write = os.pipe()
     arrivals = select.epoll()
@@ -183,24 +184,34 @@ def test_it_takes_nothing_past_its_bounds(pair):
 
 
 @pytest.mark.parametrize("bound", ["events", "blocks"])
-def test_it_stops_before_a_batch_like_the_last_one_taken_would_not_fit(pair, bound):
-    """Live batches of a stream are alike: rather than begin one it cannot finish before
-    the next yield (a run left for the Python path), it stops, ``bounded``, with it queued."""
+def test_the_events_and_blocks_allowed_bound_each_message_not_their_sum(pair, bound):
+    """It looks at the clock before each message, so the work allowed between two looks
+    is one message's: batches that each fit it are all taken. The caller's work since its
+    last yield counts for the first one only; a batch that does not fit beside it is begun
+    and handed back, for the Python path to finish in pieces."""
     index, reference = fresh(), fresh()
-    events = [[chain(100 * s + 10 * k, 2) for k in range(3)] for s in range(1, 4)]
+    events = [[chain(100, 2)]] + [[chain(100 * s + 10 * k, 2) for k in range(3)]
+                                  for s in range(2, 4)]
     for seq, e in enumerate(events, start=1):
         pair.send(seq, batch(*e))
-    # Each batch: 1 + 3 events, 6 blocks. Room for two of either, not three.
-    room = {"chunk_events": 11} if bound == "events" else {"slice_blocks": 17}
-    done = pair.drain(index, 0, **room)
-    assert (done.taken, done.seq, done.bounded) == (2, 2, True)
-    assert done.frames is None and done.run is None and not done.empty
-    for e in events[:2]:
+    # The first batch: 1 event (and the batch's own count of one), 2 blocks; the next two:
+    # 3 events, 6 blocks. The caller's work leaves room for the first, and each of the
+    # others has the whole room: it is not counted again.
+    if bound == "events":
+        room, before = {"chunk_events": 4}, {"unyielded": 2}
+    else:
+        room, before = {"slice_blocks": 6}, {"unyielded_work": 4}
+    done = pair.drain(index, 0, **room, **before)
+    assert (done.taken, done.seq, done.empty, done.bounded) == (3, 3, True, False)
+    for e in events:
         for event in e:
             apply_event(reference, WORKER, event)
     assert layout(index) == layout(reference)
-    rest = pair.drain(index, 2)  # after a yield: the third was left queued, whole
-    assert (rest.taken, rest.seq, rest.run) == (1, 3, None)
+    pair.send(4, batch(*[chain(500 + 10 * k, 2) for k in range(3)]))
+    before = {"unyielded": 1} if bound == "events" else {"unyielded_work": 1}
+    begun = pair.drain(index, 3, **room, **before)
+    assert begun.taken == 0 and begun.run is not None and begun.run.next < 3
+    assert begun.frames[1] == encode_seq(4)
 
 
 def test_no_last_seq_takes_nothing(pair):
@@ -234,6 +245,16 @@ def test_the_applier_drains_within_the_turn_and_counts_toward_its_yields(pair):
     asyncio.run(main())
 
 
+_short_budgets: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopBudget] = (
+    weakref.WeakKeyDictionary())
+
+
+def short_turns() -> LoopBudget:
+    """``shared_budget`` with turns of 0.1 ms."""
+    loop = asyncio.get_running_loop()
+    return _short_budgets.setdefault(loop, LoopBudget(seconds=0.0001))
+
+
 def test_a_subscriber_drains_live_batches_as_its_python_path_takes_them(monkeypatch):
     """The same live stream, with drops, into a subscriber with the drain and one without:
     both indexes answer as the truth does, and the counts of the in-order stretch agree."""
@@ -241,8 +262,9 @@ def test_a_subscriber_drains_live_batches_as_its_python_path_takes_them(monkeypa
     taken: list[int] = []
     begun: list[bool] = []
     bounded: list[bool] = []
-    # Few events between two yields, so the drain stops at that bound often.
-    options = dataclasses.replace(TEST_OPTIONS, chunk_events=24)
+    # Short turns of the loop, so the drain stops at a turn's end often.
+    monkeypatch.setattr(batch_apply, "shared_budget", short_turns)
+    options = TEST_OPTIONS
 
     def counting(*args):
         done = compiled(*args)
@@ -281,6 +303,6 @@ def test_a_subscriber_drains_live_batches_as_its_python_path_takes_them(monkeypa
     with_drain = stream(counting)
     # Every way out of the drain was taken: batches applied whole, batches it began (an
     # event no run takes: this stream's stores hang off removed blocks now and then), and
-    # stops at the bound between two yields, after which the subscriber drains on.
+    # stops at a turn's end, after which the subscriber drains on.
     assert sum(taken) > 0 and any(begun) and any(bounded)
     assert stream(None) == with_drain
