@@ -77,6 +77,7 @@ class _Watch(threading.Thread):
         super().__init__(daemon=True)
         self.side, self.mix, self.probe, self.deadline = side, mix, probe, deadline
         self.done_at: float | None = None
+        self.threads_at_end: dict[int, tuple[float, float]] = {}
         self.holders = 0
         self.latencies: list[float] = []
         self.error: str | None = None
@@ -89,6 +90,7 @@ class _Watch(threading.Thread):
                 self.holders = sum(1 for n in held.values() if n == BLOCK)
                 if self.holders == self.side.workers:
                     self.done_at = time.monotonic()
+                    self.threads_at_end = self.side.thread_times()
                     return
                 time.sleep(POLL)
         except Exception as exc:  # reported, never waited for
@@ -133,6 +135,25 @@ def _check(side: Side, mix: Mix, workers: int) -> list[str]:
     return wrong
 
 
+def _cores(before: dict[int, tuple[float, float]], after: dict[int, tuple[float, float]],
+           seconds: float, main: int) -> dict[str, Any] | None:
+    """From two ``Side.thread_times``, ``seconds`` apart: the cores the process's threads
+    ran on (``run``) and the runnable threads left waiting for one (``waiting``), on
+    average; its busy threads (those that ran a tenth of the time or more); and the same
+    for its main thread (kvroute's event loop). None without the kernel's figures. On
+    this 2-core machine the scheduler shares the cores out by thread, so these say why
+    the rates beside each other move from run to run."""
+    if not before or not after:
+        return None
+    deltas = {tid: (ran - before.get(tid, (0.0, 0.0))[0], waited - before.get(tid, (0.0, 0.0))[1])
+              for tid, (ran, waited) in after.items()}
+    main_ran, main_waited = deltas.get(main, (0.0, 0.0))
+    return {"run": sum(d[0] for d in deltas.values()) / seconds,
+            "waiting": sum(d[1] for d in deltas.values()) / seconds,
+            "busy_threads": sum(1 for d in deltas.values() if d[0] >= 0.1 * seconds),
+            "main_run": main_ran / seconds, "main_waiting": main_waited / seconds}
+
+
 def ingest(sides: list[Side], publisher: subprocess.Popen[str], mix: Mix, path: Path,
            kv: Kvroute, timeout: float, unpublished: int = 0) -> dict[str, Any]:
     """Send ``mix`` (its first ``unpublished`` batches per worker to the replay buffer only,
@@ -145,6 +166,7 @@ def ingest(sides: list[Side], publisher: subprocess.Popen[str], mix: Mix, path: 
     watches = [_Watch(side, mix, probe, deadline) for side in sides]
     for watch in watches:
         watch.start()
+    threads_before = {side.name: side.thread_times() for side in sides}
     sent = ask(publisher, {"send": str(path), "unpublished": unpublished})
     for watch in watches:
         watch.join(timeout + 5)
@@ -166,6 +188,8 @@ def ingest(sides: list[Side], publisher: subprocess.Popen[str], mix: Mix, path: 
             "marker_holders": watch.holders,
             "error": watch.error,
             "query_1k_during_ingest_p99_ms": percentile([x * 1000 for x in watch.latencies], 0.99),
+            "cores": None if took is None else _cores(
+                threads_before[side.name], watch.threads_at_end, took, main=side.pid),
         }
         if watch.done_at is None:
             row[side.name]["error"] = watch.error or (
@@ -271,8 +295,15 @@ def table(result: dict[str, Any]) -> str:
             text = (f"{cell(r['blocks_per_s'], ',.0f')} blocks/s "
                     f"(1k query p99 {cell(r['query_1k_during_ingest_p99_ms'], '.1f')} ms)")
             text += f", {r['cpu_us_per_block']:.2f} CPU µs/block"
+            if r.get("cores"):
+                c = r["cores"]
+                text += (f", ran on {c['run']:.2f} cores (busy threads: {c['busy_threads']};"
+                         f" threads waiting for a core: {c['waiting']:.2f} on average)")
             if n == "kvroute":
                 text += f", worst loop lag {r['worst_loop_lag_ms']:.0f} ms"
+                if r.get("cores"):
+                    text += (f"; the event loop's thread ran {r['cores']['main_run']:.2f} of"
+                             f" the time and waited for a core {r['cores']['main_waiting']:.2f}")
             if r["error"] or r["wrong_answers"]:
                 text += f" **{r['error'] or len(r['wrong_answers'])} wrong**"
             cells.append(text)
