@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import proc_sched
 from benchmarks.peer_sides import Dynamo, Kvroute, Side, ensure_peer, peer_python
 from benchmarks.peer_stream import BLOCK, Mix, deep, doc_tokens, roots
 from benchmarks.report import emit
@@ -77,7 +78,7 @@ class _Watch(threading.Thread):
         super().__init__(daemon=True)
         self.side, self.mix, self.probe, self.deadline = side, mix, probe, deadline
         self.done_at: float | None = None
-        self.threads_at_end: dict[int, tuple[float, float]] = {}
+        self.threads_at_end: dict[int, tuple[int, int]] = {}  # proc_sched.threads
         self.holders = 0
         self.latencies: list[float] = []
         self.error: str | None = None
@@ -90,7 +91,7 @@ class _Watch(threading.Thread):
                 self.holders = sum(1 for n in held.values() if n == BLOCK)
                 if self.holders == self.side.workers:
                     self.done_at = time.monotonic()
-                    self.threads_at_end = self.side.thread_times()
+                    self.threads_at_end = proc_sched.threads(self.side.pid)
                     return
                 time.sleep(POLL)
         except Exception as exc:  # reported, never waited for
@@ -135,25 +136,6 @@ def _check(side: Side, mix: Mix, workers: int) -> list[str]:
     return wrong
 
 
-def _cores(before: dict[int, tuple[float, float]], after: dict[int, tuple[float, float]],
-           seconds: float, main: int) -> dict[str, Any] | None:
-    """From two ``Side.thread_times``, ``seconds`` apart: the cores the process's threads
-    ran on (``run``) and the runnable threads left waiting for one (``waiting``), on
-    average; its busy threads (those that ran a tenth of the time or more); and the same
-    for its main thread (kvroute's event loop). None without the kernel's figures. On
-    this 2-core machine the scheduler shares the cores out by thread, so these say why
-    the rates beside each other move from run to run."""
-    if not before or not after:
-        return None
-    deltas = {tid: (ran - before.get(tid, (0.0, 0.0))[0], waited - before.get(tid, (0.0, 0.0))[1])
-              for tid, (ran, waited) in after.items()}
-    main_ran, main_waited = deltas.get(main, (0.0, 0.0))
-    return {"run": sum(d[0] for d in deltas.values()) / seconds,
-            "waiting": sum(d[1] for d in deltas.values()) / seconds,
-            "busy_threads": sum(1 for d in deltas.values() if d[0] >= 0.1 * seconds),
-            "main_run": main_ran / seconds, "main_waiting": main_waited / seconds}
-
-
 def ingest(sides: list[Side], publisher: subprocess.Popen[str], mix: Mix, path: Path,
            kv: Kvroute, timeout: float, unpublished: int = 0) -> dict[str, Any]:
     """Send ``mix`` (its first ``unpublished`` batches per worker to the replay buffer only,
@@ -166,7 +148,9 @@ def ingest(sides: list[Side], publisher: subprocess.Popen[str], mix: Mix, path: 
     watches = [_Watch(side, mix, probe, deadline) for side in sides]
     for watch in watches:
         watch.start()
-    threads_before = {side.name: side.thread_times() for side in sides}
+    # On 2 cores the scheduler shares them out by thread: each side's share says why the
+    # two rates move from run to run.
+    threads_before = {side.name: proc_sched.threads(side.pid) for side in sides}
     sent = ask(publisher, {"send": str(path), "unpublished": unpublished})
     for watch in watches:
         watch.join(timeout + 5)
@@ -188,7 +172,7 @@ def ingest(sides: list[Side], publisher: subprocess.Popen[str], mix: Mix, path: 
             "marker_holders": watch.holders,
             "error": watch.error,
             "query_1k_during_ingest_p99_ms": percentile([x * 1000 for x in watch.latencies], 0.99),
-            "cores": None if took is None else _cores(
+            "cores": None if took is None else proc_sched.threads_window(
                 threads_before[side.name], watch.threads_at_end, took, main=side.pid),
         }
         if watch.done_at is None:

@@ -88,18 +88,6 @@ class Side:
         fields = Path(f"/proc/{self.pid}/stat").read_text().rpartition(")")[2].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def thread_times(self) -> dict[int, tuple[float, float]]:
-        """Each thread's (seconds run on a core, seconds spent runnable waiting for one) so
-        far (``/proc/<pid>/task/<tid>/schedstat``); empty where the kernel keeps none."""
-        times = {}
-        for task in Path(f"/proc/{self.pid}/task").iterdir():
-            try:
-                ran, waited, _ = (task / "schedstat").read_text().split()
-            except (OSError, ValueError):  # the thread ended, or no schedstat
-                continue
-            times[int(task.name)] = (int(ran) / 1e9, int(waited) / 1e9)
-        return times
-
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 

@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Sample", "cpu_seconds", "machine_major_faults", "major_faults", "sample", "window"]
+__all__ = ["Sample", "cpu_seconds", "machine_major_faults", "major_faults", "sample", "threads",
+           "threads_window", "window"]
 
 TICK = os.sysconf("SC_CLK_TCK")
 CORES = os.cpu_count() or 1
@@ -76,10 +77,48 @@ class Sample:
     others: dict[str, float] = field(default_factory=dict)  # CPU seconds by group name
 
 
+def _schedstat(task: Path) -> tuple[int, int]:
+    """One thread's (ns on a core, ns runnable waiting for one) so far."""
+    run_ns, queued_ns, _ = (int(v) for v in (task / "schedstat").read_text().split())
+    return run_ns, queued_ns
+
+
+def threads(pid: int) -> dict[int, tuple[int, int]]:
+    """`_schedstat` of every thread of process `pid`, by thread id; a thread that ends
+    meanwhile is left out, and so is every one where the kernel keeps no schedstat."""
+    times = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            times[int(task.name)] = _schedstat(task)
+        except (OSError, ValueError):
+            continue
+    return times
+
+
+def threads_window(first: dict[int, tuple[int, int]], last: dict[int, tuple[int, int]],
+                   seconds: float, main: int) -> dict[str, float] | None:
+    """What two `threads` of one process, `seconds` apart, say: the cores its threads ran
+    on (`run`) and how many of them were runnable but waiting for a core (`waiting`), on
+    average; its busy threads (on a core a tenth of the time or more); and its `main`
+    thread's share of the time on a core and waiting. None without the kernel's figures.
+    Where the scheduler shares the cores out by thread, a process with more runnable
+    threads gets more of them."""
+    if not first or not last:
+        return None
+    ran, waited = {}, {}
+    for tid, (run_ns, queued_ns) in last.items():
+        run_before, queued_before = first.get(tid, (0, 0))
+        ran[tid] = (run_ns - run_before) / 1e9 / seconds
+        waited[tid] = (queued_ns - queued_before) / 1e9 / seconds
+    return {"run": sum(ran.values()), "waiting": sum(waited.values()),
+            "busy_threads": sum(1 for share in ran.values() if share >= 0.1),
+            "main_run": ran.get(main, 0.0), "main_waiting": waited.get(main, 0.0)}
+
+
 def sample(pid: int, others: dict[str, list[int]] | None = None) -> Sample:
     """Now, for process `pid` and, by name, groups of other processes."""
     task = Path(f"/proc/{pid}/task/{pid}")
-    run_ns, queued_ns, _ = (int(v) for v in (task / "schedstat").read_text().split())
+    run_ns, queued_ns = _schedstat(task)
     nonvoluntary = 0
     for line in (task / "status").read_text().splitlines():
         if line.startswith("nonvoluntary_ctxt_switches:"):
