@@ -17,7 +17,12 @@
 #   records in array order, not in the slots' random order: a table of a million entries
 #   is rebuilt in a few milliseconds.
 # - ``slots``: open addressing with linear probing over record numbers + 1 (0 is empty);
-#   removal shifts the probe run back, so there are no tombstones.
+#   removal shifts the probe run back, so there are no tombstones. A slot's low
+#   ``number_bits`` bits hold the number (as many bits as the record array's capacity
+#   needs); the rest hold a tag, those bits of the key's hash, so a probe reads a record
+#   only where the tags agree: a lookup that misses mostly reads no record at all. The tags
+#   shrink as the array grows (8 bits at 16M records), and every slot is placed again when
+#   the number's width changes.
 #
 # Anything else is kept in ``_other``, a plain dict: keys or values that do not fit (a
 # node held by a worker past slot 35, whose holder bit is past bit 63; bytes engine hashes;
@@ -66,6 +71,8 @@ cdef class _Table:
     cdef Py_ssize_t capacity  # records allocated
     cdef Py_ssize_t free_head  # record number + 1 of the first free one, 0: none
     cdef int key_words
+    cdef int number_bits  # a slot's low bits that hold its record number + 1
+    cdef uint32_t number_mask  # (1 << number_bits) - 1; the other bits are the tag
     cdef public dict _other
 
     def __cinit__(self):
@@ -83,10 +90,17 @@ cdef class _Table:
 
     # --- C level ----------------------------------------------------------------------------
 
-    cdef inline Py_ssize_t _home(self, const uint64_t* key) noexcept nogil:
+    cdef inline uint64_t _hash(self, const uint64_t* key) noexcept nogil:
         if self.key_words == 2:
-            return <Py_ssize_t>(_mix(key[0] ^ (key[1] * 0x9e3779b97f4a7c15ULL)) & self.mask)
-        return <Py_ssize_t>(_mix(key[0]) & self.mask)
+            return _mix(key[0] ^ (key[1] * 0x9e3779b97f4a7c15ULL))
+        return _mix(key[0])
+
+    cdef inline Py_ssize_t _home(self, const uint64_t* key) noexcept nogil:
+        return <Py_ssize_t>(self._hash(key) & self.mask)
+
+    cdef inline uint32_t _tag(self, uint64_t h) noexcept nogil:
+        """The slot bits above the number: the hash's high bits (the home is its low ones)."""
+        return <uint32_t>(h >> 32) & ~self.number_mask
 
     cdef inline bint _same(self, const Record* r, const uint64_t* key) noexcept nogil:
         return r.w[0] == key[0] and (self.key_words == 1 or r.w[1] == key[1])
@@ -96,20 +110,24 @@ cdef class _Table:
 
     cdef inline void _place(self, uint32_t* slots, Py_ssize_t number) noexcept nogil:
         """Put record ``number`` in the first free slot of its probe run in ``slots``."""
-        cdef Py_ssize_t i = self._home(self.records[number].w)
+        cdef uint64_t h = self._hash(self.records[number].w)
+        cdef Py_ssize_t i = <Py_ssize_t>(h & self.mask)
         while slots[i]:
             i = (i + 1) & self.mask
-        slots[i] = <uint32_t>(number + 1)
+        slots[i] = self._tag(h) | <uint32_t>(number + 1)
 
     cdef Py_ssize_t _slot(self, const uint64_t* key) noexcept nogil:
         """The slot holding ``key``'s record, or -1."""
-        cdef Py_ssize_t i = self._home(key)
+        cdef uint64_t h = self._hash(key)
+        cdef Py_ssize_t i = <Py_ssize_t>(h & self.mask)
+        cdef uint32_t tag = self._tag(h)
         cdef uint32_t s
         while True:
             s = self.slots[i]
             if s == 0:
                 return -1
-            if self._same(&self.records[s - 1], key):
+            if (s & ~self.number_mask) == tag and self._same(
+                    &self.records[(s & self.number_mask) - 1], key):
                 return i
             i = (i + 1) & self.mask
 
@@ -120,7 +138,7 @@ cdef class _Table:
     cdef inline Record* find(self, const uint64_t* key) noexcept nogil:
         """``key``'s record in the array, or NULL (``_other`` not looked at)."""
         cdef Py_ssize_t i = self._slot(key)
-        return NULL if i < 0 else &self.records[self.slots[i] - 1]
+        return NULL if i < 0 else &self.records[(self.slots[i] & self.number_mask) - 1]
 
     cdef Record* add(self, const uint64_t* key) except NULL:
         """A new record for ``key``, which the caller knows is in neither part: its key
@@ -154,7 +172,7 @@ cdef class _Table:
         return 1
 
     cdef int _remove_slot(self, Py_ssize_t i) except -1:
-        cdef Py_ssize_t number = self.slots[i] - 1
+        cdef Py_ssize_t number = (self.slots[i] & self.number_mask) - 1
         cdef Py_ssize_t j = i
         cdef Py_ssize_t home
         cdef uint32_t s
@@ -167,7 +185,7 @@ cdef class _Table:
             s = self.slots[j]
             if s == 0:
                 break
-            home = self._home(self.records[s - 1].w)
+            home = self._home(self.records[(s & self.number_mask) - 1].w)
             # Stays where it is when its home lies cyclically in (i, j].
             if (i < home <= j) if i <= j else (home > i or home <= j):
                 continue
@@ -204,7 +222,24 @@ cdef class _Table:
             raise MemoryError()
         self.records = grown
         self.capacity = capacity
+        self._fit_numbers()
         return 0
+
+    cdef void _fit_numbers(self) noexcept:
+        """Make the slots' number width the one the record array's capacity needs, placing
+        every slot again if it changes (so every tag has the width the slots say)."""
+        cdef int bits = 0
+        cdef Py_ssize_t k
+        while bits < 32 and (<uint64_t>1 << bits) <= <uint64_t>self.capacity:
+            bits += 1
+        if bits == self.number_bits:
+            return
+        self.number_bits = bits
+        self.number_mask = <uint32_t>((<uint64_t>1 << bits) - 1)
+        memset(self.slots, 0, (self.mask + 1) * sizeof(uint32_t))
+        for k in range(self.used):
+            if self._live(&self.records[k]):
+                self._place(self.slots, k)
 
     cdef int _compact(self) except -1:
         """Move the live records to the front of a new array of about their size."""
@@ -222,15 +257,15 @@ cdef class _Table:
         self.capacity = capacity
         self.used = n
         self.free_head = 0
-        memset(self.slots, 0, (self.mask + 1) * sizeof(uint32_t))
-        for k in range(n):
-            self._place(self.slots, k)
+        self.number_bits = -1  # every slot is placed again, at the width it needs
+        self._fit_numbers()
         return 0
 
     cdef void _reset(self) noexcept:
         free(self.records)
         self.records = NULL
         self.capacity = self.used = self.free_head = self.count = 0
+        self.number_bits, self.number_mask = 0, 0
         if self.mask + 1 > MIN_SLOTS:
             free(self.slots)
             self.slots = <uint32_t*>malloc(MIN_SLOTS * sizeof(uint32_t))
@@ -243,11 +278,13 @@ cdef class _Table:
         other.slots = <uint32_t*>malloc((self.mask + 1) * sizeof(uint32_t))
         if other.slots is NULL:
             raise MemoryError()
-        memcpy(other.slots, self.slots, (self.mask + 1) * sizeof(uint32_t))
         other.mask = self.mask
         if self.used:
             other._grow_records(self.used)
             memcpy(other.records, self.records, self.used * sizeof(Record))
+        # The slots as they are here, numbers and tags: this width fits the copy's records.
+        memcpy(other.slots, self.slots, (self.mask + 1) * sizeof(uint32_t))
+        other.number_bits, other.number_mask = self.number_bits, self.number_mask
         other.used = self.used
         other.count = self.count
         other.free_head = self.free_head

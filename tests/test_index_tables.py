@@ -156,3 +156,33 @@ def test_churn_at_a_steady_size_keeps_every_entry_findable(live: int) -> None:
             assert all(nodes.get(k) == v for k, v in reference.items())
             assert len(nodes) == len(reference)
     assert nodes == reference
+
+
+_M64 = (1 << 64) - 1
+
+
+def _engine_hash_of(mixed: int) -> int:
+    """The engine hash whose table hash (murmur3's 64-bit finalizer, ``_mix``) is ``mixed``:
+    the finalizer is a bijection, undone step by step."""
+    x = mixed
+    for multiplier in (0xC4CEB9FE1A85EC53, 0xFF51AFD7ED558CCD):
+        x ^= x >> 33
+        x = (x * pow(multiplier, -1, 1 << 64)) & _M64
+    return x ^ (x >> 33)
+
+
+@pytest.mark.parametrize("others", [0, 5_000])
+def test_keys_whose_slot_tags_agree_are_told_apart_by_their_records(others: int) -> None:
+    """A slot's tag holds only some bits of the key's hash: two keys whose hashes differ in
+    none of the bits the home and the tag use (bit 31 of the hash only: under the tag's
+    bits, above any home of a table this size) share a probe run and a tag, and the record
+    still tells them apart."""
+    first, second = _engine_hash_of(0x0123_4567_0000_0001), _engine_hash_of(0x0123_4567_8000_0001)
+    handles, reference = HandleMap(), {}
+    for n in range(others):  # a bigger table: narrower tags, a wider home
+        handles[n * 7919 + 10**6] = reference[n * 7919 + 10**6] = n.to_bytes(16, "big")
+    handles[first], handles[second] = b"a" * 16, b"b" * 16
+    reference[first], reference[second] = b"a" * 16, b"b" * 16
+    assert handles == reference and handles[first] == b"a" * 16 and handles[second] == b"b" * 16
+    del handles[first], reference[first]
+    assert first not in handles and handles[second] == b"b" * 16 and handles == reference
