@@ -19,10 +19,12 @@
 # - ``slots``: open addressing with linear probing over record numbers + 1 (0 is empty);
 #   removal shifts the probe run back, so there are no tombstones. A slot's low
 #   ``number_bits`` bits hold the number (as many bits as the record array's capacity
-#   needs); the rest hold a tag, those bits of the key's hash, so a probe reads a record
-#   only where the tags agree: a lookup that misses mostly reads no record at all. The tags
-#   shrink as the array grows (8 bits at 16M records), and every slot is placed again when
-#   the number's width changes.
+#   needs); the 4 bits above them how far the slot lies past its home (15: that far or
+#   more, read the record's key to know), so a removal shifts the run back without reading
+#   the records of the slots it moves; the rest hold a tag, those bits of the key's hash,
+#   so a probe reads a record only where the tags agree: a lookup that misses mostly reads
+#   no record at all. The tags shrink as the array grows (4 bits at 16M records; past 256M
+#   the distance goes too), and every slot is placed again when the number's width changes.
 #
 # Anything else is kept in ``_other``, a plain dict: keys or values that do not fit (a
 # node held by a worker past slot 35, whose holder bit is past bit 63; bytes engine hashes;
@@ -72,7 +74,10 @@ cdef class _Table:
     cdef Py_ssize_t free_head  # record number + 1 of the first free one, 0: none
     cdef int key_words
     cdef int number_bits  # a slot's low bits that hold its record number + 1
-    cdef uint32_t number_mask  # (1 << number_bits) - 1; the other bits are the tag
+    cdef uint32_t number_mask  # (1 << number_bits) - 1
+    cdef uint32_t far  # the distance field's largest value, "this far or more" (0: none)
+    cdef uint32_t distance_mask  # the distance field in place: far << number_bits
+    cdef uint32_t tag_mask  # the bits above both: the tag
     cdef public dict _other
 
     def __cinit__(self):
@@ -82,6 +87,7 @@ cdef class _Table:
         memset(self.slots, 0, MIN_SLOTS * sizeof(uint32_t))
         self.mask = MIN_SLOTS - 1
         self.records = NULL
+        self._set_widths(0)
         self._other = {}
 
     def __dealloc__(self):
@@ -99,8 +105,22 @@ cdef class _Table:
         return <Py_ssize_t>(self._hash(key) & self.mask)
 
     cdef inline uint32_t _tag(self, uint64_t h) noexcept nogil:
-        """The slot bits above the number: the hash's high bits (the home is its low ones)."""
-        return <uint32_t>(h >> 32) & ~self.number_mask
+        """A slot's tag bits for hash ``h``: its high bits (the home is its low ones)."""
+        return <uint32_t>(h >> 32) & self.tag_mask
+
+    cdef inline uint32_t _distance(self, Py_ssize_t d) noexcept nogil:
+        """The distance field for a slot ``d`` past its home."""
+        if <uint64_t>d > self.far:
+            d = self.far
+        return <uint32_t>((<uint64_t>d) << self.number_bits)
+
+    cdef void _set_widths(self, int bits) noexcept:
+        """Slots with ``bits`` bits of record number (the slots are the caller's to place)."""
+        self.number_bits = bits
+        self.number_mask = <uint32_t>((<uint64_t>1 << bits) - 1)
+        self.far = 15 if bits <= 28 else 0
+        self.distance_mask = <uint32_t>((<uint64_t>self.far) << bits)
+        self.tag_mask = ~(self.number_mask | self.distance_mask)
 
     cdef inline bint _same(self, const Record* r, const uint64_t* key) noexcept nogil:
         return r.w[0] == key[0] and (self.key_words == 1 or r.w[1] == key[1])
@@ -111,10 +131,12 @@ cdef class _Table:
     cdef inline void _place(self, uint32_t* slots, Py_ssize_t number) noexcept nogil:
         """Put record ``number`` in the first free slot of its probe run in ``slots``."""
         cdef uint64_t h = self._hash(self.records[number].w)
-        cdef Py_ssize_t i = <Py_ssize_t>(h & self.mask)
+        cdef Py_ssize_t home = <Py_ssize_t>(h & self.mask)
+        cdef Py_ssize_t i = home
         while slots[i]:
             i = (i + 1) & self.mask
-        slots[i] = self._tag(h) | <uint32_t>(number + 1)
+        slots[i] = (self._tag(h) | self._distance((i - home) & self.mask)
+                    | <uint32_t>(number + 1))
 
     cdef Py_ssize_t _slot(self, const uint64_t* key) noexcept nogil:
         """The slot holding ``key``'s record, or -1."""
@@ -126,7 +148,7 @@ cdef class _Table:
             s = self.slots[i]
             if s == 0:
                 return -1
-            if (s & ~self.number_mask) == tag and self._same(
+            if (s & self.tag_mask) == tag and self._same(
                     &self.records[(s & self.number_mask) - 1], key):
                 return i
             i = (i + 1) & self.mask
@@ -174,7 +196,7 @@ cdef class _Table:
     cdef int _remove_slot(self, Py_ssize_t i) except -1:
         cdef Py_ssize_t number = (self.slots[i] & self.number_mask) - 1
         cdef Py_ssize_t j = i
-        cdef Py_ssize_t home
+        cdef Py_ssize_t gap, d
         cdef uint32_t s
         self.records[number].w[0] = <uint64_t>self.free_head
         self.records[number].w[1] = self.records[number].w[2] = 0  # free (and its key is gone)
@@ -185,11 +207,14 @@ cdef class _Table:
             s = self.slots[j]
             if s == 0:
                 break
-            home = self._home(self.records[(s & self.number_mask) - 1].w)
+            d = <Py_ssize_t>((<uint64_t>s >> self.number_bits) & self.far)
+            if d >= self.far:  # that far or more: the record's key says how far
+                d = (j - self._home(self.records[(s & self.number_mask) - 1].w)) & self.mask
             # Stays where it is when its home lies cyclically in (i, j].
-            if (i < home <= j) if i <= j else (home > i or home <= j):
+            gap = (j - i) & self.mask
+            if d < gap:
                 continue
-            self.slots[i] = s
+            self.slots[i] = (s & ~self.distance_mask) | self._distance(d - gap)
             i = j
         self.slots[i] = 0
         if self.count == 0:
@@ -234,8 +259,7 @@ cdef class _Table:
             bits += 1
         if bits == self.number_bits:
             return
-        self.number_bits = bits
-        self.number_mask = <uint32_t>((<uint64_t>1 << bits) - 1)
+        self._set_widths(bits)
         memset(self.slots, 0, (self.mask + 1) * sizeof(uint32_t))
         for k in range(self.used):
             if self._live(&self.records[k]):
@@ -265,7 +289,7 @@ cdef class _Table:
         free(self.records)
         self.records = NULL
         self.capacity = self.used = self.free_head = self.count = 0
-        self.number_bits, self.number_mask = 0, 0
+        self._set_widths(0)
         if self.mask + 1 > MIN_SLOTS:
             free(self.slots)
             self.slots = <uint32_t*>malloc(MIN_SLOTS * sizeof(uint32_t))
@@ -284,7 +308,7 @@ cdef class _Table:
             memcpy(other.records, self.records, self.used * sizeof(Record))
         # The slots as they are here, numbers and tags: this width fits the copy's records.
         memcpy(other.slots, self.slots, (self.mask + 1) * sizeof(uint32_t))
-        other.number_bits, other.number_mask = self.number_bits, self.number_mask
+        other._set_widths(self.number_bits)
         other.used = self.used
         other.count = self.count
         other.free_head = self.free_head

@@ -186,3 +186,23 @@ def test_keys_whose_slot_tags_agree_are_told_apart_by_their_records(others: int)
     assert handles == reference and handles[first] == b"a" * 16 and handles[second] == b"b" * 16
     del handles[first], reference[first]
     assert first not in handles and handles[second] == b"b" * 16 and handles == reference
+
+
+@pytest.mark.parametrize("order", ["first_in", "last_in", "shuffled"])
+def test_a_long_probe_run_is_shifted_back_right_however_far_its_slots_lie(order: str) -> None:
+    """Forty keys with one home, among others: slots lie up to 40 past their home, past
+    what a slot's distance field holds (15, then the record says), and every removal
+    shifts the run back over the hole; every key left stays findable after each one."""
+    rng = random.Random(order)
+    crowd = [_engine_hash_of((k << 40) | 0x5A5) for k in range(1, 41)]  # one home in any table
+    others = [rng.getrandbits(64) for _ in range(300)]
+    handles, reference = HandleMap(), {}
+    for n, key in enumerate([*crowd, *others]):
+        handles[key] = reference[key] = n.to_bytes(16, "big")
+    gone = {"first_in": crowd, "last_in": crowd[::-1],
+            "shuffled": rng.sample(crowd + others[:40], 80)}[order]
+    for key in gone:
+        del handles[key], reference[key]
+        assert all(handles.get(k) == v for k, v in reference.items())
+        assert len(handles) == len(reference)
+    assert handles == reference
