@@ -240,9 +240,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if min(subscribed) < len(sides):
                 raise RuntimeError(f"subscriptions per stream: {subscribed}")
             rss0 = {s.name: s.rss() for s in sides}
+            # Sampled without stopping kvroute: py-spy's default pauses the process for
+            # every sample, and at 500 a second that cut its ingest to a tenth (82k
+            # blocks/s), so the profile showed the benchmark's routes more than the ingest.
             spy = None if args.profile is None else subprocess.Popen(
                 [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(kv.pid),
-                 "--format", "raw", "--rate", "200", "--output", str(args.profile)],
+                 "--nonblocking", "--format", "raw", "--rate", "1000",
+                 "--output", str(args.profile)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             result["ingest"] = [ingest(sides, publisher, m, workdir / f"{m.name}.mix", kv,
                                        args.timeout) for m in mixes]
