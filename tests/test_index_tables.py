@@ -206,3 +206,27 @@ def test_a_long_probe_run_is_shifted_back_right_however_far_its_slots_lie(order:
         assert all(handles.get(k) == v for k, v in reference.items())
         assert len(handles) == len(reference)
     assert handles == reference
+
+
+def test_a_long_probe_run_survives_growth_compaction_and_copies() -> None:
+    """The forty keys of one home again, while the table grows past many widths of record
+    number (every slot placed again each time), is copied, and is compacted: their
+    distances, exact or "15 or more", are made again each time and the run still shifts
+    back right."""
+    rng = random.Random(40)
+    crowd = [_engine_hash_of((k << 40) | 0x3C3) for k in range(1, 41)]
+    others = [rng.getrandbits(64) for _ in range(5_000)]
+    handles, reference = HandleMap(), {}
+    for n, key in enumerate([*crowd, *others]):
+        handles[key] = reference[key] = n.to_bytes(16, "big")
+    copied, copied_reference = handles.copy(), dict(reference)
+    assert copied == reference and pickle.loads(pickle.dumps(handles)) == reference
+    full = handles.__sizeof__()
+    for key in others[:4_000]:  # under a quarter of the records left live: compacted
+        del handles[key], reference[key]
+    assert handles.__sizeof__() < full // 2
+    for table, expected in ((handles, reference), (copied, copied_reference)):
+        for key in crowd[::2]:
+            del table[key], expected[key]
+        assert all(table.get(k) == expected[k] for k in crowd[1::2])
+        assert table == expected
