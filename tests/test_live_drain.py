@@ -270,7 +270,7 @@ def test_a_subscriber_drains_live_batches_as_its_python_path_takes_them(monkeypa
         done = compiled(*args)
         taken.append(done.taken)
         begun.append(done.run is not None)
-        bounded.append(done.bounded and done.taken > 0)
+        bounded.append(done.bounded)
         return done
 
     def stream(drain) -> tuple[int, int, int]:
@@ -300,9 +300,14 @@ def test_a_subscriber_drains_live_batches_as_its_python_path_takes_them(monkeypa
         run(scenario)
         return counts[0]
 
-    with_drain = stream(counting)
-    # Every way out of the drain was taken: batches applied whole, batches it began (an
+    without = stream(None)
+    # Every way out of the drain is taken: batches applied whole, batches it began (an
     # event no run takes: this stream's stores hang off removed blocks now and then), and
-    # stops at a turn's end, after which the subscriber drains on.
+    # stops at a turn's end, after which the subscriber drains on. Which call stops where
+    # is the machine's timing, so the stream runs again (three times at most) until each
+    # was seen; every run must agree with the Python path's.
+    for _ in range(3):
+        assert stream(counting) == without
+        if sum(taken) > 0 and any(begun) and any(bounded):
+            break
     assert sum(taken) > 0 and any(begun) and any(bounded)
-    assert stream(None) == with_drain
