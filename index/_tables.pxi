@@ -227,16 +227,12 @@ cdef class _Table:
 
     cdef int _resize_slots(self, Py_ssize_t size) except -1:
         cdef uint32_t* fresh = <uint32_t*>malloc(size * sizeof(uint32_t))
-        cdef Py_ssize_t number
         if fresh is NULL:
             raise MemoryError()
-        memset(fresh, 0, size * sizeof(uint32_t))
         free(self.slots)
         self.slots = fresh
         self.mask = size - 1
-        for number in range(self.used):
-            if self._live(&self.records[number]):
-                self._place(fresh, number)
+        self._place_all(fresh)
         return 0
 
     cdef int _grow_records(self, Py_ssize_t capacity) except -1:
@@ -247,23 +243,26 @@ cdef class _Table:
             raise MemoryError()
         self.records = grown
         self.capacity = capacity
-        self._fit_numbers()
+        cdef int bits = self._bits_needed()
+        if bits != self.number_bits:  # every tag and distance moves with the number's width
+            self._set_widths(bits)
+            self._place_all(self.slots)
         return 0
 
-    cdef void _fit_numbers(self) noexcept:
-        """Make the slots' number width the one the record array's capacity needs, placing
-        every slot again if it changes (so every tag has the width the slots say)."""
+    cdef int _bits_needed(self) noexcept:
+        """The record number's width the array's capacity needs (number + 1 <= capacity)."""
         cdef int bits = 0
-        cdef Py_ssize_t k
         while bits < 32 and (<uint64_t>1 << bits) <= <uint64_t>self.capacity:
             bits += 1
-        if bits == self.number_bits:
-            return
-        self._set_widths(bits)
-        memset(self.slots, 0, (self.mask + 1) * sizeof(uint32_t))
-        for k in range(self.used):
-            if self._live(&self.records[k]):
-                self._place(self.slots, k)
+        return bits
+
+    cdef void _place_all(self, uint32_t* slots) noexcept:
+        """Every live record placed afresh in ``slots`` (``mask + 1`` of them, emptied here)."""
+        cdef Py_ssize_t number
+        memset(slots, 0, (self.mask + 1) * sizeof(uint32_t))
+        for number in range(self.used):
+            if self._live(&self.records[number]):
+                self._place(slots, number)
 
     cdef int _compact(self) except -1:
         """Move the live records to the front of a new array of about their size."""
@@ -281,8 +280,8 @@ cdef class _Table:
         self.capacity = capacity
         self.used = n
         self.free_head = 0
-        self.number_bits = -1  # every slot is placed again, at the width it needs
-        self._fit_numbers()
+        self._set_widths(self._bits_needed())
+        self._place_all(self.slots)
         return 0
 
     cdef void _reset(self) noexcept:
