@@ -459,11 +459,12 @@ def choose(scores: list[Score], groups: Sequence[WorkerGroup], ties: TieBreaker,
             ((s.overloaded, s.cost, s.instance, s.dp_rank), s, None) for s in scores]
         candidates += [((False, g.cost, key[0], key[1]), None, g)
                        for g in groups for key in g.first(keep)]
-        shown = ranked([score if group is None else group.score((order[2], order[3]))
-                        for order, score, group in heapq.nsmallest(
-                            keep, candidates, key=lambda c: c[0])])
+        places = heapq.nsmallest(keep, candidates, key=lambda c: c[0])
         chosen = (best.instance, best.dp_rank)
-        if keep and all((s.instance, s.dp_rank) != chosen for s in shown):
-            # A tie's pick need not rank first: the answer always shows the chosen worker.
-            shown = ranked([*shown[:keep - 1], best])
+        if keep and all((order[2], order[3]) != chosen for order, _, _ in places):
+            # A tie's pick need not rank first: the answer always shows the chosen worker
+            # (in the last place, which is then neither shown nor scored).
+            places[keep - 1] = ((best.overloaded, best.cost, *chosen), best, None)
+        shown = ranked([score if group is None else group.score((order[2], order[3]))
+                        for order, score, group in places])
     return best, shown

@@ -114,7 +114,8 @@ def test_a_cold_prompt_on_an_idle_fleet_ties_every_worker_as_before():
 
 def test_an_answer_scores_only_the_grouped_workers_it_shows():
     """Each group's workers cost its cost: their places among the shown ones follow from
-    their keys, so a route scores at most the `keep` shown ones (and a tie's pick)."""
+    their keys, so a route scores the `keep` shown ones and no other: a tie's pick that
+    ranks below them takes the last place before that place's worker is scored."""
     views = [WorkerView(key=(f"i{n:02d}", 0), block_size=BLOCK, state="live") for n in range(40)]
     by_key = {v.key: v for v in views}
     scored: list[tuple[str, int]] = []
@@ -128,8 +129,9 @@ def test_an_answer_scores_only_the_grouped_workers_it_shows():
     best, shown = choose([], groups, TieBreaker(tokens=unique_tokens(7, 64)), keep=4,
                          block_size=BLOCK)
     assert len(shown) == 4 and best in shown
-    assert len(scored) <= 4 + 1  # the shown ones and the tie's pick, not 4 per group
     assert [s.instance for s in shown[:3]] == ["i00", "i01", "i02"]
+    assert best.instance > "i03"  # the pick ranks below the first four: it took the fourth's place
+    assert sorted(scored) == sorted((s.instance, s.dp_rank) for s in shown)  # each once
 
 
 @pytest.fixture(scope="module")
