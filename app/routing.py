@@ -101,6 +101,7 @@ import sys
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 from xxhash import xxh3_64_intdigest, xxh3_128_digest
 
@@ -249,53 +250,65 @@ def score_workers(
     term compares those of `workers` that carry load (a queue cost above 0) among
     themselves; the others pay none.
     """
-    scores = []
-    uncached = []
-    for view in workers:
-        match = matches.get(view.key)
-        by_medium = dict.fromkeys(MEDIA, 0)
-        blocks = tokens = pending = 0
-        block_size = view.block_size
-        if match is not None:
-            by_medium.update(match.by_medium)
-            blocks, tokens = match.blocks, match.tokens
-            block_size = match.block_size or block_size
-            pending = match.pending
-        size = block_size or 0
-        total = prompt_tokens if prompt_tokens is not None else (prompt_blocks or 0) * size
-        prefill = prefill_cost(weights, total, tokens, by_medium["CPU"], by_medium["STORAGE"],
-                               size)
-        per_waiting = total if view.waiting_prefill is None else view.waiting_prefill
-        queued = max(float(view.queued_prefill), (view.waiting or 0.0) * per_waiting)
-        queued = max(0.0, queued - pending * size)  # the prefix being computed for us
-        running = max(float(view.inflight + view.answered), view.running or 0.0)
-        overloaded = (view.waiting or 0.0) >= weights.overload_waiting
-        scores.append(Score(
-            instance=view.key[0], dp_rank=view.key[1], matched_blocks=blocks,
-            matched_tokens=tokens, block_size=block_size, by_medium=by_medium,
-            state=view.state, prefill_cost=prefill,
-            copy_cost=copy_cost(weights, total, tokens, held_elsewhere),
-            queue_cost=(weights.queued_prefill_token * queued
-                        + weights.running_request * running),
-            queued_prefill=queued, running=running, overloaded=overloaded,
-            load=LoadReadings(running=view.running, waiting=view.waiting,
-                              kv_usage=view.kv_usage, inflight=view.inflight,
-                              answered=view.answered, queued_prefill=view.queued_prefill,
-                              recent_demand=round(view.recent_demand)),
-            pending_blocks=pending,
-            saturated=overloaded or (view.kv_usage or 0.0) >= weights.overload_kv_usage,
-        ))
-        uncached.append(max(total - tokens, 0))
+    scores = [score_worker(view, matches.get(view.key), weights, prompt_tokens=prompt_tokens,
+                           prompt_blocks=prompt_blocks, held_elsewhere=held_elsewhere)
+              for view in workers]
+    if len(scores) < 2 or not weights.crowded_token:
+        return scores
     loaded = [i for i, score in enumerate(scores) if score.queue_cost > 0]
-    if weights.crowded_token and len(loaded) > 1:
+    if len(loaded) > 1:
         others = {i: workers[i].recent_demand if workers[i].other_demand is None
                   else workers[i].other_demand for i in loaded}
         least = min(others.values())
         for i, other in others.items():
             if other > least:  # set here, on a score still being made (replace: ~14 µs)
-                scores[i].crowding_cost = (
-                    weights.crowded_token * uncached[i] * (other - least) / other)
+                score = scores[i]
+                total = (prompt_tokens if prompt_tokens is not None
+                         else (prompt_blocks or 0) * (score.block_size or 0))
+                score.crowding_cost = (weights.crowded_token
+                                       * max(total - score.matched_tokens, 0)
+                                       * (other - least) / other)
     return scores
+
+
+def score_worker(view: WorkerView, match: Match | None, weights: CostWeights, *,
+                 prompt_tokens: int | None = None, prompt_blocks: int | None = None,
+                 held_elsewhere: int = 0) -> Score:
+    """One worker's score as `score_workers` makes it (`match`: its match, None where the
+    index knows nothing), without the crowding term: whole for a worker scored alone, or
+    for one that carries no load (which pays none)."""
+    by_medium = dict.fromkeys(MEDIA, 0)
+    blocks = tokens = pending = 0
+    block_size = view.block_size
+    if match is not None:
+        by_medium.update(match.by_medium)
+        blocks, tokens = match.blocks, match.tokens
+        block_size = match.block_size or block_size
+        pending = match.pending
+    size = block_size or 0
+    total = prompt_tokens if prompt_tokens is not None else (prompt_blocks or 0) * size
+    prefill = prefill_cost(weights, total, tokens, by_medium["CPU"], by_medium["STORAGE"],
+                           size)
+    per_waiting = total if view.waiting_prefill is None else view.waiting_prefill
+    queued = max(float(view.queued_prefill), (view.waiting or 0.0) * per_waiting)
+    queued = max(0.0, queued - pending * size)  # the prefix being computed for us
+    running = max(float(view.inflight + view.answered), view.running or 0.0)
+    overloaded = (view.waiting or 0.0) >= weights.overload_waiting
+    return Score(
+        instance=view.key[0], dp_rank=view.key[1], matched_blocks=blocks,
+        matched_tokens=tokens, block_size=block_size, by_medium=by_medium,
+        state=view.state, prefill_cost=prefill,
+        copy_cost=copy_cost(weights, total, tokens, held_elsewhere),
+        queue_cost=(weights.queued_prefill_token * queued
+                    + weights.running_request * running),
+        queued_prefill=queued, running=running, overloaded=overloaded,
+        load=LoadReadings(running=view.running, waiting=view.waiting,
+                          kv_usage=view.kv_usage, inflight=view.inflight,
+                          answered=view.answered, queued_prefill=view.queued_prefill,
+                          recent_demand=round(view.recent_demand)),
+        pending_blocks=pending,
+        saturated=overloaded or (view.kv_usage or 0.0) >= weights.overload_kv_usage,
+    )
 
 
 class TieBreaker:
@@ -310,11 +323,11 @@ class TieBreaker:
     Invariants: among workers whose demand is alike the pick depends only on the prompt's
     first block and their keys, never on the process, the order of `tied` or earlier picks
     (xxh3 is seedless and the same on every platform; token ids are hashed as little-endian
-    uint32), so every replica breaks the same tie the same way. Made per request; keeps no
-    state.
+    uint32), so every replica breaks the same tie the same way. Made per request; keeps
+    nothing but the prompt's key, once made (a route asks for it twice).
     """
 
-    __slots__ = ("_tokens", "_first_hash", "_demand", "_slack")
+    __slots__ = ("_tokens", "_first_hash", "_demand", "_slack", "_key")
 
     def __init__(self, tokens: Sequence[int] | None = None,
                  first_hash: int | bytes | None = None, *,
@@ -324,18 +337,25 @@ class TieBreaker:
         self._first_hash = first_hash
         self._demand = demand
         self._slack = slack
+        self._key: tuple[int, bytes] | None = None  # (block size, key) once made
 
     def key(self, block_size: int) -> bytes:
         """The digest of the prompt's first block (or all of it, when shorter)."""
+        made = self._key
+        if made is not None and made[0] == block_size:
+            return made[1]
         if self._first_hash is not None:
             value = self._first_hash
             # A hash spelled signed or unsigned is the same hash (as the index treats it).
             raw = value if isinstance(value, bytes) else (value % 2**64).to_bytes(8, "little")
-            return xxh3_128_digest(b"hash:" + raw)
-        first = array("I", self._tokens[:block_size] if self._tokens is not None else ())
-        if sys.byteorder != "little":
-            first.byteswap()
-        return xxh3_128_digest(b"tokens:" + first.tobytes())
+            digest = xxh3_128_digest(b"hash:" + raw)
+        else:
+            first = array("I", self._tokens[:block_size] if self._tokens is not None else ())
+            if sys.byteorder != "little":
+                first.byteswap()
+            digest = xxh3_128_digest(b"tokens:" + first.tobytes())
+        self._key = (block_size, digest)
+        return digest
 
     def pick(self, tied: list[Score], block_size: int = DEFAULT_BLOCK_SIZE) -> Score:
         chosen = self.pick_key([(s.instance, s.dp_rank) for s in tied], block_size,
@@ -348,8 +368,8 @@ class TieBreaker:
         `idle`: whether none of them carries load (demand weighs only then)."""
         key = self.key(block_size)
         # Ordered by weight; a (practically impossible) equal weight falls back to the key.
-        return max(self._least_demanded(tied) if idle else tied, key=lambda w: (
-            xxh3_64_intdigest(_rendezvous_name(w) + key), w[0], w[1]))
+        return max((xxh3_64_intdigest(_rendezvous_name(w) + key), w)
+                   for w in (self._least_demanded(tied) if idle else tied))[1]
 
     def _least_demanded(self, tied: Iterable[WorkerKey]) -> Iterable[WorkerKey]:
         if self._demand is None:
@@ -383,7 +403,7 @@ def best_of(scores: list[Score], ties: TieBreaker) -> Score:
     return ties.pick(tied, block_size)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # never changed once made; not frozen, as WorkerView and Score
 class WorkerGroup:
     """Eligible workers that carry no load and cost the same: those that match the same
     blocks, or none (the idle ones: the whole prompt to compute). None of them is
@@ -406,6 +426,9 @@ class WorkerGroup:
         """A group of the listed workers."""
         return cls(cost=cost, count=len(keys), keys=lambda: keys,
                    first=lambda n: heapq.nsmallest(n, keys), score=score)
+
+
+_PLACE = itemgetter(0)  # a candidate's place in `ranked` order (unique: it ends in the key)
 
 
 def ranked(scores: Iterable[Score]) -> list[Score]:
@@ -459,7 +482,7 @@ def choose(scores: list[Score], groups: Sequence[WorkerGroup], ties: TieBreaker,
             ((s.overloaded, s.cost, s.instance, s.dp_rank), s, None) for s in scores]
         candidates += [((False, g.cost, key[0], key[1]), None, g)
                        for g in groups for key in g.first(keep)]
-        places = heapq.nsmallest(keep, candidates, key=lambda c: c[0])
+        places = heapq.nsmallest(keep, candidates, key=_PLACE)
         chosen = (best.instance, best.dp_rank)
         if keep and all((order[2], order[3]) != chosen for order, _, _ in places):
             # A tie's pick need not rank first: the answer always shows the chosen worker

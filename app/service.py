@@ -69,6 +69,7 @@ from kvroute.app.routing import (
     WorkerView,
     choose,
     idle_cost,
+    score_worker,
     score_workers,
 )
 from kvroute.app.state_keeper import StateCollector, StateKeeper
@@ -479,7 +480,9 @@ class Service:
                 if size:
                     sizes.append(size)
             by_cost.setdefault(cost, []).append(key)
-        taken = {*(w.key for w in scored), *(k for keys in by_cost.values() for k in keys)}
+        taken = {w.key for w in scored}
+        for keys in by_cost.values():
+            taken.update(keys)
         idle_count = len(workers) - len(exclude) - len(taken)
         smallest = eligible.smallest_block_size(taken | exclude, self.index.block_size)
         if smallest:
@@ -492,9 +495,9 @@ class Service:
         def score(key: WorkerKey) -> Score:
             found = made.get(key)
             if found is None:
-                found = made[key] = score_workers(
-                    [self._view(workers[key])], matches, self.weights,
-                    prompt_tokens=prompt_tokens, held_elsewhere=held)[0]
+                found = made[key] = score_worker(
+                    self._unloaded_view(workers[key]), matches.get(key), self.weights,
+                    prompt_tokens=prompt_tokens, held_elsewhere=held)
             return found
 
         groups = [WorkerGroup.of(keys, cost, score) for cost, keys in by_cost.items()]
@@ -512,6 +515,20 @@ class Service:
         """A worker's block size when no match says it: its instance's as declared
         (configured or discovered; the same on every replica), else the index's."""
         return worker.instance.block_size or self.index.block_size(worker.key)
+
+    def _unloaded_view(self, worker: Worker) -> WorkerView:
+        """`_view` of a worker not in `_busy()`, without a prefix: by that invariant its
+        requests and answers here and on the other replicas are none, so only its load
+        reading and demand are read."""
+        key = worker.key
+        load = self.load.get(key)
+        queue = load if load and not self.settings.proxy else None
+        return WorkerView(
+            key=key, block_size=self._block_size(worker), state=worker.state,
+            running=queue.running if queue else None, waiting=queue.waiting if queue else None,
+            kv_usage=load.kv_usage if load else None,
+            waiting_prefill=self.answers.typical_prefill(key) if queue else None,
+            recent_demand=self.demand.of(key, time.monotonic()))
 
     def _view(self, worker: Worker, prefix: bytes | None = None) -> WorkerView:
         """What the policy knows of `worker`; with `prefix` (the prompt's key in

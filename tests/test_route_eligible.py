@@ -98,6 +98,10 @@ def test_a_route_chooses_what_scoring_every_worker_chooses():
                             continue
                         raise AssertionError("a route with no eligible worker was answered")
                     decision = await service.decide(request, exclude)
+                    busy = service._busy()
+                    for worker in workers:  # a grouped worker's view is read in part
+                        if worker.key not in busy:
+                            assert service._unloaded_view(worker) == service._view(worker)
                     expected = best_of(everyone, TieBreaker(tokens=tokens))
                     assert decision.best == expected, round_
                     assert decision.eligible == len(workers)
