@@ -495,9 +495,9 @@ class Service:
         def score(key: WorkerKey) -> Score:
             found = made.get(key)
             if found is None:
-                found = made[key] = score_worker(
-                    self._unloaded_view(workers[key]), matches.get(key), self.weights,
-                    prompt_tokens=prompt_tokens, held_elsewhere=held)
+                view = self._unloaded_view(workers[key], time.monotonic())
+                found = made[key] = score_worker(view, matches.get(key), self.weights,
+                                                 prompt_tokens=prompt_tokens, held_elsewhere=held)
             return found
 
         groups = [WorkerGroup.of(keys, cost, score) for cost, keys in by_cost.items()]
@@ -516,45 +516,40 @@ class Service:
         (configured or discovered; the same on every replica), else the index's."""
         return worker.instance.block_size or self.index.block_size(worker.key)
 
-    def _unloaded_view(self, worker: Worker) -> WorkerView:
+    def _unloaded_view(self, worker: Worker, now: float) -> WorkerView:
         """`_view` of a worker not in `_busy()`, without a prefix: by that invariant its
         requests and answers here and on the other replicas are none, so only its load
-        reading and demand are read."""
+        reading and its demand at `now` are read."""
         key = worker.key
         load = self.load.get(key)
+        # The proxy knows its own requests exactly; an instance's gauges trail them by a
+        # scrape and would only blur that. Route mode has nothing better than the gauges.
         queue = load if load and not self.settings.proxy else None
         return WorkerView(
             key=key, block_size=self._block_size(worker), state=worker.state,
             running=queue.running if queue else None, waiting=queue.waiting if queue else None,
             kv_usage=load.kv_usage if load else None,
             waiting_prefill=self.answers.typical_prefill(key) if queue else None,
-            recent_demand=self.demand.of(key, time.monotonic()))
+            recent_demand=self.demand.of(key, now))
 
     def _view(self, worker: Worker, prefix: bytes | None = None) -> WorkerView:
         """What the policy knows of `worker`; with `prefix` (the prompt's key in
         `app.demand`), its demand from other prefixes than that one too."""
         now = time.monotonic()
-        demand = self.demand.of(worker.key, now)
-        load = self.load.get(worker.key)
-        forwarded = self.inflight.get(worker.key)
-        answered = self.answers.get(worker.key)
-        # The proxy knows its own requests exactly; an instance's gauges trail them by a
-        # scrape and would only blur that. Route mode has nothing better than the gauges.
-        queue = load if load and not self.settings.proxy else None
+        key = worker.key
+        view = self._unloaded_view(worker, now)  # its counts are set here, as it is made
+        forwarded = self.inflight.get(key)
+        answered = self.answers.get(key)
         # The other replicas' own requests and answers, as they last said (app.valkey).
-        peers = self.peers.load(worker.key) if self.peers is not None else NO_LOAD
-        return WorkerView(
-            key=worker.key, block_size=self._block_size(worker), state=worker.state,
-            running=queue.running if queue else None, waiting=queue.waiting if queue else None,
-            kv_usage=load.kv_usage if load else None,
-            inflight=forwarded.requests + peers.inflight,
-            answered=answered.requests + peers.answered,
-            queued_prefill=(forwarded.queued_prefill_tokens + answered.queued_prefill_tokens
-                            + peers.queued_prefill),
-            waiting_prefill=self.answers.typical_prefill(worker.key) if queue else None,
-            recent_demand=demand,
-            other_demand=None if prefix is None else max(
-                demand - self.demand.latest(worker.key, prefix, now), 0.0))
+        peers = self.peers.load(key) if self.peers is not None else NO_LOAD
+        view.inflight = forwarded.requests + peers.inflight
+        view.answered = answered.requests + peers.answered
+        view.queued_prefill = (forwarded.queued_prefill_tokens
+                               + answered.queued_prefill_tokens + peers.queued_prefill)
+        if prefix is not None:
+            view.other_demand = max(
+                view.recent_demand - self.demand.latest(key, prefix, now), 0.0)
+        return view
 
     async def route(self, body: bytes) -> tuple[str, RouteAnswer]:
         """(input kind, answer) for a POST /v1/route body; raises a RequestError."""
