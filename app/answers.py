@@ -20,9 +20,9 @@ __all__ = [
     "CostTerms", "Dashboard", "DashboardHits", "DashboardInstance", "DashboardRoutes",
     "DashboardWorker", "Deleted", "Error", "FleetStatus", "Health", "InstanceDetail",
     "InstanceList",
-    "InstanceSummary", "LoadReadings", "MediumCounts", "ModelCard", "ModelList", "Readiness",
-    "ReplicasStatus", "RouteAnswer", "SavedStateLoaded", "SavedStateStatus", "WorkerDetail",
-    "WorkerScore", "encode",
+    "InstanceSummary", "LoadReadings", "MatchAnswer", "MediumCounts", "ModelCard", "ModelList",
+    "Readiness", "ReplicasStatus", "RouteAnswer", "SavedStateLoaded", "SavedStateStatus",
+    "WorkerDetail", "WorkerMatch", "WorkerScore", "encode",
 ]
 
 encode = msgspec.json.Encoder().encode
@@ -117,6 +117,29 @@ class RouteAnswer(msgspec.Struct, forbid_unknown_fields=True):
     prompt_blocks: int | None  # null unless block_hashes (and not empty)
     scores: list[WorkerScore]
     eligible_workers: int  # workers weighed, shown in `scores` or not
+
+
+class WorkerMatch(msgspec.Struct, forbid_unknown_fields=True):
+    """How much of the prompt one eligible worker holds: the same counts as its
+    `WorkerScore`, without a cost."""
+
+    instance: str
+    dp_rank: int
+    matched_blocks: int
+    matched_tokens: int
+    block_size: int | None
+    by_medium: MediumCounts
+    pending_blocks: int  # of matched_blocks: only guessed, from answers lately
+
+
+class MatchAnswer(msgspec.Struct, forbid_unknown_fields=True):
+    """Every eligible worker that holds at least the prompt's first block, most matched
+    tokens first (then by instance id and rank): what the index knows, weighed by nothing."""
+
+    prompt_tokens: int | None  # null for block_hashes
+    prompt_blocks: int | None  # null unless block_hashes (and not empty)
+    matches: list[WorkerMatch]
+    eligible_workers: int  # workers asked, listed in `matches` or not
 
 
 class InstanceSummary(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

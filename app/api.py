@@ -53,7 +53,14 @@ from kvroute.app.paced_changes import PacedFleetChanges
 from kvroute.app.proxy import Proxy, add_proxy_routes
 from kvroute.app.registry import DuplicateInstance, ModelNotServed, UnknownInstance
 from kvroute.app.request_body import REGISTRATION_MAX_BYTES, read_body
-from kvroute.app.route_asgi import ROUTE_PATH, RouteFastPath, answer_route
+from kvroute.app.route_asgi import (
+    MATCH_PATH,
+    ROUTE_PATH,
+    RouteFastPath,
+    answer_match,
+    answer_route,
+    count_error,
+)
 from kvroute.app.service import Service
 
 __all__ = ["allowed_methods", "create_app"]
@@ -186,8 +193,9 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None,
     # Registrations and removals run in the fleet's turns (app.paced_changes): innermost,
     # so the guard's refusals and the route fast path never wait for one.
     app.add_middleware(PacedFleetChanges, guard=admin_guard(settings))
-    # POST /v1/route is answered below the guard, past FastAPI's layers (app.route_asgi);
-    # the endpoint declared further down gives the same answers and the OpenAPI contract.
+    # POST /v1/route and /v1/match are answered below the guard, past FastAPI's layers
+    # (app.route_asgi); the endpoints declared further down give the same answers and the
+    # OpenAPI contract.
     app.add_middleware(RouteFastPath, settings=settings, guard=api_guard(settings),
                        status_of=STATUS_OF)
     # Foreign Host names and requests past max_concurrent_requests never reach an endpoint.
@@ -198,8 +206,7 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None,
     @app.exception_handler(RequestError)
     async def _refused(request: Request, exc: RequestError) -> Response:
         status = STATUS_OF[type(exc)]
-        if request.url.path == "/v1/route":
-            request.app.state.service.metrics.route_errors.labels(str(status)).inc()
+        count_error(request, status)
         return _error(status, Error(**exc.payload()),
                       headers={"www-authenticate": "Bearer"} if status == 401 else None)
 
@@ -232,6 +239,11 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None,
     async def route(request: Request) -> Response:
         # Reached only where RouteFastPath does not answer first (it answers every POST).
         return Response(await answer_route(request, settings), media_type="application/json")
+
+    @app.post(MATCH_PATH, dependencies=api)
+    async def match(request: Request) -> Response:
+        # Reached only where RouteFastPath does not answer first (it answers every POST).
+        return Response(await answer_match(request, settings), media_type="application/json")
 
     @app.get("/v1/instances", dependencies=api)
     async def list_instances(request: Request) -> Response:

@@ -28,6 +28,7 @@ from kvroute.app.answers import (
     Health,
     InstanceDetail,
     InstanceList,
+    MatchAnswer,
     ModelList,
     Readiness,
     RouteAnswer,
@@ -35,7 +36,12 @@ from kvroute.app.answers import (
 from kvroute.app.config import URL_OR_EVENTS, InstanceConfig, Settings
 from kvroute.app.openai_request import ChatQuestion, CompletionQuestion
 from kvroute.app.request_body import REGISTRATION_MAX_BYTES
-from kvroute.app.route_request import CONTINUE_RULE, inputs_schema, route_request_type
+from kvroute.app.route_request import (
+    CONTINUE_RULE,
+    inputs_schema,
+    match_request_type,
+    route_request_type,
+)
 
 __all__ = ["CONTRACT", "JSON", "Answer", "Operation", "Relayed"]
 
@@ -119,6 +125,30 @@ def _route_body(settings: Settings) -> Any:
         extra_json_schema=inputs_schema(settings), examples=examples)]
 
 
+def _match_body(settings: Settings) -> Any:
+    examples = [{"token_ids": [128000, 9906, 1917, 0], "model": "llama-3-8b"},
+                {"block_hashes": ["5d1c9f0e2b7a4c3d"], "candidates": ["gpu-a", "gpu-b"]}]
+    return Annotated[match_request_type(settings), msgspec.Meta(
+        extra_json_schema=inputs_schema(settings), examples=examples)]
+
+
+# What a match query and a route refuse alike (`Service._lookup`).
+PROMPT_REFUSALS = {
+    400: _why("the instance's tokenizer (or the local chat template) refused `prompt` "
+              "or `messages`; its reason is quoted"),
+    404: _why("`model` is served by no registered instance",
+              "a `candidates` id is not registered (`unknown` lists them)"),
+    409: _why("`prompt` or `messages` with `tokenizer = \"instance\"`, and no eligible "
+              "instance has a `url` to tokenize with (registered with `events` only)"),
+    413: _why("the prompt is over `max_prompt_tokens` once tokenized",
+              "the `messages`' text together is over `max_prompt_chars`"),
+    422: _why("`prompt` or `messages` while no `tokenizer` is configured"),
+    502: _why("the instances asked to tokenize the prompt failed (up to 3 are tried)"),
+    503: _why("no eligible worker: none registered, or none live that serves `model` "
+              "among the `candidates`"),
+}
+
+
 ROUTE = Operation(
     summary="Choose the worker for a prompt",
     description=(
@@ -136,18 +166,25 @@ ROUTE = Operation(
         {200: Answer(("the chosen worker, and the scores of the cheapest few (every eligible "
                       "worker's with `all_scores`)",), RouteAnswer)},
         ADMISSION, _json_body("`max_body_bytes`"),
-        {400: _why("the instance's tokenizer (or the local chat template) refused `prompt` "
-                   "or `messages`; its reason is quoted"),
-         404: _why("`model` is served by no registered instance",
-                   "a `candidates` id is not registered (`unknown` lists them)"),
-         409: _why("`prompt` or `messages` with `tokenizer = \"instance\"`, and no eligible "
-                   "instance has a `url` to tokenize with (registered with `events` only)"),
-         413: _why("the prompt is over `max_prompt_tokens` once tokenized",
-                   "the `messages`' text together is over `max_prompt_chars`"),
-         422: _why("`prompt` or `messages` while no `tokenizer` is configured"),
-         502: _why("the instances asked to tokenize the prompt failed (up to 3 are tried)"),
-         503: _why("no eligible worker: none registered, or none live that serves `model` "
-                   "among the `candidates`")}),
+        PROMPT_REFUSALS),
+)
+
+MATCH = Operation(
+    summary="How much of a prompt each worker holds",
+    description=(
+        "The prompt is given as for `/v1/route`, and the same workers are eligible. The "
+        "answer lists each eligible worker that holds at least the prompt's first block, "
+        "most matched tokens first: matched blocks and tokens, per tier, and how many are "
+        "only guessed from recent answers. Nothing is weighed (no load, no cost, no tie "
+        "broken) and nothing is left behind: for a caller that applies its own policy."),
+    tag="routing",
+    guard="api",
+    body=_match_body,
+    body_limit="`max_body_bytes`",
+    answers=_merge(
+        {200: Answer(("the workers holding part of the prompt (none: an empty list)",),
+                     MatchAnswer)},
+        ADMISSION, _json_body("`max_body_bytes`"), PROMPT_REFUSALS),
 )
 
 LIST_INSTANCES = Operation(
@@ -328,6 +365,7 @@ def _page(what: str, media_type: str) -> Operation:
 
 CONTRACT: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/route"): ROUTE,
+    ("POST", "/v1/match"): MATCH,
     ("GET", "/v1/instances"): LIST_INSTANCES,
     ("POST", "/v1/instances"): ADD_INSTANCE,
     ("GET", "/v1/instances/{instance_id}"): GET_INSTANCE,

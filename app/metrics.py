@@ -139,6 +139,14 @@ class ServiceMetrics:
             "kvroute_route_errors", "route requests answered with an error",
             labelnames=["status"], registry=self.registry,
         )
+        self.match_latency = Histogram(
+            "kvroute_match_latency_seconds",
+            "time to answer POST /v1/match once its body has arrived",
+            labelnames=["input"], registry=self.registry, buckets=_ROUTE_BUCKETS)
+        self.match_errors = Counter(
+            "kvroute_match_errors", "match queries answered with an error",
+            labelnames=["status"], registry=self.registry,
+        )
         # The proxy's predicted-vs-actual cached tokens (app.hit_accuracy).
         self.hits = HitAccuracy(self.registry)
 

@@ -1,4 +1,4 @@
-"""Decoding a `POST /v1/route` body without a Python int per token id.
+"""Decoding a `POST /v1/route` (or `/v1/match`) body without a Python int per token id.
 
 The reference is `json_body.decode_json(body, route_request_type(settings))`: msgspec builds
 the request with `token_ids` as a list of ints, which for a 32k-token prompt is most of a
@@ -34,12 +34,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from functools import cache
+from typing import TypeVar
 
 import msgspec
 
 from kvroute.app.config import Settings
 from kvroute.app.json_body import decode_json
-from kvroute.app.route_request import RouteRequest, route_request_type
+from kvroute.app.route_request import MatchRequest, route_request_type
 
 try:  # compiled at install time when a C compiler is there (like index/_fast.pyx)
     from kvroute.app._token_scan import decoded_at, scan, scan_key
@@ -51,13 +52,17 @@ __all__ = ["COMPILED_AVAILABLE", "route_decoder"]
 #: Whether the compiled token-id reader is importable.
 COMPILED_AVAILABLE = scan is not None
 _NULL = msgspec.Raw(b"null")
+R = TypeVar("R", bound=MatchRequest)
 
 
 def route_decoder(settings: Settings, *, compiled: bool | None = None,
-                  ) -> Callable[[bytes], RouteRequest]:
-    """How POST /v1/route reads a body under `settings`; refusals are RequestErrors.
-    `compiled`: use the fast reader (default: when built and not switched off)."""
-    kind = route_request_type(settings)
+                  kind: type[R] | None = None) -> Callable[[bytes], R]:
+    """How POST /v1/route reads a body under `settings` (or, given `kind`, a body of that
+    request type, e.g. `match_request_type(settings)` for POST /v1/match); refusals are
+    RequestErrors. `compiled`: use the fast reader (default: when built and not switched
+    off)."""
+    if kind is None:
+        kind = route_request_type(settings)
     if compiled is None:
         compiled = COMPILED_AVAILABLE and os.environ.get("KVROUTE_PURE_INDEX", "") in ("", "0")
     if not compiled or scan is None or scan_key is None or decoded_at is None:
@@ -68,7 +73,7 @@ def route_decoder(settings: Settings, *, compiled: bool | None = None,
     limit = settings.max_prompt_tokens
     read, read_key, exactly_at = scan, scan_key, decoded_at
 
-    def decode(body: bytes) -> RouteRequest:
+    def decode(body: bytes) -> R:
         found = read_key(body, limit)
         if found is not None:
             # The ids read where the body spells its only `token_ids`; msgspec decodes the
@@ -103,8 +108,8 @@ def route_decoder(settings: Settings, *, compiled: bool | None = None,
 
 
 @cache
-def _raw_tokens(kind: type[RouteRequest]) -> type[RouteRequest]:
+def _raw_tokens(kind: type[R]) -> type[R]:
     """`kind` with `token_ids` kept as the raw JSON text of its value (`null` if absent)."""
-    return msgspec.defstruct("RouteRequestRawTokens",
+    return msgspec.defstruct(f"{kind.__name__}RawTokens",
                              [("token_ids", msgspec.Raw, _NULL)],
                              bases=(kind,), forbid_unknown_fields=True, module=__name__)

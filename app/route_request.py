@@ -1,14 +1,16 @@
-"""The body of `POST /v1/route` (and the routing question the proxy asks for an OpenAI
-request): one msgspec struct that requests are decoded with and that the OpenAPI document
-describes.
+"""The bodies of `POST /v1/route` (and the routing question the proxy asks for an OpenAI
+request) and of `POST /v1/match`: msgspec structs that requests are decoded with and that
+the OpenAPI document describes. A route request is a match request (the prompt and which
+workers may answer) plus what only a route does with it.
 
 Invariants:
 - `route_request_type(settings)` is `RouteRequest` with the settings' size limits in its
-  field types, so msgspec refuses a longer `token_ids`, `block_hashes` or `prompt` while
-  decoding (a 422 naming the field) and the schema states the same maxima.
+  field types (`match_request_type(settings)` is `MatchRequest` with them), so msgspec
+  refuses a longer `token_ids`, `block_hashes` or `prompt` while decoding (a 422 naming the
+  field) and the schema states the same maxima.
 - A rule JSON Schema can state but msgspec cannot check is written once here as schema and
   checked by the service with the same constant: the block-hash pattern and integer range
-  (`parse_hash`), "exactly one input" (`Service.decide`), a message's fields
+  (`parse_hash`), "exactly one input" (`Service._lookup`), a message's fields
   (`check_messages`), `continue_final_message` against `add_generation_prompt`
   (`CONTINUE_RULE`).
 - A chat message reaches the tokenizer whole, with the request's template arguments
@@ -28,7 +30,8 @@ from kvroute.app.errors import InvalidRequest, TooLarge
 from kvroute.app.patterns import BLOCK_HASH_HEX, INSTANCE_ID, described, documented, matches
 
 __all__ = ["CONTINUE_RULE", "INPUTS", "TEMPLATE_ARGS", "ChatMessage", "ChatTemplateArgs",
-           "RouteRequest", "check_messages", "inputs_schema", "parse_hash", "route_request_type"]
+           "MatchRequest", "RouteRequest", "check_messages", "inputs_schema",
+           "match_request_type", "parse_hash", "route_request_type"]
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
 # vLLM block hashes: signed (older versions) or unsigned 64-bit ints, or hex strings. msgspec
@@ -141,8 +144,9 @@ BLOCK_HASHES = ("vLLM's block hashes of the prompt: 64-bit ints, signed or not, 
 PROMPT = "text, tokenized as the instance would (at most `max_prompt_chars` characters)"
 
 
-class RouteRequest(ChatTemplateArgs, forbid_unknown_fields=True):
-    """Exactly one of `token_ids`, `block_hashes`, `prompt` (text) or `messages` (chat)."""
+class MatchRequest(ChatTemplateArgs, forbid_unknown_fields=True):
+    """Exactly one of `token_ids`, `block_hashes`, `prompt` (text) or `messages` (chat), and
+    which workers may answer: the question `POST /v1/match` answers and a route asks first."""
 
     token_ids: documented(list[TokenId] | None, TOKEN_IDS) = None
     block_hashes: documented(list[EngineHash] | None, BLOCK_HASHES) = None
@@ -155,6 +159,11 @@ class RouteRequest(ChatTemplateArgs, forbid_unknown_fields=True):
     candidates: documented(
         Annotated[list[InstanceId], msgspec.Meta(min_length=1)] | None,
         "only these instances (ids)") = None
+
+
+class RouteRequest(MatchRequest, forbid_unknown_fields=True):
+    """Exactly one of `token_ids`, `block_hashes`, `prompt` (text) or `messages` (chat)."""
+
     # The caller only asks what kvroute would do and will not send the request: the answer
     # leaves no placement guess and does not count as load on the chosen worker.
     probe: documented(bool, "only asking: the answer leaves no placement guess and counts "
@@ -167,14 +176,21 @@ class RouteRequest(ChatTemplateArgs, forbid_unknown_fields=True):
 
 def route_request_type(settings: Settings) -> type[RouteRequest]:
     """RouteRequest with `settings`' limits on the prompt's length."""
-    return _limited(settings.max_prompt_tokens, settings.max_block_hashes,
+    return _limited(RouteRequest, settings.max_prompt_tokens, settings.max_block_hashes,
+                    settings.max_prompt_chars)
+
+
+def match_request_type(settings: Settings) -> type[MatchRequest]:
+    """MatchRequest with `settings`' limits on the prompt's length."""
+    return _limited(MatchRequest, settings.max_prompt_tokens, settings.max_block_hashes,
                     settings.max_prompt_chars)
 
 
 @cache
-def _limited(max_tokens: int, max_hashes: int, max_chars: int) -> type[RouteRequest]:
+def _limited(kind: type[MatchRequest], max_tokens: int, max_hashes: int, max_chars: int,
+             ) -> type[MatchRequest]:
     return msgspec.defstruct(
-        "RouteRequest",
+        kind.__name__,
         [("token_ids", documented(
             Annotated[list[TokenId], msgspec.Meta(max_length=max_tokens)] | None, TOKEN_IDS),
           None),
@@ -183,8 +199,8 @@ def _limited(max_tokens: int, max_hashes: int, max_chars: int) -> type[RouteRequ
              BLOCK_HASHES), None),
          ("prompt", documented(Annotated[str, msgspec.Meta(max_length=max_chars)] | None,
                                PROMPT), None)],
-        bases=(RouteRequest,), forbid_unknown_fields=True, module=__name__,
-        namespace={"__doc__": RouteRequest.__doc__})
+        bases=(kind,), forbid_unknown_fields=True, module=__name__,
+        namespace={"__doc__": kind.__doc__})
 
 
 def inputs_schema(settings: Settings) -> dict[str, Any]:

@@ -28,9 +28,11 @@ from kvroute.app.answers import (
     InstanceDetail,
     InstanceList,
     InstanceSummary,
+    MatchAnswer,
     MediumCounts,
     RouteAnswer,
     WorkerDetail,
+    WorkerMatch,
 )
 from kvroute.app.config import Settings
 from kvroute.app.dashboard import RouteActivity
@@ -55,8 +57,10 @@ from kvroute.app.registry import Instance, Registry, Worker
 from kvroute.app.route_decode import route_decoder
 from kvroute.app.route_request import (
     INPUTS,
+    MatchRequest,
     RouteRequest,
     check_messages,
+    match_request_type,
     parse_hash,
     route_request_type,
 )
@@ -103,6 +107,24 @@ def route_request_decoder(settings: Settings) -> Callable[[bytes], RouteRequest]
 
 
 @dataclass(frozen=True, slots=True)
+class Lookup:
+    """What the index holds of a request's prompt, among the workers that may answer it:
+    `matches` has only workers holding at least its first block (some of them may not be
+    eligible; `eligible` and `exclude` say which are). `tokens` is None for a block-hash
+    query, `hashes` for any other; `prompt_bytes` are the tokens as the index hashes them."""
+
+    kind: str  # the input given: one of INPUTS
+    eligible: Eligible
+    exclude: frozenset[WorkerKey]
+    count: int  # eligible workers not excluded
+    tokens: list[int] | None
+    hashes: list[int | bytes] | None
+    prompt_bytes: bytes | None
+    lora_name: str | None
+    matches: dict[WorkerKey, Match]
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     """The chosen worker, the scores an answer shows, and the prompt's tokens (None
     for a block-hash query). `guess_expires` is when the placement guess the decision left
@@ -132,8 +154,9 @@ class Service:
         self.settings = settings
         self.route_request = route_request_type(settings)
         self.decode_route_request = route_request_decoder(settings)
+        self.decode_match_request = route_decoder(settings, kind=match_request_type(settings))
         self.index = PrefixIndex()
-        self._last_route = float("-inf")  # perf_counter() when `decide` last began
+        self._last_route = float("-inf")  # perf_counter() when a route or match last began
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
         # A context of its own, sized for the fleet (app.fleet_resources), ended in close().
         self.zmq_context = fleet_context(settings)
@@ -303,6 +326,60 @@ class Service:
         at once leave routes their usual latency (and take longer to connect)."""
         return time.perf_counter() - self._last_route < ROUTING_LATELY
 
+    async def _lookup(self, request: MatchRequest,
+                      exclude: frozenset[WorkerKey] = frozenset()) -> Lookup:
+        """The workers eligible for `request` (minus `exclude`) and what the index holds of
+        its prompt; raises a RequestError. What a route and a match query ask alike: the same
+        refusals, and the same matches (only workers holding a block of it are in them)."""
+        self._last_route = time.perf_counter()
+        given = [name for name in INPUTS if getattr(request, name) is not None]
+        if len(given) != 1:
+            raise InvalidRequest("give exactly one of token_ids, block_hashes, prompt, messages"
+                                 + (f" (got {', '.join(given)})" if given else ""),
+                                 given[1] if len(given) > 1 else "token_ids")
+        if request.messages is not None:
+            check_messages(request.messages, self.settings.max_prompt_chars)
+        eligible = self._eligible(request)
+        exclude = frozenset(key for key in exclude if key in eligible)
+        count = len(eligible) - len(exclude)
+        if not count:
+            reason = "no registered instance" if not len(self.registry) else (
+                "no live worker" + (f" serves model {request.model!r}" if request.model else "")
+                + (" among the candidates" if request.candidates is not None else "")
+                + (" that has not failed already" if exclude else ""))
+            raise NoEligibleWorker(f"no eligible worker: {reason}")
+        lora_name = request.lora_name
+        if request.block_hashes is not None:
+            hashes = [parse_hash(h, i) for i, h in enumerate(request.block_hashes)]
+            matches = self.index.match_hashes(
+                hashes, workers=[key for key in eligible.workers if key not in exclude])
+            return Lookup(given[0], eligible, exclude, count, None, hashes, None, lora_name,
+                          matches)
+        tokens = await self._tokens(request, eligible.urls(exclude))
+        if self.registry.version != eligible.version:
+            # Tokenizing awaited: instances may have come, gone or changed state.
+            try:
+                eligible = self._eligible(request)
+            except NotFound:
+                eligible = eligible_among((), None)
+            exclude = frozenset(key for key in exclude if key in eligible)
+            count = len(eligible) - len(exclude)
+            if not count:
+                raise NoEligibleWorker("no eligible worker: the instances went away")
+        # vLLM always computes a prompt's last token (it needs its logits), so its
+        # prefix-cache hit is capped at the full blocks of all tokens but the last: a
+        # prompt that ends on a block boundary reuses one block less than it holds.
+        if lora_name is None and eligible.adapter:
+            lora_name = request.model  # vLLM caches an adapter's blocks under its name
+        # Every worker the index knows is walked (its bit masks cost the same whatever
+        # the selection), and the matches of workers that may not take the route left.
+        # Converted once: the walk and the placement guess hash the same bytes.
+        prompt_bytes = token_bytes(tokens)
+        matches = self.index.match(prompt_bytes[:-TOKEN_BYTES], lora_name=lora_name,
+                                   now=time.monotonic(), matched_only=True)
+        return Lookup(given[0], eligible, exclude, count, tokens, None, prompt_bytes, lora_name,
+                      matches)
+
     async def decide(self, request: RouteRequest,
                      exclude: frozenset[WorkerKey] = frozenset(), *,
                      shed_when_overloaded: bool = False) -> Decision:
@@ -316,69 +393,32 @@ class Service:
         workers are eligible is kept between routes (`app.eligible`), so a route's cost
         follows the work, not the fleet. The decision keeps `TOP_SCORES` scores, or all
         of them with `request.all_scores`."""
-        started = self._last_route = time.perf_counter()
-        given = [name for name in INPUTS if getattr(request, name) is not None]
-        if len(given) != 1:
-            raise InvalidRequest("give exactly one of token_ids, block_hashes, prompt, messages"
-                                 + (f" (got {', '.join(given)})" if given else ""),
-                                 given[1] if len(given) > 1 else "token_ids")
-        if request.messages is not None:
-            check_messages(request.messages, self.settings.max_prompt_chars)
+        started = time.perf_counter()
         now = time.monotonic()
         self.answers.settle(now, self.load.last, self.load.typical())
-        eligible = self._eligible(request)
-        exclude = frozenset(key for key in exclude if key in eligible)
-        count = len(eligible) - len(exclude)
-        if not count:
-            reason = "no registered instance" if not len(self.registry) else (
-                "no live worker" + (f" serves model {request.model!r}" if request.model else "")
-                + (" among the candidates" if request.candidates is not None else "")
-                + (" that has not failed already" if exclude else ""))
-            raise NoEligibleWorker(f"no eligible worker: {reason}")
-        tokens: list[int] | None = None
-        prompt_bytes: bytes | None = None  # the tokens as the index hashes them
-        lora_name = request.lora_name
+        asked = await self._lookup(request, exclude)
+        eligible, exclude, tokens = asked.eligible, asked.exclude, asked.tokens
+        matches = asked.matches
+        held = _longest(matches, eligible.workers, exclude)
         groups: list[WorkerGroup] = []
-        if request.block_hashes is not None:
-            hashes = [parse_hash(h, i) for i, h in enumerate(request.block_hashes)]
+        if asked.hashes is not None:
             # Each worker's prompt length is its own block size times the hashes: no
             # shared cost for idle workers, so every worker is scored.
             scored = [w for w in eligible.workers.values() if w.key not in exclude]
-            matches = self.index.match_hashes(hashes, workers=[w.key for w in scored])
-            held = _longest(matches, eligible.workers, exclude)
             # Each worker's block size its own: a tie weighs demand in the default's blocks.
-            ties = TieBreaker(first_hash=hashes[0] if hashes else None,
+            ties = TieBreaker(first_hash=asked.hashes[0] if asked.hashes else None,
                               demand=lambda key: self.demand.of(key, now),
-                              slack=len(hashes) * DEFAULT_BLOCK_SIZE)
+                              slack=len(asked.hashes) * DEFAULT_BLOCK_SIZE)
             block_size = None  # best_of finds it among the scores
         else:
-            tokens = await self._tokens(request, eligible.urls(exclude))
-            if self.registry.version != eligible.version:
-                # Tokenizing awaited: instances may have come, gone or changed state.
-                try:
-                    eligible = self._eligible(request)
-                except NotFound:
-                    eligible = eligible_among((), None)
-                exclude = frozenset(key for key in exclude if key in eligible)
-                count = len(eligible) - len(exclude)
-                if not count:
-                    raise NoEligibleWorker("no eligible worker: the instances went away")
-            # vLLM always computes a prompt's last token (it needs its logits), so its
-            # prefix-cache hit is capped at the full blocks of all tokens but the last: a
-            # prompt that ends on a block boundary reuses one block less than it holds.
-            if lora_name is None and eligible.adapter:
-                lora_name = request.model  # vLLM caches an adapter's blocks under its name
-            # Every worker the index knows is walked (its bit masks cost the same whatever
-            # the selection), and the matches of workers that may not take the route left.
-            # Converted once: the walk and the placement guess hash the same bytes.
-            prompt_bytes = token_bytes(tokens)
-            matches = self.index.match(prompt_bytes[:-TOKEN_BYTES], lora_name=lora_name,
-                                       now=time.monotonic(), matched_only=True)
+            assert tokens is not None
             ties = TieBreaker(tokens=tokens, demand=lambda key: self.demand.of(key, now),
                               slack=len(tokens))
-            held = _longest(matches, eligible.workers, exclude)
             scored, groups, block_size = self._group(eligible, exclude, matches, len(tokens),
                                                      held)
+        count = asked.count
+        lora_name = asked.lora_name
+        prompt_bytes = asked.prompt_bytes
         prompt_tokens = len(tokens) if tokens is not None else None
         prompt_blocks = len(request.block_hashes or ())
         prefix = ties.key(block_size or DEFAULT_BLOCK_SIZE)  # the prompt's key in demand
@@ -408,7 +448,7 @@ class Service:
         if tokens:
             self.metrics.match_ratio.observe(best.matched_tokens / len(tokens))
         self.activity.decided(worker.key, time.perf_counter() - started, request.probe)
-        return Decision(kind=given[0], worker=worker, best=best, scores=shown, tokens=tokens,
+        return Decision(kind=asked.kind, worker=worker, best=best, scores=shown, tokens=tokens,
                         lora_name=lora_name, guess_expires=guess_expires,
                         eligible=count)
 
@@ -573,6 +613,25 @@ class Service:
             eligible_workers=decision.eligible,
         )
 
+    async def match(self, body: bytes) -> tuple[str, MatchAnswer]:
+        """(input kind, answer) for a POST /v1/match body; raises a RequestError. Reads the
+        index and nothing else: no load, no demand, no placement guess left behind."""
+        request = self.decode_match_request(body)
+        asked = await self._lookup(request)
+        workers, exclude = asked.eligible.workers, asked.exclude
+        found = [WorkerMatch(instance=key[0], dp_rank=key[1], matched_blocks=match.blocks,
+                             matched_tokens=match.tokens,
+                             block_size=match.block_size or self._block_size(workers[key]),
+                             by_medium=MediumCounts.of(match.by_medium),
+                             pending_blocks=match.pending)
+                 for key, match in asked.matches.items()
+                 if match.blocks and key in workers and key not in exclude]
+        found.sort(key=_most_matched)
+        return asked.kind, MatchAnswer(
+            prompt_tokens=len(asked.tokens) if asked.tokens is not None else None,
+            prompt_blocks=len(asked.hashes) if asked.hashes else None,
+            matches=found, eligible_workers=asked.count)
+
     # -- replicas (app.valkey) ----------------------------------------------
     def _follows(self, key: WorkerKey) -> bool:
         instance_id, rank = key
@@ -665,6 +724,10 @@ def _state_store(settings: Settings) -> StateStore | None:
     if settings.state_dir is not None:
         return DirectoryStore(settings.state_dir)
     return None
+
+
+def _most_matched(match: WorkerMatch) -> tuple[int, str, int]:
+    return -match.matched_tokens, match.instance, match.dp_rank
 
 
 def _longest(matches: dict[WorkerKey, Match], workers: Mapping[WorkerKey, Worker],

@@ -54,6 +54,7 @@ def test_each_token_guards_its_endpoints(instance: SimInstance) -> None:
         route = {"token_ids": list(range(40))}
         for headers in ({}, bearer("wrong"), {"authorization": API}, bearer(ADMIN)):
             assert_refused(http.post("/v1/route", json=route, headers=headers))
+            assert_refused(http.post("/v1/match", json=route, headers=headers))
             assert_refused(http.get("/v1/instances", headers=headers))
         # The route token cannot change which instances kvroute follows.
         assert_refused(http.post("/v1/instances", json={"url": instance.url},
@@ -65,6 +66,8 @@ def test_each_token_guards_its_endpoints(instance: SimInstance) -> None:
                                   headers=bearer(API)).json()["state"] == "live", "live")
         answer = http.post("/v1/route", json=route, headers=bearer(API))
         assert answer.status_code == 200 and answer.json()["instance"] == instance_id
+        asked = http.post("/v1/match", json=route, headers=bearer(API))
+        assert asked.status_code == 200 and asked.json()["eligible_workers"] == 1
         assert_refused(http.delete(f"/v1/instances/{instance_id}", headers=bearer(API)))
         assert http.delete(f"/v1/instances/{instance_id}",
                            headers=bearer(ADMIN)).status_code == 200

@@ -111,16 +111,23 @@ def encoded(value: object) -> bytes:
     return json.dumps(value, allow_nan=True).encode()
 
 
+# A match query takes a route's prompt and selection: the same bodies.
+ASKING = pytest.mark.parametrize("path", ["/v1/route", "/v1/match"])
+
+
+@ASKING
 @NO_5XX
 @given(body=ROUTE_BODY | ANY_JSON)
-def test_route_answers_any_json_with_a_2xx_or_a_named_4xx(http: httpx.Client, body: object):
-    assert_answered_as_json(post(http, "/v1/route", encoded(body)))
+def test_route_answers_any_json_with_a_2xx_or_a_named_4xx(http: httpx.Client, path: str,
+                                                          body: object):
+    assert_answered_as_json(post(http, path, encoded(body)))
 
 
+@ASKING
 @NO_5XX
 @given(body=st.binary(max_size=300))
-def test_route_answers_any_bytes_with_a_4xx(http: httpx.Client, body: bytes):
-    answer = post(http, "/v1/route", body)
+def test_route_answers_any_bytes_with_a_4xx(http: httpx.Client, path: str, body: bytes):
+    answer = post(http, path, body)
     assert_answered_as_json(answer)
 
 

@@ -126,7 +126,7 @@ def test_schemathesis_finds_nothing(served: Served, tmp_path: Path):
         "examples": "success", "coverage": "success", "fuzzing": "success",
         "stateful": "success"}, output
     operations = summary["operations"]
-    assert operations["tested"] == operations["selected"] == operations["total"] == 15
+    assert operations["tested"] == operations["selected"] == operations["total"] == 16
     cases = summary["test_cases"]
     assert (cases["with_failures"], cases["unique_failures"], cases["errored"]) == (0, 0, 0)
     assert summary["failures"] == summary["errors"] == [], output

@@ -1,6 +1,7 @@
-"""POST /v1/route answered by the lean ASGI path (app.route_asgi) as the declared FastAPI
-endpoint answers it: two real servers on the same settings and instance, one of them with
-the lean path taken out, asked the same requests (answers and every kind of refusal)."""
+"""POST /v1/route and /v1/match answered by the lean ASGI path (app.route_asgi) as the
+declared FastAPI endpoints answer them: two real servers on the same settings and instance,
+one of them with the lean path taken out, asked the same requests (answers and every kind
+of refusal)."""
 
 from __future__ import annotations
 
@@ -69,25 +70,33 @@ def _seen(answer: httpx.Response) -> tuple[int, str, str | None, object]:
             answer.headers.get("www-authenticate"), body)
 
 
-def test_the_lean_path_answers_as_the_declared_endpoint(instance: SimInstance) -> None:
+@pytest.mark.parametrize("path, statuses", [
+    ("/v1/route", [503, 200, 200, 200, 401, 401, 415, 413, 400, 422, 200, 422, 404, 404, 422]),
+    # A match query takes neither `probe` nor `all_scores`: the second request is a 422.
+    ("/v1/match", [503, 200, 422, 200, 401, 401, 415, 413, 400, 422, 200, 422, 404, 404, 422]),
+])
+def test_the_lean_path_answers_as_the_declared_endpoint(instance: SimInstance, path: str,
+                                                        statuses: list[int]) -> None:
     with ExitStack() as stack:
         lean, declared = _server(stack, lean=True), _server(stack, lean=False)
         answers: dict[str, list[tuple[int, str, str | None, object]]] = {}
         for name, http in (("lean", lean), ("declared", declared)):
-            no_instance = http.post("/v1/route", content=b'{"token_ids": [1]}', headers=JSON)
+            no_instance = http.post(path, content=b'{"token_ids": [1]}', headers=JSON)
             assert no_instance.status_code == 503  # nothing registered yet
             added = http.post("/v1/instances", json={"url": instance.url}, headers=AUTH)
             assert added.status_code == 201, added.text
             wait_for(lambda http=http: http.get("/v1/instances", headers=AUTH).json()[
                 "instances"][0]["state"] == "live", "live")
             answers[name] = [_seen(no_instance)] + [
-                _seen(http.post("/v1/route", content=body, headers=headers))
+                _seen(http.post(path, content=body, headers=headers))
                 for headers, body in REQUESTS]
         assert answers["lean"] == answers["declared"]
-        statuses = [status for status, *_ in answers["lean"]]
-        assert statuses == [503, 200, 200, 200, 401, 401, 415, 413, 400, 422, 200, 422, 404,
-                            404, 422]
+        assert [status for status, *_ in answers["lean"]] == statuses
         assert answers["lean"][4][2] == "Bearer"  # the 401 says how to authenticate
+        # Each path's refusals are counted in its own metric, by either path.
+        metrics = lean.get("/metrics").text
+        name = "kvroute_route_errors" if path == "/v1/route" else "kvroute_match_errors"
+        assert f'{name}_total{{status="401"}} 2.0' in metrics, metrics
         # Other methods still reach the app: a 405 naming the allowed one.
-        refused = lean.get("/v1/route", headers=AUTH)
+        refused = lean.get(path, headers=AUTH)
         assert refused.status_code == 405 and refused.headers["allow"] == "POST"

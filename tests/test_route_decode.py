@@ -19,11 +19,15 @@ from kvroute.app import _token_scan, route_decode
 from kvroute.app.config import Settings
 from kvroute.app.errors import RequestError
 from kvroute.app.route_decode import route_decoder
+from kvroute.app.route_request import match_request_type
 
 LIMIT = 6
 SETTINGS = Settings(max_prompt_tokens=LIMIT)
 FAST = route_decoder(SETTINGS, compiled=True)
 REFERENCE = route_decoder(SETTINGS, compiled=False)
+MATCH = match_request_type(SETTINGS)  # the route's question without `probe`, `all_scores`
+FAST_MATCH = route_decoder(SETTINGS, compiled=True, kind=MATCH)
+REFERENCE_MATCH = route_decoder(SETTINGS, compiled=False, kind=MATCH)
 
 # Every digit count from 1 to 10 (the reader takes up to eight digits at once).
 PLAIN_ID = st.one_of(st.integers(0, 2**32 - 1), st.integers(0, 10**8 + 1),
@@ -88,6 +92,19 @@ def outcome(decode: Any, payload: bytes) -> tuple[str, Any]:
 @example(b'{"messages": [{"role": "u", "token_ids": [1]}]}')
 def test_the_fast_reader_answers_every_body_as_the_reference(payload: bytes) -> None:
     assert outcome(FAST, payload) == outcome(REFERENCE, payload)
+
+
+@settings(max_examples=500, deadline=None)
+@given(body())
+@example(b'{"token_ids": [1], "probe": true}')  # a route's field: refused, by both
+def test_the_fast_reader_answers_every_match_body_as_the_reference(payload: bytes) -> None:
+    assert outcome(FAST_MATCH, payload) == outcome(REFERENCE_MATCH, payload)
+
+
+def test_a_match_body_is_a_match_request() -> None:
+    request = FAST_MATCH(b'{"token_ids": [3, 4], "model": "m"}')
+    assert isinstance(request, MATCH) and list(request.token_ids) == [3, 4]
+    assert not hasattr(request, "probe")
 
 
 def test_a_key_spelled_elsewhere_is_not_taken_for_the_ids() -> None:
