@@ -22,7 +22,10 @@ Measured in one run:
   the side's own health round trips, so the work per query (p50 minus the health p50 of
   the same stretch) is not skewed by what the machine did meanwhile (the first length
   measured comes right after ingest, when both indexers and the publisher may still be
-  busy); RSS per holding (growth from before ingest over holdings).
+  busy). kvroute is asked twice after each round trip, in turns first: a route (POST
+  /v1/route, probe: its decision, which the peer does not make) and a match (POST
+  /v1/match: each worker's matched tokens, what the peer's query answers);
+- RSS per holding (growth from before ingest over holdings).
 
 ``--quick`` (what ``make bench`` runs) is a smaller stream, and runs kvroute alone when
 the peer's venv is not there yet (``make bench-peer`` installs it). JSON and a table
@@ -41,6 +44,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -188,28 +192,39 @@ def ingest(sides: list[Side], publisher: subprocess.Popen[str], mix: Mix, path: 
 def queries(side: Side, mix: Mix, count: int, rng: random.Random) -> dict[str, Any]:
     """Query p50/p99 per prompt length over ``mix``'s documents, each query after a health
     round trip: the index's work per query (p50 minus the health p50 of the same stretch)
-    compares two things measured in the same moments of a shared, noisy machine."""
+    compares two things measured in the same moments of a shared, noisy machine. A side
+    with several questions (kvroute: a route, and a match like the peer's query) asks each
+    of them after the same health round trip, in turns first; the first question's figures
+    are the length's own, the others' under their names."""
     docs = sorted(mix.holders)
     out: dict[str, Any] = {}
     wrong = 0
     every_health: list[float] = []
+    asks = list(side.questions().items())
     for length in QUERY_LENGTHS:
-        times, health = [], []
-        for _ in range(count):
+        times: dict[str, list[float]] = {name: [] for name, _ in asks}
+        health: list[float] = []
+        for number in range(count):
             doc = rng.choice(docs)
             health.append(side.health() * 1000)
-            took, got = side.query(doc_tokens(doc, length))
-            times.append(took * 1000)
-            best = max(got.values(), default=0)
-            wrong += best != length
+            for name, ask in asks[::-1] if number % 2 else asks:
+                took, got = ask(doc_tokens(doc, length))
+                times[name].append(took * 1000)
+                wrong += max(got.values(), default=0) != length
         every_health += health
-        p50, health_p50 = statistics.median(times), statistics.median(health)
-        out[f"{length}"] = {"p50_ms": p50, "p99_ms": percentile(times, 0.99),
-                            "health_p50_ms": health_p50,
-                            "health_p99_ms": percentile(health, 0.99),
-                            "work_p50_ms": p50 - health_p50}
+        health_p50, health_p99 = statistics.median(health), percentile(health, 0.99)
+        row: dict[str, Any] = {"health_p50_ms": health_p50, "health_p99_ms": health_p99}
+        for number, (name, took) in enumerate(times.items()):
+            figures = {"p50_ms": statistics.median(took), "p99_ms": percentile(took, 0.99),
+                       "work_p50_ms": statistics.median(took) - health_p50}
+            if number == 0:
+                row.update(figures)
+            else:
+                row[name] = figures
+        out[f"{length}"] = row
     out["health"] = {"p50_ms": statistics.median(every_health),
                      "p99_ms": percentile(every_health, 0.99)}
+    out["questions"] = [name for name, _ in asks]
     out["wrong_best_matches"] = wrong
     return out
 
@@ -298,24 +313,37 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"| ingest {row['mix']} ({row['stored_blocks']:,} blocks) | "
                      + " | ".join(cells) + f" | {floor:,.0f} blocks/s |")
     q = result.get("queries", {})
+
+    def each(n: str, length: str, text: Callable[[dict[str, Any]], str]) -> str:
+        """One side's cell: each of its questions' figures, named when it has several."""
+        asked = q[n].get("questions", ["query"])
+        if length == "health" or len(asked) == 1:
+            return text(q[n][length])
+        return "; ".join(f"{name} {text(q[n][length] if i == 0 else q[n][length][name])}"
+                         for i, name in enumerate(asked))
+
     for length in [*map(str, QUERY_LENGTHS), "health"]:
         if not q:
             break
         label = "health round trip" if length == "health" else f"query {int(length) // 1024}k"
         lines.append(f"| {label} p50 (p99) | " + " | ".join(
-            f"{q[n][length]['p50_ms']:.2f} ({q[n][length]['p99_ms']:.2f}) ms" for n in names)
-            + " | |")
+            each(n, length, lambda f: f"{f['p50_ms']:.2f} ({f['p99_ms']:.2f}) ms")
+            for n in names) + " | |")
         if length != "health":
-            lines.append(f"| {label}: work p50 (health p50, p99 beside it) | " + " | ".join(
-                f"{q[n][length]['work_p50_ms']:.2f} ms ({q[n][length]['health_p50_ms']:.2f}, "
-                f"{q[n][length]['health_p99_ms']:.2f} ms)" for n in names) + " | |")
+            lines.append(f"| {label}: work p50 (health p50, p99) | " + " | ".join(
+                each(n, length, lambda f: f"{f['work_p50_ms']:.2f} ms") + (
+                    f" ({q[n][length]['health_p50_ms']:.2f}, "
+                    f"{q[n][length]['health_p99_ms']:.2f} ms)") for n in names) + " | |")
     if "rss_bytes_per_holding" in result:
         lines.append(f"| RSS per holding ({result['holdings']:,}) | " + " | ".join(
             f"{result['rss_bytes_per_holding'][n]:.0f} B" for n in names) + " | |")
     if not result["peer"]:
         lines.append(f"\npeer skipped: {result['peer_skipped']}")
     lines.append("\nkvroute gets every prompt with one token more than Dynamo (which counts "
-                 "the block holding the last token): both match the same full blocks.")
+                 "the block holding the last token): both match the same full blocks. "
+                 "kvroute's `route` is its routing decision (POST /v1/route, probe); its "
+                 "`match` (POST /v1/match) answers what the peer's query does: each "
+                 "worker's matched tokens, nothing weighed.")
     return "\n".join(lines)
 
 

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -227,6 +228,10 @@ class Side:
         """(seconds, worker -> matched tokens) for ``tokens`` (see the module docstring)."""
         raise NotImplementedError
 
+    def questions(self) -> dict[str, Callable[[list[int]], tuple[float, dict[int, int]]]]:
+        """The timed queries to compare, by name; the first is ``query``."""
+        return {"query": self.query}
+
     def timed_post(self, path: str, payload: dict[str, Any]) -> tuple[float, Answer]:
         """(seconds, answer) of a JSON POST on the keep-alive connection, timed from the
         request's first byte sent to its answer's last byte read: the body is encoded
@@ -283,16 +288,28 @@ class Kvroute(Side):
         answer.raise_for_status()
         return took, self._scores(answer.json())
 
-    def holding(self, tokens: list[int]) -> dict[int, int]:
-        answer = self.http.post("/v1/route", json={"token_ids": [*tokens, 0], "probe": True,
-                                                   "all_scores": True})
+    def match(self, tokens: list[int]) -> tuple[float, dict[int, int]]:
+        """The like of the peer's query: what the index holds, nothing weighed."""
+        took, answer = self.timed_post("/v1/match", {"token_ids": [*tokens, 0]})
         answer.raise_for_status()
-        return self._scores(answer.json())
+        return took, self._matched(answer.json())
+
+    def questions(self) -> dict[str, Callable[[list[int]], tuple[float, dict[int, int]]]]:
+        return {"route": self.query, "match": self.match}
+
+    def holding(self, tokens: list[int]) -> dict[int, int]:
+        answer = self.http.post("/v1/match", json={"token_ids": [*tokens, 0]})
+        answer.raise_for_status()
+        return self._matched(answer.json())
 
     @staticmethod
     def _scores(body: dict) -> dict[int, int]:
         return {int(s["instance"][1:]): s["matched_tokens"] for s in body["scores"]
                 if s["matched_tokens"]}
+
+    @staticmethod
+    def _matched(body: dict) -> dict[int, int]:
+        return {int(m["instance"][1:]): m["matched_tokens"] for m in body["matches"]}
 
     def stall_since(self, before: tuple[float, dict[float, float]]) -> float:
         """The worst loop lag since ``before`` (a ``loop_lag()``): exact when it set a new
