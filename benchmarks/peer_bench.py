@@ -210,17 +210,20 @@ def queries(side: Side, mix: Mix, count: int, rng: random.Random) -> dict[str, A
             for name, ask in asks[::-1] if number % 2 else asks:
                 took, got = ask(doc_tokens(doc, length))
                 times[name].append(took * 1000)
-                wrong += max(got.values(), default=0) != length
+                wrong += name != "empty" and max(got.values(), default=0) != length
         every_health += health
         health_p50, health_p99 = statistics.median(health), percentile(health, 0.99)
+        empty_p50 = statistics.median(times["empty"])
         row: dict[str, Any] = {"health_p50_ms": health_p50, "health_p99_ms": health_p99}
         for number, (name, took) in enumerate(times.items()):
             figures = {"p50_ms": statistics.median(took), "p99_ms": percentile(took, 0.99),
-                       "work_p50_ms": statistics.median(took) - health_p50}
+                       "work_p50_ms": statistics.median(took) - health_p50,
+                       "over_empty_p50_ms": statistics.median(took) - empty_p50}
             if number == 0:
                 row.update(figures)
-            else:
+            elif name != "empty":
                 row[name] = figures
+        row["empty_p50_ms"] = empty_p50
         out[f"{length}"] = row
     out["health"] = {"p50_ms": statistics.median(every_health),
                      "p99_ms": percentile(every_health, 0.99)}
@@ -316,7 +319,7 @@ def table(result: dict[str, Any]) -> str:
 
     def each(n: str, length: str, text: Callable[[dict[str, Any]], str]) -> str:
         """One side's cell: each of its questions' figures, named when it has several."""
-        asked = q[n].get("questions", ["query"])
+        asked = [name for name in q[n]["questions"] if name != "empty"]
         if length == "health" or len(asked) == 1:
             return text(q[n][length])
         return "; ".join(f"{name} {text(q[n][length] if i == 0 else q[n][length][name])}"
@@ -334,6 +337,9 @@ def table(result: dict[str, Any]) -> str:
                 each(n, length, lambda f: f"{f['work_p50_ms']:.2f} ms") + (
                     f" ({q[n][length]['health_p50_ms']:.2f}, "
                     f"{q[n][length]['health_p99_ms']:.2f} ms)") for n in names) + " | |")
+            lines.append(f"| {label}: p50 over an empty query's (its p50) | " + " | ".join(
+                each(n, length, lambda f: f"{f['over_empty_p50_ms']:.2f} ms")
+                + f" ({q[n][length]['empty_p50_ms']:.2f} ms)" for n in names) + " | |")
     if "rss_bytes_per_holding" in result:
         lines.append(f"| RSS per holding ({result['holdings']:,}) | " + " | ".join(
             f"{result['rss_bytes_per_holding'][n]:.0f} B" for n in names) + " | |")

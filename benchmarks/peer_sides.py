@@ -229,8 +229,13 @@ class Side:
         raise NotImplementedError
 
     def questions(self) -> dict[str, Callable[[list[int]], tuple[float, dict[int, int]]]]:
-        """The timed queries to compare, by name; the first is ``query``."""
-        return {"query": self.query}
+        """The timed queries to compare, by name; the first is ``query``, the last
+        ``empty``: ``query`` of a one-token prompt, which matches nothing (a baseline on
+        the same server path as the queries)."""
+        return {"query": self.query, "empty": self.empty}
+
+    def empty(self, tokens: list[int]) -> tuple[float, dict[int, int]]:
+        return self.query(tokens[:1])[0], {}
 
     def timed_post(self, path: str, payload: dict[str, Any]) -> tuple[float, Answer]:
         """(seconds, answer) of a JSON POST on the keep-alive connection, timed from the
@@ -295,7 +300,10 @@ class Kvroute(Side):
         return took, self._matched(answer.json())
 
     def questions(self) -> dict[str, Callable[[list[int]], tuple[float, dict[int, int]]]]:
-        return {"route": self.query, "match": self.match}
+        return {"route": self.query, "match": self.match, "empty": self.empty}
+
+    def empty(self, tokens: list[int]) -> tuple[float, dict[int, int]]:
+        return self.match(tokens[:1])[0], {}
 
     def holding(self, tokens: list[int]) -> dict[int, int]:
         answer = self.http.post("/v1/match", json={"token_ids": [*tokens, 0]})
