@@ -20,11 +20,13 @@ Measured in one run:
   losing events), not waited for;
 - query p50/p99 at 1k/8k/32k tokens over the deep mix's holdings, each query after one of
   the side's own health round trips, so the work per query (p50 minus the health p50 of
-  the same stretch) is not skewed by what the machine did meanwhile (the first length
-  measured comes right after ingest, when both indexers and the publisher may still be
-  busy). kvroute is asked twice after each round trip, in turns first: a route (POST
-  /v1/route, probe: its decision, which the peer does not make) and a match (POST
-  /v1/match: each worker's matched tokens, what the peer's query answers);
+  the same stretch) is not skewed by what the machine did meanwhile; every round asks
+  every length of both sides in turn, so the busy seconds right after ingest fall on all
+  of them alike. kvroute is asked three times after each round trip, in turns first: a
+  route (POST /v1/route, probe: its decision, which the peer does not make), a match (POST
+  /v1/match: each worker's matched tokens, what the peer's query answers) and an empty
+  match (one token); the peer its query and an empty one. The empty question is a second
+  baseline, on the queries' own server path;
 - RSS per holding (growth from before ingest over holdings).
 
 ``--quick`` (what ``make bench`` runs) is a smaller stream, and runs kvroute alone when
@@ -189,46 +191,63 @@ def ingest(sides: list[Side], publisher: subprocess.Popen[str], mix: Mix, path: 
     return row
 
 
-def queries(side: Side, mix: Mix, count: int, rng: random.Random) -> dict[str, Any]:
-    """Query p50/p99 per prompt length over ``mix``'s documents, each query after a health
-    round trip: the index's work per query (p50 minus the health p50 of the same stretch)
-    compares two things measured in the same moments of a shared, noisy machine. A side
-    with several questions (kvroute: a route, and a match like the peer's query) asks each
-    of them after the same health round trip, in turns first; the first question's figures
-    are the length's own, the others' under their names."""
+def queries(sides: list[Side], mix: Mix, count: int, rng: random.Random,
+            ) -> dict[str, dict[str, Any]]:
+    """Query p50/p99 per side and prompt length over ``mix``'s documents, each query after a
+    health round trip: the index's work per query (p50 minus the health p50 of the same
+    stretch) compares two things measured in the same moments of a shared, noisy machine.
+    Each of ``count`` rounds asks every length of every side in turn (the sides' order
+    alternating), so a busy stretch (the first seconds after ingest, when an indexer or the
+    publisher may still be working) falls on every length and side alike.
+
+    A side with several questions (kvroute: a route, and a match like the peer's query)
+    asks each of them after the same health round trip, in turns first; the first
+    question's figures are the length's own, the others' under their names. Every side
+    also asks an empty question (one token, nothing matched) each time: its p50 is a second
+    baseline, on the same server path as the queries (`over_empty_p50_ms`), where a health
+    check's path may be longer or shorter than a query's."""
     docs = sorted(mix.holders)
-    out: dict[str, Any] = {}
-    wrong = 0
-    every_health: list[float] = []
-    asks = list(side.questions().items())
-    for length in QUERY_LENGTHS:
-        times: dict[str, list[float]] = {name: [] for name, _ in asks}
-        health: list[float] = []
-        for number in range(count):
+    asks = {side.name: list(side.questions().items()) for side in sides}
+    times = {(side.name, length): {name: [] for name, _ in asks[side.name]}
+             for side in sides for length in QUERY_LENGTHS}
+    health: dict[tuple[str, int], list[float]] = {key: [] for key in times}
+    wrong = dict.fromkeys(asks, 0)
+    for number in range(count):
+        for length in QUERY_LENGTHS:
             doc = rng.choice(docs)
-            health.append(side.health() * 1000)
-            for name, ask in asks[::-1] if number % 2 else asks:
-                took, got = ask(doc_tokens(doc, length))
-                times[name].append(took * 1000)
-                wrong += name != "empty" and max(got.values(), default=0) != length
-        every_health += health
-        health_p50, health_p99 = statistics.median(health), percentile(health, 0.99)
-        empty_p50 = statistics.median(times["empty"])
-        row: dict[str, Any] = {"health_p50_ms": health_p50, "health_p99_ms": health_p99}
-        for number, (name, took) in enumerate(times.items()):
-            figures = {"p50_ms": statistics.median(took), "p99_ms": percentile(took, 0.99),
-                       "work_p50_ms": statistics.median(took) - health_p50,
-                       "over_empty_p50_ms": statistics.median(took) - empty_p50}
-            if number == 0:
-                row.update(figures)
-            elif name != "empty":
-                row[name] = figures
-        row["empty_p50_ms"] = empty_p50
-        out[f"{length}"] = row
-    out["health"] = {"p50_ms": statistics.median(every_health),
-                     "p99_ms": percentile(every_health, 0.99)}
-    out["questions"] = [name for name, _ in asks]
-    out["wrong_best_matches"] = wrong
+            for side in sides[::-1] if number % 2 else sides:
+                key = (side.name, length)
+                health[key].append(side.health() * 1000)
+                for name, ask in asks[side.name][::-1] if number % 2 else asks[side.name]:
+                    took, got = ask(doc_tokens(doc, length))
+                    times[key][name].append(took * 1000)
+                    wrong[side.name] += (name != "empty"
+                                         and max(got.values(), default=0) != length)
+    out: dict[str, dict[str, Any]] = {}
+    for side in sides:
+        mine: dict[str, Any] = out.setdefault(side.name, {})
+        for length in QUERY_LENGTHS:
+            key = (side.name, length)
+            health_p50 = statistics.median(health[key])
+            empty_p50 = statistics.median(times[key]["empty"])
+            row: dict[str, Any] = {"health_p50_ms": health_p50,
+                                   "health_p99_ms": percentile(health[key], 0.99)}
+            for number, (name, took) in enumerate(times[key].items()):
+                figures = {"p50_ms": statistics.median(took),
+                           "p99_ms": percentile(took, 0.99),
+                           "work_p50_ms": statistics.median(took) - health_p50,
+                           "over_empty_p50_ms": statistics.median(took) - empty_p50}
+                if number == 0:
+                    row.update(figures)
+                elif name != "empty":
+                    row[name] = figures
+            row["empty_p50_ms"] = empty_p50
+            mine[f"{length}"] = row
+        every_health = [h for length in QUERY_LENGTHS for h in health[(side.name, length)]]
+        mine["health"] = {"p50_ms": statistics.median(every_health),
+                          "p99_ms": percentile(every_health, 0.99)}
+        mine["questions"] = [name for name, _ in asks[side.name]]
+        mine["wrong_best_matches"] = wrong[side.name]
     return out
 
 
@@ -276,8 +295,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["rss_bytes_per_holding"] = {s.name: (s.rss() - rss0[s.name]) / held
                                                for s in sides}
             rng = random.Random(20)
-            result["queries"] = {s.name: queries(s, mixes[1], args.queries, rng)
-                                 for s in sides}
+            result["queries"] = queries(sides, mixes[1], args.queries, rng)
         finally:
             for side in sides:
                 side.stop()
