@@ -321,9 +321,10 @@ class Service:
         return tokens
 
     def _routing_lately(self) -> bool:
-        """Whether a route was asked in the last `ROUTING_LATELY` seconds: the fleet's turns
-        then rest longer (`FleetPacing`'s `routing_rest`), so that a hundred instances added
-        at once leave routes their usual latency (and take longer to connect)."""
+        """Whether a route or a match was asked in the last `ROUTING_LATELY` seconds: the
+        fleet's turns then rest longer (`FleetPacing`'s `routing_rest`), so that a hundred
+        instances added at once leave routes their usual latency (and take longer to
+        connect)."""
         return time.perf_counter() - self._last_route < ROUTING_LATELY
 
     async def _lookup(self, request: MatchRequest,
@@ -366,15 +367,15 @@ class Service:
             count = len(eligible) - len(exclude)
             if not count:
                 raise NoEligibleWorker("no eligible worker: the instances went away")
-        # vLLM always computes a prompt's last token (it needs its logits), so its
-        # prefix-cache hit is capped at the full blocks of all tokens but the last: a
-        # prompt that ends on a block boundary reuses one block less than it holds.
         if lora_name is None and eligible.adapter:
             lora_name = request.model  # vLLM caches an adapter's blocks under its name
         # Every worker the index knows is walked (its bit masks cost the same whatever
         # the selection), and the matches of workers that may not take the route left.
         # Converted once: the walk and the placement guess hash the same bytes.
         prompt_bytes = token_bytes(tokens)
+        # vLLM always computes a prompt's last token (it needs its logits), so its
+        # prefix-cache hit is capped at the full blocks of all tokens but the last: a
+        # prompt that ends on a block boundary reuses one block less than it holds.
         matches = self.index.match(prompt_bytes[:-TOKEN_BYTES], lora_name=lora_name,
                                    now=time.monotonic(), matched_only=True)
         return Lookup(given[0], eligible, exclude, count, tokens, None, prompt_bytes, lora_name,
@@ -618,14 +619,14 @@ class Service:
         index and nothing else: no load, no demand, no placement guess left behind."""
         request = self.decode_match_request(body)
         asked = await self._lookup(request)
-        workers, exclude = asked.eligible.workers, asked.exclude
+        workers = asked.eligible.workers
         found = [WorkerMatch(instance=key[0], dp_rank=key[1], matched_blocks=match.blocks,
                              matched_tokens=match.tokens,
                              block_size=match.block_size or self._block_size(workers[key]),
                              by_medium=MediumCounts.of(match.by_medium),
                              pending_blocks=match.pending)
                  for key, match in asked.matches.items()
-                 if match.blocks and key in workers and key not in exclude]
+                 if match.blocks and key in workers]
         found.sort(key=_most_matched)
         return asked.kind, MatchAnswer(
             prompt_tokens=len(asked.tokens) if asked.tokens is not None else None,
