@@ -84,8 +84,9 @@ class LoadReadings(msgspec.Struct, forbid_unknown_fields=True):
     recent_demand: int
 
 
-class WorkerScore(msgspec.Struct, forbid_unknown_fields=True):
-    """One eligible worker's score; `cost` is the sum of `cost_terms`, in prefill tokens."""
+class WorkerMatch(msgspec.Struct, forbid_unknown_fields=True):
+    """How much of the prompt one eligible worker holds (a match answer's entry, and the
+    first fields of its score in a route answer)."""
 
     instance: str
     dp_rank: int
@@ -93,7 +94,12 @@ class WorkerScore(msgspec.Struct, forbid_unknown_fields=True):
     matched_tokens: int
     block_size: int | None
     by_medium: MediumCounts
-    pending_blocks: int
+    pending_blocks: int  # of matched_blocks: only guessed, from answers lately
+
+
+class WorkerScore(WorkerMatch, forbid_unknown_fields=True):
+    """One eligible worker's score; `cost` is the sum of `cost_terms`, in prefill tokens."""
+
     state: WorkerState
     cost: float
     cost_terms: CostTerms
@@ -117,19 +123,6 @@ class RouteAnswer(msgspec.Struct, forbid_unknown_fields=True):
     prompt_blocks: int | None  # null unless block_hashes (and not empty)
     scores: list[WorkerScore]
     eligible_workers: int  # workers weighed, shown in `scores` or not
-
-
-class WorkerMatch(msgspec.Struct, forbid_unknown_fields=True):
-    """How much of the prompt one eligible worker holds: the same counts as its
-    `WorkerScore`, without a cost."""
-
-    instance: str
-    dp_rank: int
-    matched_blocks: int
-    matched_tokens: int
-    block_size: int | None
-    by_medium: MediumCounts
-    pending_blocks: int  # of matched_blocks: only guessed, from answers lately
 
 
 class MatchAnswer(msgspec.Struct, forbid_unknown_fields=True):

@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from kvroute.app.config import Settings
-from kvroute.app.server import BackgroundServer
 from kvroute.sim.cluster import SimCluster
 from tests.conftest import HTTP_TIMEOUT, wait_for
+from tests.support.following import following
 from tests.support.tokens import unique_tokens
 
 BLOCK = 16
@@ -29,13 +29,7 @@ def fleet() -> Iterator[SimCluster]:
 @pytest.fixture(scope="module")
 def client(fleet: SimCluster) -> Iterator[httpx.Client]:
     settings = Settings(host="127.0.0.1", port=0, log_level="warning", placement_ttl=60.0)
-    with BackgroundServer(settings) as server, httpx.Client(base_url=server.url,
-                                                          timeout=HTTP_TIMEOUT) as http:
-        for url in fleet.urls:
-            assert http.post("/v1/instances", json={"url": url}).status_code == 201
-        wait_for(lambda: all(i["state"] == "live" for i in
-                             http.get("/v1/instances").json()["instances"]),
-                 "every instance to go live")
+    with following(fleet, settings) as http:
         yield http
 
 

@@ -22,10 +22,10 @@ from kvroute.app.routing import (
     ranked,
     score_workers,
 )
-from kvroute.app.server import BackgroundServer
 from kvroute.index import Match
 from kvroute.sim.cluster import SimCluster
 from tests.conftest import HTTP_TIMEOUT, wait_for
+from tests.support.following import following
 from tests.support.tokens import unique_tokens
 
 W = CostWeights()
@@ -143,17 +143,8 @@ def fleet() -> Iterator[SimCluster]:
 @pytest.fixture(scope="module")
 def client(fleet: SimCluster) -> Iterator[httpx.Client]:
     settings = Settings(host="127.0.0.1", port=0, log_level="warning", placement_ttl=0.0)
-    server = BackgroundServer(settings).start()
-    try:
-        with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as http:
-            for url in fleet.urls:
-                assert http.post("/v1/instances", json={"url": url}).status_code == 201
-            wait_for(lambda: all(i["state"] == "live" for i in
-                                 http.get("/v1/instances").json()["instances"]),
-                     "every instance to go live")
-            yield http
-    finally:
-        server.stop()
+    with following(fleet, settings) as http:
+        yield http
 
 
 def test_the_answer_shows_the_chosen_worker_and_the_cheapest_few(fleet: SimCluster,
