@@ -14,17 +14,21 @@
 #   zero bits is never kept in a record, so that marks it free) and goes on a free list
 #   (chained through its first word), reused before the array grows; the array is compacted
 #   when three quarters of it is free. Growing the slot table and compacting read the
-#   records in array order, not in the slots' random order: a table of a million entries
-#   is rebuilt in a few milliseconds.
+#   records in array order, not in the slots' random order.
+# - growing the slot table is spread over the additions that follow: the records are moved
+#   into the new, twice as big table ``MOVE_STEP`` at a time, in array order, while the old
+#   one still answers for those not yet moved (see ``_grow_slots``). Rebuilt at once, a table
+#   of a million entries stalled its caller 30-45 ms, and two million 100 ms.
 # - ``slots``: open addressing with linear probing over record numbers + 1 (0 is empty);
 #   removal shifts the probe run back, so there are no tombstones. A slot's low
-#   ``number_bits`` bits hold the number (as many bits as the record array's capacity
-#   needs); the 4 bits above them how far the slot lies past its home (15: that far or
-#   more, read the record's key to know), so a removal shifts the run back without reading
-#   the records of the slots it moves; the rest hold a tag, those bits of the key's hash,
-#   so a probe reads a record only where the tags agree: a lookup that misses mostly reads
-#   no record at all. The tags shrink as the array grows (4 bits at 16M records; past 256M
-#   the distance goes too), and every slot is placed again when the number's width changes.
+#   ``number_bits`` bits hold the number: as many bits as records can number while that
+#   slot table lasts (``_width_for``), so the width changes only with the slot table. The
+#   4 bits above them say how far the slot lies past its home (15: that far or more, read
+#   the record's key to know), so a removal shifts the run back without reading the
+#   records of the slots it moves; the rest hold a tag, those bits of the key's hash, so a
+#   probe reads a record only where the tags agree: a lookup that misses mostly reads no
+#   record at all. The tags shrink as the table grows (6-7 bits at a million entries, 2-3
+#   at 16M; past 134M the distance goes too).
 #
 # Anything else is kept in ``_other``, a plain dict: keys or values that do not fit (a
 # node held by a worker past slot 35, whose holder bit is past bit 63; bytes engine hashes;
@@ -37,7 +41,7 @@ import sys
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc.stdint cimport uint32_t
-from libc.stdlib cimport free, malloc, realloc
+from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy, memset
 from cpython.long cimport PyLong_AsUnsignedLongLong
 
@@ -59,6 +63,32 @@ cdef inline uint64_t _mix(uint64_t x) noexcept nogil:
 cdef object _UINT64_END = 1 << 64
 cdef object _MISSING = object()
 DEF MIN_SLOTS = 8
+# Records moved into a grown slot table per addition or removal: at least 4 (a table
+# grows again once its count doubles; its records then number at most twice the old
+# table's slots), and few enough that no call waits long.
+DEF MOVE_STEP = 16
+# A table of at most this many records is moved at once when its slots grow.
+DEF MOVE_AT_ONCE = 256
+# Records are compacted only past this many (``_after_removal``).
+DEF COMPACT_FLOOR = 1024
+
+
+cdef int _bits_for(uint64_t largest) noexcept nogil:
+    """The bits a slot's number needs to hold every value up to ``largest`` (at most 32)."""
+    cdef int bits = 0
+    while bits < 32 and (<uint64_t>1 << bits) <= largest:
+        bits += 1
+    return bits
+
+
+cdef inline int _width_for(Py_ssize_t slots, Py_ssize_t used) noexcept nogil:
+    """The number width of a new slot table of ``slots`` slots, made when ``used`` records
+    are handed out. While that table lasts, records number at most the larger of ``used +
+    used // MOVE_STEP + 1`` and ``slots // 2 + 1``: an addition takes a new record only
+    when no freed one waits (then every record is live, and entries fill at most half the
+    slots) or while the table is filled (``_move_some``: each addition moves ``MOVE_STEP``
+    records, and freed ones are not reused meanwhile)."""
+    return _bits_for(max(<uint64_t>(used + used // MOVE_STEP + 1), <uint64_t>(slots // 2 + 1)))
 
 
 cdef class _Table:
@@ -78,6 +108,18 @@ cdef class _Table:
     cdef uint32_t far  # the distance field's largest value, "this far or more" (0: none)
     cdef uint32_t distance_mask  # the distance field in place: far << number_bits
     cdef uint32_t tag_mask  # the bits above both: the tag
+    # While a grown slot table is filled: the one before it (NULL otherwise), its mask and
+    # its slots' number and tag masks. Records below ``moved`` are in ``slots`` (if live);
+    # live ones in [moved, move_end) are in ``old_slots`` only; records from ``move_end``
+    # on were added meanwhile, into ``slots``. ``old_slots`` is only read: a record removed
+    # before it is moved is freed (and not reused until the move ends), and a lookup there
+    # takes a slot only if its record is live, not yet moved and holds the key.
+    cdef uint32_t* old_slots
+    cdef Py_ssize_t old_mask
+    cdef uint32_t old_number_mask
+    cdef uint32_t old_tag_mask
+    cdef Py_ssize_t moved
+    cdef Py_ssize_t move_end
     cdef public dict _other
 
     def __cinit__(self):
@@ -87,12 +129,14 @@ cdef class _Table:
         memset(self.slots, 0, MIN_SLOTS * sizeof(uint32_t))
         self.mask = MIN_SLOTS - 1
         self.records = NULL
-        self._set_widths(0)
+        self.old_slots = NULL
+        self._set_widths(_width_for(MIN_SLOTS, 0))
         self._other = {}
 
     def __dealloc__(self):
         free(self.records)
         free(self.slots)
+        free(self.old_slots)
 
     # --- C level ----------------------------------------------------------------------------
 
@@ -153,14 +197,46 @@ cdef class _Table:
                 return i
             i = (i + 1) & self.mask
 
+    cdef Py_ssize_t _old_number(self, const uint64_t* key) noexcept nogil:
+        """The number of ``key``'s record if it waits in ``old_slots`` to be moved, or -1."""
+        cdef uint64_t h
+        cdef Py_ssize_t i, number
+        cdef uint32_t tag, s
+        if self.old_slots is NULL:
+            return -1
+        h = self._hash(key)
+        i = <Py_ssize_t>(h & self.old_mask)
+        tag = <uint32_t>(h >> 32) & self.old_tag_mask
+        while True:
+            s = self.old_slots[i]
+            if s == 0:
+                return -1
+            if (s & self.old_tag_mask) == tag:
+                number = (s & self.old_number_mask) - 1
+                if (number >= self.moved and self._live(&self.records[number])
+                        and self._same(&self.records[number], key)):
+                    return number
+            i = (i + 1) & self.old_mask
+
     cdef inline void prefetch(self, const uint64_t* key) noexcept nogil:
         """Start fetching the slot ``key`` is looked up from (a hint; nothing changes)."""
         kvroute_prefetch(&self.slots[self._home(key)])
+        if self.old_slots is not NULL:
+            self._prefetch_old(key)
+
+    cdef void _prefetch_old(self, const uint64_t* key) noexcept nogil:
+        kvroute_prefetch(&self.old_slots[<Py_ssize_t>(self._hash(key) & self.old_mask)])
 
     cdef inline Record* find(self, const uint64_t* key) noexcept nogil:
         """``key``'s record in the array, or NULL (``_other`` not looked at)."""
         cdef Py_ssize_t i = self._slot(key)
-        return NULL if i < 0 else &self.records[(self.slots[i] & self.number_mask) - 1]
+        if i >= 0:
+            return &self.records[(self.slots[i] & self.number_mask) - 1]
+        return NULL if self.old_slots is NULL else self._find_old(key)
+
+    cdef Record* _find_old(self, const uint64_t* key) noexcept nogil:
+        cdef Py_ssize_t number = self._old_number(key)
+        return NULL if number < 0 else &self.records[number]
 
     cdef Record* add(self, const uint64_t* key) except NULL:
         """A new record for ``key``, which the caller knows is in neither part: its key
@@ -168,14 +244,18 @@ cdef class _Table:
         cdef Py_ssize_t number, i
         cdef Record* r
         if 2 * (self.count + 1) > self.mask + 1:
-            self._resize_slots(2 * (self.mask + 1))
-        if self.free_head:
+            self._grow_slots()
+        if self.free_head and self.old_slots is NULL:
             number = self.free_head - 1
             self.free_head = <Py_ssize_t>self.records[number].w[0]
         else:
             if self.used == self.capacity:
                 self._grow_records(self.capacity + self.capacity // 2 + 4)
             number = self.used
+            if <uint64_t>number + 1 > self.number_mask:  # past _width_for's bound: never so far
+                self._finish_move()
+                self._set_widths(_bits_for(<uint64_t>number + 1))
+                self._place_all(self.slots)  # before ``used`` counts the new record
             self.used += 1
         r = &self.records[number]
         r.w[0] = key[0]
@@ -183,25 +263,81 @@ cdef class _Table:
             r.w[1] = key[1]
         self._place(self.slots, number)
         self.count += 1
+        if self.old_slots is not NULL:
+            self._move_some()
         return r
+
+    cdef int _grow_slots(self) except -1:
+        """Twice the slots. The records are placed in the new table a few at a time by the
+        calls that follow (``_move_some``), the old table answering meanwhile for those not
+        yet moved, unless there are few."""
+        cdef Py_ssize_t size = 2 * (self.mask + 1)
+        cdef uint32_t* fresh
+        self._finish_move()
+        if self.used <= MOVE_AT_ONCE:
+            self._resize_slots(size)
+            return 0
+        fresh = <uint32_t*>calloc(size, sizeof(uint32_t))  # zero pages, touched as filled
+        if fresh is NULL:
+            raise MemoryError()
+        self.old_slots = self.slots
+        self.old_mask = self.mask
+        self.old_number_mask = self.number_mask
+        self.old_tag_mask = self.tag_mask
+        self.slots = fresh
+        self.mask = size - 1
+        self._set_widths(_width_for(size, self.used))
+        self.moved = 0
+        self.move_end = self.used
+        return 0
+
+    cdef void _move_some(self) noexcept:
+        """Place the next ``MOVE_STEP`` records waiting to be moved (their new slots fetched
+        first), and let the old table go once none waits."""
+        cdef Py_ssize_t number
+        cdef Py_ssize_t end = min(self.moved + MOVE_STEP, self.move_end)
+        for number in range(self.moved, end):
+            kvroute_prefetch(&self.slots[self._home(self.records[number].w)])
+        for number in range(self.moved, end):
+            if self._live(&self.records[number]):
+                self._place(self.slots, number)
+        self.moved = end
+        if end == self.move_end:
+            free(self.old_slots)
+            self.old_slots = NULL
+
+    cdef void _finish_move(self) noexcept:
+        """Move every record still waiting (before anything that renumbers records or
+        replaces the slot table again)."""
+        while self.old_slots is not NULL:
+            self._move_some()
 
     cdef int remove(self, const uint64_t* key) except -1:
         """Forget ``key``'s record; 0 when there was none."""
         cdef Py_ssize_t i = self._slot(key)
+        if i >= 0:
+            self._remove_slot(i)
+            return 1
+        i = self._old_number(key)
         if i < 0:
             return 0
-        self._remove_slot(i)
+        self._free(i)  # its old slot stays; lookups there pass over a freed record
+        self._move_some()
+        self._after_removal()
         return 1
+
+    cdef inline void _free(self, Py_ssize_t number) noexcept:
+        self.records[number].w[0] = <uint64_t>self.free_head
+        self.records[number].w[1] = self.records[number].w[2] = 0  # free (and its key is gone)
+        self.free_head = number + 1
+        self.count -= 1
 
     cdef int _remove_slot(self, Py_ssize_t i) except -1:
         cdef Py_ssize_t number = (self.slots[i] & self.number_mask) - 1
         cdef Py_ssize_t j = i
         cdef Py_ssize_t gap, d
         cdef uint32_t s
-        self.records[number].w[0] = <uint64_t>self.free_head
-        self.records[number].w[1] = self.records[number].w[2] = 0  # free (and its key is gone)
-        self.free_head = number + 1
-        self.count -= 1
+        self._free(number)
         while True:  # shift the rest of the probe run back over the hole at i
             j = (j + 1) & self.mask
             s = self.slots[j]
@@ -217,21 +353,31 @@ cdef class _Table:
             self.slots[i] = (s & ~self.distance_mask) | self._distance(d - gap)
             i = j
         self.slots[i] = 0
+        if self.old_slots is not NULL:
+            self._move_some()
+        return self._after_removal()
+
+    cdef int _after_removal(self) except -1:
+        """Let memory go once the table is empty, mostly freed records or mostly empty slots."""
         if self.count == 0:
             self._reset()
-        elif 4 * self.count < self.used and self.used > 1024:
+        elif 4 * self.count < self.used and self.used > COMPACT_FLOOR:
+            self._finish_move()
             self._compact()
         elif 8 * self.count < self.mask + 1 and self.mask + 1 > MIN_SLOTS:
+            self._finish_move()
             self._resize_slots((self.mask + 1) // 2)
         return 0
 
     cdef int _resize_slots(self, Py_ssize_t size) except -1:
+        """A table of ``size`` slots, every record placed in it at once."""
         cdef uint32_t* fresh = <uint32_t*>malloc(size * sizeof(uint32_t))
         if fresh is NULL:
             raise MemoryError()
         free(self.slots)
         self.slots = fresh
         self.mask = size - 1
+        self._set_widths(_width_for(size, self.used))
         self._place_all(fresh)
         return 0
 
@@ -243,18 +389,7 @@ cdef class _Table:
             raise MemoryError()
         self.records = grown
         self.capacity = capacity
-        cdef int bits = self._bits_needed()
-        if bits != self.number_bits:  # every tag and distance moves with the number's width
-            self._set_widths(bits)
-            self._place_all(self.slots)
         return 0
-
-    cdef int _bits_needed(self) noexcept:
-        """The record number's width the array's capacity needs (number + 1 <= capacity)."""
-        cdef int bits = 0
-        while bits < 32 and (<uint64_t>1 << bits) <= <uint64_t>self.capacity:
-            bits += 1
-        return bits
 
     cdef void _place_all(self, uint32_t* slots) noexcept:
         """Every live record placed afresh in ``slots`` (``mask + 1`` of them, emptied here)."""
@@ -280,22 +415,25 @@ cdef class _Table:
         self.capacity = capacity
         self.used = n
         self.free_head = 0
-        self._set_widths(self._bits_needed())
+        self._set_widths(_width_for(self.mask + 1, self.used))
         self._place_all(self.slots)
         return 0
 
     cdef void _reset(self) noexcept:
         free(self.records)
         self.records = NULL
+        free(self.old_slots)
+        self.old_slots = NULL
         self.capacity = self.used = self.free_head = self.count = 0
-        self._set_widths(0)
         if self.mask + 1 > MIN_SLOTS:
             free(self.slots)
             self.slots = <uint32_t*>malloc(MIN_SLOTS * sizeof(uint32_t))
             self.mask = MIN_SLOTS - 1
+        self._set_widths(_width_for(self.mask + 1, 0))
         memset(self.slots, 0, (self.mask + 1) * sizeof(uint32_t))
 
     cdef int _copy_into(self, _Table other) except -1:
+        self._finish_move()
         other._reset()
         free(other.slots)
         other.slots = <uint32_t*>malloc((self.mask + 1) * sizeof(uint32_t))
@@ -450,6 +588,46 @@ cdef class _Table:
     def __iter__(self):
         return iter(self.keys())
 
+    def check_slots(self):
+        """Raise AssertionError unless the slots hold exactly the live records: each
+        slot of ``slots`` names a live record, none twice, with its key's tag and its true
+        distance from its home, and no empty slot in between; each live record is in
+        ``slots`` or, while a move waits for it, found through ``old_slots``. (Tests.)"""
+        cdef Py_ssize_t i, j, number, home, live = 0
+        cdef uint32_t s
+        cdef bytearray placed = bytearray(self.used)
+        for i in range(self.mask + 1):
+            s = self.slots[i]
+            if s == 0:
+                continue
+            number = (s & self.number_mask) - 1
+            assert 0 <= number < self.used, f"slot {i} names record {number}"
+            assert self._live(&self.records[number]), f"slot {i} names a freed record"
+            assert not placed[number], f"record {number} in two slots"
+            placed[number] = 1
+            home = self._home(self.records[number].w)
+            j = home
+            while j != i:
+                assert self.slots[j] != 0, f"an empty slot between record {number}'s home and it"
+                j = (j + 1) & self.mask
+            assert (s & self.tag_mask) == self._tag(self._hash(self.records[number].w))
+            assert (s & self.distance_mask) == self._distance((i - home) & self.mask)
+        for number in range(self.used):
+            if not self._live(&self.records[number]):
+                continue
+            live += 1
+            if self.old_slots is not NULL and self.moved <= number < self.move_end:
+                assert not placed[number], f"record {number} placed before it was moved"
+                assert self._old_number(self.records[number].w) == number
+            else:
+                assert placed[number], f"live record {number} in no slot"
+        assert live == self.count, f"{live} live records, {self.count} counted"
+
+    @property
+    def moving(self):
+        """Whether a grown slot table is still being filled (the old one answers too)."""
+        return self.old_slots is not NULL
+
     def copy(self):
         fresh = type(self)()
         self._copy_into(fresh)
@@ -475,6 +653,7 @@ cdef class _Table:
 
     def __sizeof__(self):
         return (sizeof(Record) * self.capacity + sizeof(uint32_t) * (self.mask + 1)
+                + (0 if self.old_slots is NULL else sizeof(uint32_t) * (self.old_mask + 1))
                 + sys.getsizeof(self._other) + object.__sizeof__(self))
 
     def __repr__(self):

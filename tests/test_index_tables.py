@@ -78,6 +78,7 @@ def run(table: dict, reference: dict, ops: list[tuple], value_of) -> None:
                 del table[key]
                 del reference[key]
         assert len(table) == len(reference)
+        table.check_slots()
     assert dict(table.items()) == reference
     assert sorted(table.keys(), key=repr) == sorted(reference, key=repr)
     assert sorted(table.values(), key=repr) == sorted(reference.values(), key=repr)
@@ -155,6 +156,7 @@ def test_churn_at_a_steady_size_keeps_every_entry_findable(live: int) -> None:
         if step % 97 == 0:
             assert all(nodes.get(k) == v for k, v in reference.items())
             assert len(nodes) == len(reference)
+            nodes.check_slots()
     assert nodes == reference
 
 
@@ -230,3 +232,78 @@ def test_a_long_probe_run_survives_growth_compaction_and_copies() -> None:
             del table[key], expected[key]
         assert all(table.get(k) == expected[k] for k in crowd[1::2])
         assert table == expected
+
+
+@pytest.mark.parametrize("kind", ["nodes", "handles"])
+def test_entries_stay_right_while_a_grown_table_is_filled(kind: str) -> None:
+    """A grown slot table is filled a few records per call while the old one answers for
+    the rest: additions, removals of moved and unmoved entries, entries added back and
+    values changed meanwhile all read back as a dict's do, through several growths."""
+    rng = random.Random(kind)
+    if kind == "nodes":
+        table, key_of = NodeMap(), lambda n: n.to_bytes(16, "big")
+    else:
+        table, key_of = HandleMap(), lambda n: n * 0x9E3779B97F4A7C15 % 2**64
+    value_of = (lambda n: n + 1) if kind == "nodes" else (lambda n: (n + 1).to_bytes(16, "big"))
+    reference: dict = {}
+    gone: list = []
+    checks_while_moving = 0
+    for step in range(60_000):
+        roll = rng.random()
+        # The oldest entry's record was moved first; the newest may wait, or have come
+        # after the move began.
+        either_end = next(iter(reference) if rng.random() < 0.5 else reversed(reference), None)
+        if roll < 0.6 or len(reference) < 10:
+            key = key_of(step)
+            table[key] = reference[key] = value_of(step)
+        elif roll < 0.8:
+            del table[either_end], reference[either_end]
+            gone.append(either_end)
+        elif roll < 0.9 and gone:
+            key = gone.pop(rng.randrange(len(gone)))
+            table[key] = reference[key] = value_of(step)
+        else:
+            table[either_end] = reference[either_end] = value_of(step)
+        if table.moving and step % 25 == 0:
+            checks_while_moving += 1
+            sample = rng.sample(list(reference), min(100, len(reference)))
+            assert all(table.get(k) == reference[k] for k in sample)
+            assert all(table.get(k) is None for k in gone[-50:])
+            assert len(table) == len(reference)
+            if checks_while_moving % 10 == 0:
+                table.check_slots()
+    assert checks_while_moving > 50  # the moves happened, and were looked into
+    table.check_slots()
+    assert table == reference and table.copy() == reference
+
+
+@pytest.mark.parametrize("then", ["copy", "pickle", "clear", "drain"])
+def test_a_table_copied_cleared_or_drained_while_it_is_filled(then: str) -> None:
+    """What a table does mid-move, it does as a settled one: a copy or a pickle holds every
+    entry, a cleared table starts afresh, and removing nearly all entries (compaction,
+    smaller slot tables) leaves the rest findable."""
+    nodes, reference = NodeMap(), {}
+    n = 0
+    while not nodes.moving or len(reference) < 1000:
+        key = n.to_bytes(16, "little")
+        nodes[key] = reference[key] = n + 1
+        n += 1
+        assert n < 100_000
+    if then == "copy":
+        copied = nodes.copy()
+        assert copied == reference and not copied.moving
+    elif then == "pickle":
+        assert pickle.loads(pickle.dumps(nodes)) == reference
+    elif then == "clear":
+        nodes.clear()
+        reference.clear()
+        assert not nodes.moving and len(nodes) == 0
+    else:
+        for key in list(reference)[:-20]:
+            del nodes[key], reference[key]
+        assert len(nodes) == 20
+    for m in range(n, n + 3_000):  # and it goes on as a dict
+        key = m.to_bytes(16, "little")
+        nodes[key] = reference[key] = m + 1
+    nodes.check_slots()
+    assert nodes == reference
