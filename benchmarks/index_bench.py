@@ -19,6 +19,10 @@ noisy machines:
   and once with every block held by four workers; beside it tracemalloc's traced bytes
   (Python's allocations only: the compiled index's tables are not among them) and the
   index's own estimate (``stats()``).
+- growth: the worst single insertion into the compiled node table (``NodeMap``) while it
+  grows from empty to 1M (and 4M) entries, the caller's longest wait, and its mean; the
+  floor is a dict given the same keys in the same run (it rebuilds its whole table at each
+  growth). A route or a subscriber's turn waits as long as one insertion does.
 
 Ingestion runs once per implementation of the index's loops (compiled when built, then the
 pure reference) on the same batches; queries time both on the same index.
@@ -462,6 +466,33 @@ def _memory_row(shared_by: int) -> dict[str, Any]:
     }
 
 
+def _growth_row(entries: int) -> dict[str, Any]:
+    from kvroute.index._fast import NodeMap
+
+    rng = random.Random(entries)
+    keys = [rng.randbytes(16) for _ in range(entries)]
+    row: dict[str, Any] = {"entries": entries}
+    for name, table in (("table", NodeMap()), ("dict", {})):
+        worst = 0
+        clock = time.perf_counter_ns
+        started = clock()
+        for key in keys:
+            before = clock()
+            table[key] = 1
+            worst = max(worst, clock() - before)
+        row[f"{name}_worst_insert_ms"] = worst / 1e6
+        row[f"{name}_mean_insert_ns"] = (clock() - started) / entries
+        del table
+        gc.collect()
+    return row
+
+
+def bench_growth(quick: bool) -> list[dict[str, Any]]:
+    if not prefix_index.COMPILED_AVAILABLE:
+        return []
+    return [_growth_row(entries) for entries in ((1_000_000,) if quick else (1_000_000, 4_000_000))]
+
+
 def bench_memory(quick: bool) -> list[dict[str, Any]]:
     """Each row in a fresh interpreter, so that what earlier benchmarks freed does not
     hide what the index takes from the system."""
@@ -526,6 +557,16 @@ def table(result: dict[str, Any]) -> str:
             f"{row['implementation']}"
         )
     lines.append(f"  target: <= {TARGET_BYTES_PER_HOLDING} bytes per holding at 1M holdings")
+    if result["growth"]:
+        lines += ["", "growth (one insertion at a time from empty; mean includes the timing "
+                  "of each; floor = a dict given the same keys)",
+                  f"  {'entries':>9} {'worst ms':>9} {'mean ns':>8} {'floor worst ms':>14} "
+                  f"{'floor mean ns':>13}"]
+        for row in result["growth"]:
+            lines.append(
+                f"  {row['entries']:>9,} {row['table_worst_insert_ms']:>9.2f} "
+                f"{row['table_mean_insert_ns']:>8.0f} {row['dict_worst_insert_ms']:>14.2f} "
+                f"{row['dict_mean_insert_ns']:>13.0f}")
     return "\n".join(lines)
 
 
@@ -542,6 +583,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ingestion": bench_ingestion(args.quick),
         "queries": bench_queries(args.quick),
         "memory": bench_memory(args.quick),
+        "growth": bench_growth(args.quick),
     }
     result["seconds"] = round(time.perf_counter() - started, 1)
     emit(result, table(result), json_only=args.json_only)
