@@ -41,7 +41,67 @@ import sys
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc.stdint cimport uint32_t
-from libc.stdlib cimport calloc, free, malloc, realloc
+from libc.stdlib cimport free, malloc, realloc
+
+
+cdef extern from *:
+    """
+    #include <stdlib.h>
+    #include <string.h>
+    #include <sys/mman.h>
+
+    /* The tables' arrays. One of KVROUTE_MAPPED_BYTES or more is mapped from the kernel:
+       its pages are zero until first written, it is given back whole when freed, and it
+       grows by remapping its pages (Linux) rather than by copying its bytes. A smaller
+       one comes from malloc. Which kind an array is follows from its size alone, so the
+       caller passes the size it allocated. */
+    #define KVROUTE_MAPPED_BYTES ((size_t)1 << 20)
+
+    static void* kvroute_array_new(size_t bytes, int zeroed) {
+        void* p;
+        if (bytes >= KVROUTE_MAPPED_BYTES) {
+            p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            return p == MAP_FAILED ? NULL : p;
+        }
+        if (bytes == 0)
+            bytes = 1;
+        return zeroed ? calloc(bytes, 1) : malloc(bytes);
+    }
+
+    static void kvroute_array_free(void* p, size_t bytes) {
+        if (p == NULL)
+            return;
+        if (bytes >= KVROUTE_MAPPED_BYTES)
+            munmap(p, bytes);
+        else
+            free(p);
+    }
+
+    /* ``p`` (``old_bytes``, NULL: none) as ``new_bytes`` (more), its bytes kept; NULL when
+       there is no memory, ``p`` then untouched. */
+    static void* kvroute_array_grow(void* p, size_t old_bytes, size_t new_bytes) {
+        void* q;
+        if (p == NULL)
+            return kvroute_array_new(new_bytes, 0);
+    #ifdef MREMAP_MAYMOVE
+        if (old_bytes >= KVROUTE_MAPPED_BYTES) {
+            q = mremap(p, old_bytes, new_bytes, MREMAP_MAYMOVE);
+            return q == MAP_FAILED ? NULL : q;
+        }
+    #endif
+        if (new_bytes < KVROUTE_MAPPED_BYTES)
+            return realloc(p, new_bytes);
+        q = kvroute_array_new(new_bytes, 0);
+        if (q == NULL)
+            return NULL;
+        memcpy(q, p, old_bytes);
+        kvroute_array_free(p, old_bytes);
+        return q;
+    }
+    """
+    void* kvroute_array_new(size_t bytes, int zeroed) nogil
+    void kvroute_array_free(void* p, size_t bytes) nogil
+    void* kvroute_array_grow(void* p, size_t old_bytes, size_t new_bytes) nogil
 from libc.string cimport memcpy, memset
 from cpython.long cimport PyLong_AsUnsignedLongLong
 
@@ -123,10 +183,9 @@ cdef class _Table:
     cdef public dict _other
 
     def __cinit__(self):
-        self.slots = <uint32_t*>malloc(MIN_SLOTS * sizeof(uint32_t))
+        self.slots = <uint32_t*>kvroute_array_new(MIN_SLOTS * sizeof(uint32_t), 1)
         if self.slots is NULL:
             raise MemoryError()
-        memset(self.slots, 0, MIN_SLOTS * sizeof(uint32_t))
         self.mask = MIN_SLOTS - 1
         self.records = NULL
         self.old_slots = NULL
@@ -134,9 +193,9 @@ cdef class _Table:
         self._other = {}
 
     def __dealloc__(self):
-        free(self.records)
-        free(self.slots)
-        free(self.old_slots)
+        kvroute_array_free(self.records, self.capacity * sizeof(Record))
+        kvroute_array_free(self.slots, (self.mask + 1) * sizeof(uint32_t))
+        kvroute_array_free(self.old_slots, (self.old_mask + 1) * sizeof(uint32_t))
 
     # --- C level ----------------------------------------------------------------------------
 
@@ -277,7 +336,7 @@ cdef class _Table:
         if self.used <= MOVE_AT_ONCE:
             self._resize_slots(size)
             return 0
-        fresh = <uint32_t*>calloc(size, sizeof(uint32_t))  # zero pages, touched as filled
+        fresh = <uint32_t*>kvroute_array_new(size * sizeof(uint32_t), 1)
         if fresh is NULL:
             raise MemoryError()
         self.old_slots = self.slots
@@ -303,7 +362,7 @@ cdef class _Table:
                 self._place(self.slots, number)
         self.moved = end
         if end == self.move_end:
-            free(self.old_slots)
+            kvroute_array_free(self.old_slots, (self.old_mask + 1) * sizeof(uint32_t))
             self.old_slots = NULL
 
     cdef void _finish_move(self) noexcept:
@@ -371,10 +430,10 @@ cdef class _Table:
 
     cdef int _resize_slots(self, Py_ssize_t size) except -1:
         """A table of ``size`` slots, every record placed in it at once."""
-        cdef uint32_t* fresh = <uint32_t*>malloc(size * sizeof(uint32_t))
+        cdef uint32_t* fresh = <uint32_t*>kvroute_array_new(size * sizeof(uint32_t), 0)
         if fresh is NULL:
             raise MemoryError()
-        free(self.slots)
+        kvroute_array_free(self.slots, (self.mask + 1) * sizeof(uint32_t))
         self.slots = fresh
         self.mask = size - 1
         self._set_widths(_width_for(size, self.used))
@@ -384,7 +443,8 @@ cdef class _Table:
     cdef int _grow_records(self, Py_ssize_t capacity) except -1:
         if capacity >= 0xFFFFFFFF:
             raise MemoryError("a table of more than 2**32 - 1 entries")
-        cdef Record* grown = <Record*>realloc(self.records, capacity * sizeof(Record))
+        cdef Record* grown = <Record*>kvroute_array_grow(
+            self.records, self.capacity * sizeof(Record), capacity * sizeof(Record))
         if grown is NULL:
             raise MemoryError()
         self.records = grown
@@ -402,7 +462,7 @@ cdef class _Table:
     cdef int _compact(self) except -1:
         """Move the live records to the front of a new array of about their size."""
         cdef Py_ssize_t capacity = self.count + self.count // 2 + 4
-        cdef Record* fresh = <Record*>malloc(capacity * sizeof(Record))
+        cdef Record* fresh = <Record*>kvroute_array_new(capacity * sizeof(Record), 0)
         cdef Py_ssize_t k, n = 0
         if fresh is NULL:
             raise MemoryError()
@@ -410,7 +470,7 @@ cdef class _Table:
             if self._live(&self.records[k]):
                 fresh[n] = self.records[k]
                 n += 1
-        free(self.records)
+        kvroute_array_free(self.records, self.capacity * sizeof(Record))
         self.records = fresh
         self.capacity = capacity
         self.used = n
@@ -420,14 +480,14 @@ cdef class _Table:
         return 0
 
     cdef void _reset(self) noexcept:
-        free(self.records)
+        kvroute_array_free(self.records, self.capacity * sizeof(Record))
         self.records = NULL
-        free(self.old_slots)
+        kvroute_array_free(self.old_slots, (self.old_mask + 1) * sizeof(uint32_t))
         self.old_slots = NULL
         self.capacity = self.used = self.free_head = self.count = 0
         if self.mask + 1 > MIN_SLOTS:
-            free(self.slots)
-            self.slots = <uint32_t*>malloc(MIN_SLOTS * sizeof(uint32_t))
+            kvroute_array_free(self.slots, (self.mask + 1) * sizeof(uint32_t))
+            self.slots = <uint32_t*>kvroute_array_new(MIN_SLOTS * sizeof(uint32_t), 0)
             self.mask = MIN_SLOTS - 1
         self._set_widths(_width_for(self.mask + 1, 0))
         memset(self.slots, 0, (self.mask + 1) * sizeof(uint32_t))
@@ -435,11 +495,12 @@ cdef class _Table:
     cdef int _copy_into(self, _Table other) except -1:
         self._finish_move()
         other._reset()
-        free(other.slots)
-        other.slots = <uint32_t*>malloc((self.mask + 1) * sizeof(uint32_t))
-        if other.slots is NULL:
-            raise MemoryError()
+        kvroute_array_free(other.slots, (other.mask + 1) * sizeof(uint32_t))
+        other.slots = <uint32_t*>kvroute_array_new((self.mask + 1) * sizeof(uint32_t), 0)
         other.mask = self.mask
+        if other.slots is NULL:
+            other.mask = MIN_SLOTS - 1  # nothing to free; __dealloc__ frees NULL
+            raise MemoryError()
         if self.used:
             other._grow_records(self.used)
             memcpy(other.records, self.records, self.used * sizeof(Record))
