@@ -381,7 +381,6 @@ cdef class _Table:
         if i < 0:
             return 0
         self._free(i)  # its old slot stays; lookups there pass over a freed record
-        self._move_some()
         self._after_removal()
         return 1
 
@@ -412,12 +411,13 @@ cdef class _Table:
             self.slots[i] = (s & ~self.distance_mask) | self._distance(d - gap)
             i = j
         self.slots[i] = 0
-        if self.old_slots is not NULL:
-            self._move_some()
         return self._after_removal()
 
     cdef int _after_removal(self) except -1:
-        """Let memory go once the table is empty, mostly freed records or mostly empty slots."""
+        """Take the move a step on, as an addition does; let memory go once the table is
+        empty, mostly freed records or mostly empty slots."""
+        if self.old_slots is not NULL:
+            self._move_some()
         if self.count == 0:
             self._reset()
         elif 4 * self.count < self.used and self.used > COMPACT_FLOOR:
