@@ -29,6 +29,10 @@ Measured in one run:
   baseline, on the queries' own server path;
 - RSS per holding (growth from before ingest over holdings).
 
+``--rounds N`` ingests both mixes N times, each time in fresh processes of every side,
+and adds each round's ratio of the two rates and their median; the other figures are the
+last round's.
+
 ``--quick`` (what ``make bench`` runs) is a smaller stream, and runs kvroute alone when
 the peer's venv is not there yet (``make bench-peer`` installs it). JSON and a table
 (benchmarks.report), bench-out/peer/peer.json and, with matplotlib, peer.png.
@@ -263,13 +267,47 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "peer_threads": args.peer_threads, "decode_floor": floors}
     if not with_peer:
         result["peer_skipped"] = "no peer venv (make bench-peer installs it)"
+    rounds = []
+    for number in range(1, args.rounds + 1):
+        if args.rounds > 1:
+            print(f"round {number} of {args.rounds}", file=sys.stderr, flush=True)
+        last = number == args.rounds
+        rounds.append(one_round(args, mixes, python, result if last else None))
+    result["ingest"] = rounds[-1]
+    if args.rounds > 1:
+        result["ingest_rounds"] = rounds
+        if with_peer:
+            result["ingest_ratio"] = ratios(rounds)
+    return result
+
+
+def ratios(rounds: list[list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """kvroute's ingest rate over the peer's, per mix: each round's (None where a side did
+    not reach the final state) and their median."""
+    out: dict[str, dict[str, Any]] = {}
+    for rows in rounds:
+        for row in rows:
+            mine, theirs = row["kvroute"]["blocks_per_s"], row["dynamo"]["blocks_per_s"]
+            each = out.setdefault(row["mix"], {"each": []})["each"]
+            each.append(None if not mine or not theirs else mine / theirs)
+    for figures in out.values():
+        known = [x for x in figures["each"] if x is not None]
+        figures["median"] = statistics.median(known) if known else None
+    return out
+
+
+def one_round(args: argparse.Namespace, mixes: list[Mix], python: Path | None,
+              result: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Both mixes ingested by fresh processes of every side: their ingest rows. With a
+    ``result`` to fill (the last round), the holdings' memory and the queries after them
+    too, and the profile, if asked."""
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        publisher, endpoints = start_publisher(workers)
-        kv = Kvroute(workers)
+        publisher, endpoints = start_publisher(args.workers)
+        kv = Kvroute(args.workers)
         sides: list[Side] = [kv]
         if python is not None:
-            sides.append(Dynamo(workers, python, args.peer_threads))
+            sides.append(Dynamo(args.workers, python, args.peer_threads))
         try:
             for side in sides:
                 side.start(endpoints, workdir)  # type: ignore[attr-defined]
@@ -280,27 +318,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # Sampled without stopping kvroute: py-spy's default pauses the process for
             # every sample, and at 500 a second that cut its ingest to a tenth (82k
             # blocks/s), so the profile showed the benchmark's routes more than the ingest.
-            spy = None if args.profile is None else subprocess.Popen(
+            spy = None if args.profile is None or result is None else subprocess.Popen(
                 [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(kv.pid),
                  "--nonblocking", "--format", "raw", "--rate", "1000",
                  "--output", str(args.profile)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            result["ingest"] = [ingest(sides, publisher, m, workdir / f"{m.name}.mix", kv,
-                                       args.timeout) for m in mixes]
+            rows = [ingest(sides, publisher, m, workdir / f"{m.name}.mix", kv, args.timeout)
+                    for m in mixes]
             if spy is not None:
                 spy.send_signal(signal.SIGINT)
                 spy.wait(60)
-            held = sum(m.held_at_end for m in mixes)
-            result["holdings"] = held
-            result["rss_bytes_per_holding"] = {s.name: (s.rss() - rss0[s.name]) / held
-                                               for s in sides}
-            rng = random.Random(20)
-            result["queries"] = queries(sides, mixes[1], args.queries, rng)
+            if result is not None:
+                held = sum(m.held_at_end for m in mixes)
+                result["holdings"] = held
+                result["rss_bytes_per_holding"] = {s.name: (s.rss() - rss0[s.name]) / held
+                                                   for s in sides}
+                rng = random.Random(20)
+                result["queries"] = queries(sides, mixes[1], args.queries, rng)
+            return rows
         finally:
             for side in sides:
                 side.stop()
             stop_publisher(publisher)
-    return result
 
 
 def table(result: dict[str, Any]) -> str:
@@ -333,6 +372,11 @@ def table(result: dict[str, Any]) -> str:
             cells.append(text)
         lines.append(f"| ingest {row['mix']} ({row['stored_blocks']:,} blocks) | "
                      + " | ".join(cells) + f" | {floor:,.0f} blocks/s |")
+    for mix, figures in result.get("ingest_ratio", {}).items():
+        every = ", ".join("-" if x is None else f"{x:.2f}" for x in figures["each"])
+        median = "-" if figures["median"] is None else f"{figures['median']:.2f}x"
+        lines.append(f"| ingest {mix}, kvroute's rate over the peer's, each round |"
+                     f" {every}; median {median} | | |")
     q = result.get("queries", {})
 
     def each(n: str, length: str, text: Callable[[dict[str, Any]], str]) -> str:
@@ -412,6 +456,10 @@ def main() -> None:
     parser.add_argument("--docs-per-worker", type=int, default=15)
     parser.add_argument("--doc-blocks", type=int, default=2048)
     parser.add_argument("--queries", type=int, default=200, help="per prompt length")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="ingest both mixes this many times, each time in fresh processes,"
+                        " and report each round's rate ratio and their median (one run's"
+                        " ratio swings by 0.3x on a busy 2-core machine)")
     parser.add_argument("--timeout", type=float, default=120.0, help="per mix, seconds")
     parser.add_argument("--peer-threads", type=int, default=None,
                         help="the peer's --threads (default: its own default)")
@@ -420,6 +468,8 @@ def main() -> None:
                         help="record kvroute's ingest with py-spy (collapsed stacks) here")
     parser.add_argument("--out", type=Path, default=Path("bench-out/peer"))
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if args.quick:
         args.blocks, args.docs_per_worker, args.queries = 100_000, 2, 50
     result = run(args)
