@@ -9,10 +9,10 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -24,6 +24,7 @@ from kvroute.app.answers import Deleted, Error, Health, Readiness, encode
 from kvroute.app.auth import admin_guard, api_guard
 from kvroute.app.config import ConfigError, Settings, parse_instance
 from kvroute.app.dashboard import PAGES, SECURITY_HEADERS, Page, snapshot
+from kvroute.app.decision_log import DECISIONS_PAGE
 from kvroute.app.discovery import DiscoveryError
 from kvroute.app.errors import (
     AlreadyExists,
@@ -295,6 +296,19 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None,
 
     if settings.proxy:
         add_proxy_routes(app, dependencies=api)
+
+    if settings.decision_log:
+        @app.get("/v1/decisions", dependencies=api)
+        async def decisions(request: Request, since: Annotated[int, Query(ge=0)] = 0,
+                            limit: Annotated[int, Query(ge=1, le=DECISIONS_PAGE)] = DECISIONS_PAGE
+                            ) -> Response:
+            """The decision log (app.decision_log): entries with an id above `since`,
+            oldest first, at most `limit`."""
+            kept = service_of(request).decisions
+            assert kept is not None  # declared only when the log is on
+            return Response(msgspec.json.encode({"capacity": kept.capacity,
+                                                 "decisions": kept.entries(since, limit)}),
+                            media_type="application/json")
 
     @app.get("/v1/dashboard", dependencies=api)
     async def dashboard_data(request: Request) -> Response:

@@ -42,6 +42,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from kvroute.app.decision_log import MAX_DECISION_LOG
 from kvroute.app.endpoints import parse_endpoint
 from kvroute.app.json_body import split_validation
 from kvroute.app.patterns import (
@@ -233,6 +234,8 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
     # Seconds a routing answer counts as "the chosen worker will hold this prompt" before
     # its events confirm it; 0 turns placement guesses off.
     placement_ttl: NonNegative = 2.0
+    # Keep the last N routing decisions for GET /v1/decisions (app.decision_log); 0: off.
+    decision_log: Annotated[int, msgspec.Meta(ge=0, le=MAX_DECISION_LOG)] = 0
     # Bearer tokens (app.auth): api_token for routing, the proxy and the instance list;
     # admin_token for registering and removing instances (api_token when not set).
     api_token: Text | None = None

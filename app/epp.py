@@ -266,7 +266,7 @@ class _Exchange:
                                             else "no instance has an endpoint"))
         # No await since `allowed` was checked against the registry: every id is known.
         question = msgspec.structs.replace(question, candidates=sorted(allowed))
-        decision = await self.service.decide(question, shed_when_overloaded=True)
+        decision = await self.service.decide(question, shed_when_overloaded=True, mode="epp")
         self.decision = decision
         self.endpoint = allowed[decision.worker.instance.id]
         if log.isEnabledFor(logging.DEBUG):

@@ -26,6 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -146,8 +147,11 @@ class HitAccuracy:
         for key in set(self.totals) - keys:
             del self.totals[key]
 
-    def watch(self, key: WorkerKey, predicted: int, prompt_tokens: int) -> HitWatch:
-        return HitWatch(self, key, predicted, prompt_tokens)
+    def watch(self, key: WorkerKey, predicted: int, prompt_tokens: int,
+              reported: Callable[[int], None] | None = None) -> HitWatch:
+        """A watch for one forwarded request; `reported` hears the cached tokens of an
+        answer that is compared."""
+        return HitWatch(self, key, predicted, prompt_tokens, reported)
 
 
 class HitWatch:
@@ -155,11 +159,12 @@ class HitWatch:
     relayed chunks, `finish` once however the relay ended. Never raises into the relay."""
 
     __slots__ = ("_accuracy", "key", "predicted", "prompt_tokens", "_scanner", "_verdict",
-                 "_done")
+                 "_done", "_reported")
 
     def __init__(self, accuracy: HitAccuracy, key: WorkerKey, predicted: int,
-                 prompt_tokens: int) -> None:
+                 prompt_tokens: int, reported: Callable[[int], None] | None = None) -> None:
         self._accuracy = accuracy
+        self._reported = reported
         self.key = key
         self.predicted = predicted
         self.prompt_tokens = prompt_tokens
@@ -196,5 +201,7 @@ class HitWatch:
                 reason = "prompt_mismatch"
             else:
                 self._accuracy.compared(self.key, self.predicted, scanner.cached_tokens)
+                if self._reported is not None:
+                    self._reported(scanner.cached_tokens)
                 return
         self._accuracy.not_compared(self.key, reason or "incomplete")

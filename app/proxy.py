@@ -41,6 +41,7 @@ instances' models. Invariants:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any
@@ -101,13 +102,15 @@ def _forwarded_headers(request: Request, worker: Worker,
     return headers
 
 
-def _relayed_headers(upstream: httpx.Response, worker: Worker,
-                     attempts: int) -> list[tuple[str, str]]:
+def _relayed_headers(upstream: httpx.Response, worker: Worker, attempts: int,
+                     logged: int | None = None) -> list[tuple[str, str]]:
     headers = [(name, value) for name, value in upstream.headers.multi_items()
                if name.lower() not in _NOT_RELAYED]
     headers += [("x-kvroute-instance", worker.instance.id),
                 ("x-kvroute-dp-rank", str(worker.endpoint.dp_rank)),
                 ("x-kvroute-attempts", str(attempts))]
+    if logged is not None:  # the decision's id in GET /v1/decisions
+        headers.append(("x-kvroute-decision", str(logged)))
     return headers
 
 
@@ -180,7 +183,8 @@ class Proxy:
         # left; connections are attempted at most MAX_CONNECT_ATTEMPTS times.
         while True:
             try:
-                decision = await self.service.decide(question, exclude=frozenset(failed))
+                decision = await self.service.decide(question, exclude=frozenset(failed),
+                                                     mode="proxy")
             except NoEligibleWorker as exc:
                 if refused:
                     raise NoEligibleWorker(f"{exc.message}; connection refused by "
@@ -215,8 +219,11 @@ class Proxy:
             "POST", url, content=body, params=request.url.query or None,
             headers=_forwarded_headers(request, worker, self.instance_key))
         ticket = self.service.inflight.open(worker.key, decision.uncached_tokens)
+        decisions = self.service.decisions
         watch = self.service.metrics.hits.watch(
-            worker.key, decision.best.matched_tokens, len(decision.tokens or ()))
+            worker.key, decision.best.matched_tokens, len(decision.tokens or ()),
+            None if decisions is None or decision.logged is None
+            else functools.partial(decisions.outcome, decision.logged))
         relayed = False
         # Unless the relay takes the watch over: "incomplete" when the client left or the
         # task was cancelled, "error" when the instance broke, None when it was never sent.
@@ -225,8 +232,8 @@ class Proxy:
             upstream = await _unless_client_leaves(
                 request, self.client.send(upstream_request, stream=True))
             try:
-                relay = _Relay(upstream, _relayed_headers(upstream, worker, attempt), ticket,
-                               watch)
+                relay = _Relay(upstream, _relayed_headers(upstream, worker, attempt,
+                                                          decision.logged), ticket, watch)
             except BaseException:
                 await upstream.aclose()
                 raise

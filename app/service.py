@@ -36,6 +36,7 @@ from kvroute.app.answers import (
 )
 from kvroute.app.config import Settings
 from kvroute.app.dashboard import RouteActivity
+from kvroute.app.decision_log import DecisionLog
 from kvroute.app.demand import RecentDemand
 from kvroute.app.eligible import Eligible, EligibleCache, eligible_among
 from kvroute.app.errors import (
@@ -139,6 +140,7 @@ class Decision:
     lora_name: str | None = None
     guess_expires: float | None = None
     eligible: int = 0  # workers weighed, shown in `scores` or not
+    logged: int | None = None  # its id in the decision log (None: not logged)
 
     @property
     def uncached_tokens(self) -> int:
@@ -197,6 +199,9 @@ class Service:
         # Route answers, until the instance's own metrics show them (no metrics: not kept).
         self.answers = RecentAnswers(max_age=3 * settings.load_interval)
         self.demand = RecentDemand()
+        # The last decisions, for GET /v1/decisions (app.decision_log); None: not kept.
+        self.decisions = (DecisionLog(settings.decision_log) if settings.decision_log
+                          else None)
         # Decisions per worker and their latency, for the dashboard (app.dashboard).
         self.activity = RouteActivity()
         self.started_at = time.monotonic()
@@ -383,7 +388,7 @@ class Service:
 
     async def decide(self, request: RouteRequest,
                      exclude: frozenset[WorkerKey] = frozenset(), *,
-                     shed_when_overloaded: bool = False) -> Decision:
+                     shed_when_overloaded: bool = False, mode: str = "route") -> Decision:
         """Weigh every eligible worker (minus `exclude`) and choose one; raises a RequestError.
         With `shed_when_overloaded`, a request that finds every eligible worker saturated
         (`routing.Score.saturated`: its waiting queue or its KV cache at the limit) is
@@ -393,7 +398,7 @@ class Service:
         and are kept as keys, grouped by it (`_group`, `routing.WorkerGroup`), and which
         workers are eligible is kept between routes (`app.eligible`), so a route's cost
         follows the work, not the fleet. The decision keeps `TOP_SCORES` scores, or all
-        of them with `request.all_scores`."""
+        of them with `request.all_scores`. `mode` names the caller in the decision log."""
         started = time.perf_counter()
         now = time.monotonic()
         self.answers.settle(now, self.load.last, self.load.typical())
@@ -449,9 +454,14 @@ class Service:
         if tokens:
             self.metrics.match_ratio.observe(best.matched_tokens / len(tokens))
         self.activity.decided(worker.key, time.perf_counter() - started, request.probe)
+        logged = None
+        if self.decisions is not None and not request.probe:
+            logged = self.decisions.record(
+                at=now - self.started_at, mode=mode, prefix=prefix,
+                prompt_tokens=prompt_tokens, chosen=best, scores=shown, eligible=count)
         return Decision(kind=asked.kind, worker=worker, best=best, scores=shown, tokens=tokens,
                         lora_name=lora_name, guess_expires=guess_expires,
-                        eligible=count)
+                        eligible=count, logged=logged)
 
     def retract(self, decision: Decision) -> None:
         """The chosen worker did not take the request (it refused the connection): its

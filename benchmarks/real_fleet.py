@@ -129,6 +129,9 @@ class Fleet:
         self.http.close()
 
 
+#: Decisions each benchmark kvroute keeps: more than one run's requests.
+DECISION_LOG = 20_000
+
 # --- kvroute ------------------------------------------------------------------------------------
 
 
@@ -137,7 +140,9 @@ def start_kvroute(procs: ProcessSet, fleet: Fleet, log_dir: Path, proxy: bool,
     """A fresh kvroute with the engines registered by URL and live; returns it and the
     instance id of each engine name."""
     kv = Kvroute(procs, log_dir)
-    kv.start({"KVROUTE_PROXY": "true" if proxy else "false"})
+    # The decision log (app.decision_log) lets a dipping run be replayed decision by decision.
+    kv.start({"KVROUTE_PROXY": "true" if proxy else "false",
+              "KVROUTE_DECISION_LOG": str(DECISION_LOG)})
     ids = {e.name: kv.register(e.url) for e in fleet.engines}
     for iid in ids.values():
         kv.wait_state(iid, {"live"}, 60.0, say, "after registering")

@@ -341,6 +341,7 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
             else:
                 clock.say(f"  inflight after the run: {inflight['after_run']} -> "
                           f"{inflight['settled']} (ok)")
+            _save_decisions(kv, log_dir / tag / f"decisions-{repeat + 1}.json", clock.say)
             own = own_timings(kv)
             if own:
                 notes.append(own)
@@ -370,6 +371,20 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
               f"{row['errors']} errors, {row['fallbacks']} not routed, {wall:.0f}s, "
               f"prompt tokens {row['engine_prompt_tokens']}")
     return record
+
+
+def _save_decisions(kv: Kvroute, path: Path, say: Callable[[str], None]) -> None:
+    """The run's decision log (app.decision_log), as kvroute kept it, into ``path``."""
+    try:
+        answer = kv.http.get("/v1/decisions", timeout=30.0)
+    except httpx.HTTPError as exc:
+        say(f"  decision log not read: {type(exc).__name__}: {exc}")
+        return
+    if answer.status_code != 200:  # a kvroute started without the log (replicas)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(answer.text)
+    say(f"  decision log: {len(answer.json()['decisions'])} decisions in {path}")
 
 
 def _sched_sample(kv_pid: int | None) -> proc_sched.Sample | None:
