@@ -17,7 +17,8 @@ from msgspec import UNSET, UnsetType
 from kvroute.app.subscription import WorkerState, WorkerStatus
 
 __all__ = [
-    "CostTerms", "Dashboard", "DashboardHits", "DashboardInstance", "DashboardRoutes",
+    "CostTerms", "Dashboard", "DecisionLogAnswer", "LoggedChoice", "LoggedDecision",
+    "LoggedScore", "DashboardHits", "DashboardInstance", "DashboardRoutes",
     "DashboardWorker", "Deleted", "Error", "FleetStatus", "Health", "InstanceDetail",
     "InstanceList",
     "InstanceSummary", "LoadReadings", "MatchAnswer", "MediumCounts", "ModelCard", "ModelList",
@@ -306,3 +307,58 @@ class Dashboard(msgspec.Struct, forbid_unknown_fields=True):
     index_bytes: int
     routes: DashboardRoutes
     instances: list[DashboardInstance]
+
+
+class LoggedScore(msgspec.Struct, forbid_unknown_fields=True):
+    """One weighed worker of a logged decision: its match, its cost terms in prefill tokens
+    (the queue term as weighed: app.steady_queue), and the load readings behind them."""
+
+    instance: str
+    dp_rank: int
+    matched_tokens: int
+    pending_blocks: int
+    cost: float
+    prefill: float
+    copy: float
+    crowding: float
+    queue: float
+    queued_prefill: int
+    running: float
+    inflight: int
+    answered: int
+    metrics_running: float | None
+    metrics_waiting: float | None
+    recent_demand: int
+    overloaded: bool
+
+
+class LoggedChoice(msgspec.Struct, forbid_unknown_fields=True):
+    """The worker a logged decision chose."""
+
+    instance: str
+    dp_rank: int
+    matched_tokens: int
+
+
+class LoggedDecision(msgspec.Struct, forbid_unknown_fields=True):
+    """One decision of the log: when (seconds since kvroute started), for which caller
+    (`route`, `proxy` or `epp`), the prompt's prefix key (its first block's digest), what
+    was weighed and chosen, and the cached tokens the engine reported (proxied requests
+    only; null until the answer's usage is read, and for a route answered to a caller)."""
+
+    id: int
+    at: float
+    mode: str
+    prefix: str
+    prompt_tokens: int | None
+    chosen: LoggedChoice
+    eligible_workers: int
+    scores: list[LoggedScore]
+    cached_tokens: int | None = None
+
+
+class DecisionLogAnswer(msgspec.Struct, forbid_unknown_fields=True):
+    """The kept decisions with an id above `since`, oldest first; the log keeps `capacity`."""
+
+    capacity: int
+    decisions: list[LoggedDecision]

@@ -20,7 +20,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 from starlette.types import Scope
 
-from kvroute.app.answers import Deleted, Error, Health, Readiness, encode
+from kvroute.app.answers import (
+    DecisionLogAnswer,
+    Deleted,
+    Error,
+    Health,
+    Readiness,
+    encode,
+)
 from kvroute.app.auth import admin_guard, api_guard
 from kvroute.app.config import ConfigError, Settings, parse_instance
 from kvroute.app.dashboard import PAGES, SECURITY_HEADERS, Page, snapshot
@@ -306,9 +313,7 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None,
             oldest first, at most `limit`."""
             kept = service_of(request).decisions
             assert kept is not None  # declared only when the log is on
-            return Response(msgspec.json.encode({"capacity": kept.capacity,
-                                                 "decisions": kept.entries(since, limit)}),
-                            media_type="application/json")
+            return _json(DecisionLogAnswer(kept.capacity, kept.entries(since, limit)))
 
     @app.get("/v1/dashboard", dependencies=api)
     async def dashboard_data(request: Request) -> Response:

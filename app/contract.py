@@ -23,6 +23,7 @@ import msgspec
 
 from kvroute.app.answers import (
     Dashboard,
+    DecisionLogAnswer,
     Deleted,
     Error,
     Health,
@@ -34,6 +35,7 @@ from kvroute.app.answers import (
     RouteAnswer,
 )
 from kvroute.app.config import URL_OR_EVENTS, InstanceConfig, Settings
+from kvroute.app.decision_log import DECISIONS_PAGE
 from kvroute.app.openai_request import ChatQuestion, CompletionQuestion
 from kvroute.app.request_body import REGISTRATION_MAX_BYTES
 from kvroute.app.route_request import (
@@ -82,6 +84,8 @@ class Operation:
     guard: Literal["api", "admin"] | None = None
     # Path parameter -> description (its schema is the instance id's).
     parameters: Mapping[str, str] = field(default_factory=dict)
+    # Query parameter -> (description, JSON schema); none is required.
+    query: Mapping[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
 
 
 def _merge(*parts: Mapping[int | str, Answer]) -> dict[int | str, Answer]:
@@ -363,9 +367,32 @@ def _page(what: str, media_type: str) -> Operation:
     )
 
 
+DECISIONS = Operation(
+    summary="The last routing decisions",
+    description=(
+        "Only with `decision_log` set (it is the number of decisions kept, oldest dropped "
+        "first). Per decision: when, for which caller (`route`, `proxy`, `epp`), the "
+        "prompt's prefix key, every shown worker's cost terms and load readings, the choice, "
+        "and for a proxied request the cached tokens the engine reported (the proxy's "
+        "answers carry the decision's id in `x-kvroute-decision`). Probes are not logged. "
+        "Page with `since`."),
+    tag="routing",
+    guard="api",
+    answers=_merge({200: Answer(("the kept decisions with an id above `since`, oldest "
+                                 "first",), DecisionLogAnswer),
+                    422: _why("`since` or `limit` is not a whole number in its range")},
+                   ADMISSION),
+    query={"since": ("only decisions with a larger id (default 0: every kept one)",
+                     {"type": "integer", "minimum": 0, "default": 0}),
+           "limit": ("at most this many decisions",
+                     {"type": "integer", "minimum": 1, "maximum": DECISIONS_PAGE,
+                      "default": DECISIONS_PAGE})},
+)
+
 CONTRACT: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/route"): ROUTE,
     ("POST", "/v1/match"): MATCH,
+    ("GET", "/v1/decisions"): DECISIONS,
     ("GET", "/v1/instances"): LIST_INSTANCES,
     ("POST", "/v1/instances"): ADD_INSTANCE,
     ("GET", "/v1/instances/{instance_id}"): GET_INSTANCE,

@@ -22,8 +22,8 @@ Invariants:
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
 
+from kvroute.app.answers import LoggedChoice, LoggedDecision, LoggedScore
 from kvroute.app.routing import Score
 
 __all__ = ["DECISIONS_PAGE", "MAX_DECISION_LOG", "DecisionLog"]
@@ -34,16 +34,17 @@ MAX_DECISION_LOG = 1_000_000
 DECISIONS_PAGE = 10_000
 
 
-def _score(score: Score) -> dict[str, Any]:
+def _score(score: Score) -> LoggedScore:
     load = score.load
-    return {"instance": score.instance, "dp_rank": score.dp_rank,
-            "matched_tokens": score.matched_tokens, "pending_blocks": score.pending_blocks,
-            "cost": round(score.cost, 1), "prefill": round(score.prefill_cost, 1),
-            "copy": round(score.copy_cost, 1), "crowding": round(score.crowding_cost, 1),
-            "queue": round(score.queue_cost, 1), "queued_prefill": round(score.queued_prefill),
-            "running": score.running, "inflight": load.inflight, "answered": load.answered,
-            "metrics_running": load.running, "metrics_waiting": load.waiting,
-            "recent_demand": load.recent_demand, "overloaded": score.overloaded}
+    return LoggedScore(
+        instance=score.instance, dp_rank=score.dp_rank, matched_tokens=score.matched_tokens,
+        pending_blocks=score.pending_blocks, cost=round(score.cost, 1),
+        prefill=round(score.prefill_cost, 1), copy=round(score.copy_cost, 1),
+        crowding=round(score.crowding_cost, 1), queue=round(score.queue_cost, 1),
+        queued_prefill=round(score.queued_prefill), running=score.running,
+        inflight=load.inflight, answered=load.answered, metrics_running=load.running,
+        metrics_waiting=load.waiting, recent_demand=load.recent_demand,
+        overloaded=score.overloaded)
 
 
 class DecisionLog:
@@ -55,8 +56,8 @@ class DecisionLog:
         if not 0 < capacity <= MAX_DECISION_LOG:
             raise ValueError(f"decision log capacity must be in 1..{MAX_DECISION_LOG}")
         self.capacity = capacity
-        self._entries: deque[dict[str, Any]] = deque(maxlen=capacity)
-        self._by_id: dict[int, dict[str, Any]] = {}
+        self._entries: deque[LoggedDecision] = deque(maxlen=capacity)
+        self._by_id: dict[int, LoggedDecision] = {}
         self._last_id = 0
 
     def record(self, *, at: float, mode: str, prefix: bytes, prompt_tokens: int | None,
@@ -64,14 +65,12 @@ class DecisionLog:
         """Keep one decision made at `at` (seconds on the service's clock); its id."""
         self._last_id += 1
         if len(self._entries) == self.capacity:
-            del self._by_id[self._entries[0]["id"]]
-        entry = {"id": self._last_id, "at": round(at, 4), "mode": mode,
-                 "prefix": prefix.hex()[:16], "prompt_tokens": prompt_tokens,
-                 "chosen": {"instance": chosen.instance, "dp_rank": chosen.dp_rank,
-                            "matched_tokens": chosen.matched_tokens},
-                 "eligible_workers": eligible,
-                 "scores": [_score(score) for score in scores],
-                 "cached_tokens": None}
+            del self._by_id[self._entries[0].id]
+        entry = LoggedDecision(
+            id=self._last_id, at=round(at, 4), mode=mode, prefix=prefix.hex()[:16],
+            prompt_tokens=prompt_tokens,
+            chosen=LoggedChoice(chosen.instance, chosen.dp_rank, chosen.matched_tokens),
+            eligible_workers=eligible, scores=[_score(score) for score in scores])
         self._entries.append(entry)
         self._by_id[self._last_id] = entry
         return self._last_id
@@ -79,12 +78,12 @@ class DecisionLog:
     def outcome(self, entry_id: int, cached_tokens: int) -> None:
         """What the engine reported cached for decision `entry_id` (ignored once dropped)."""
         entry = self._by_id.get(entry_id)
-        if entry is not None and entry["cached_tokens"] is None:
-            entry["cached_tokens"] = cached_tokens
+        if entry is not None and entry.cached_tokens is None:
+            entry.cached_tokens = cached_tokens
 
-    def entries(self, since: int = 0, limit: int | None = None) -> list[dict[str, Any]]:
+    def entries(self, since: int = 0, limit: int | None = None) -> list[LoggedDecision]:
         """Kept entries with an id above `since`, oldest first, at most `limit` of them."""
-        out = [entry for entry in self._entries if entry["id"] > since]
+        out = [entry for entry in self._entries if entry.id > since]
         return out if limit is None else out[:limit]
 
     def __len__(self) -> int:

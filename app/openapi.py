@@ -49,7 +49,7 @@ DESCRIPTION = (
 def reference_settings() -> Settings:
     """The deployment the committed document describes (the tokens' values never appear)."""
     return Settings(proxy=True, api_token="reference", admin_token="reference",
-                    tokenizer="instance")
+                    tokenizer="instance", decision_log=10_000)
 
 
 def _token_of(operation: Operation, settings: Settings) -> str | None:
@@ -121,13 +121,15 @@ def _operation(name: str, path: str, operation: Operation, settings: Settings,
                schemas: _Schemas) -> dict[str, Any]:
     out: dict[str, Any] = {"operationId": name, "summary": operation.summary,
                            "description": operation.description, "tags": [operation.tag]}
-    parameters = re.findall(r"{(\w+)}", path)
+    parameters = [
+        {"name": parameter, "in": "path", "required": True,
+         "description": operation.parameters[parameter],
+         "schema": {"type": "string", "pattern": INSTANCE_ID}}
+        for parameter in re.findall(r"{(\w+)}", path)]
+    parameters += [{"name": name, "in": "query", "required": False, "description": what,
+                    "schema": schema} for name, (what, schema) in operation.query.items()]
     if parameters:
-        out["parameters"] = [
-            {"name": parameter, "in": "path", "required": True,
-             "description": operation.parameters[parameter],
-             "schema": {"type": "string", "pattern": INSTANCE_ID}}
-            for parameter in parameters]
+        out["parameters"] = parameters
     if operation.body is not None:
         out["requestBody"] = {"required": True, "content": {
             JSON: {"schema": schemas.of(operation.body(settings))}}}

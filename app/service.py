@@ -79,6 +79,7 @@ from kvroute.app.routing import (
 )
 from kvroute.app.state_keeper import StateCollector, StateKeeper
 from kvroute.app.state_store import DirectoryStore, StateStore
+from kvroute.app.steady_queue import SteadyQueue
 from kvroute.app.subscription import SubscriberOptions, WorkerKey, WorkerState
 from kvroute.app.tokenizer import Tokenizer, make_tokenizer
 from kvroute.app.valkey import NO_LOAD, PeerLoad, Peers, PeersCollector, ValkeyStore
@@ -199,6 +200,8 @@ class Service:
         # Route answers, until the instance's own metrics show them (no metrics: not kept).
         self.answers = RecentAnswers(max_age=3 * settings.load_interval)
         self.demand = RecentDemand()
+        # Each worker's recent queue cost: a swing does not push a prefix off its holder.
+        self.steady = SteadyQueue()
         # The last decisions, for GET /v1/decisions (app.decision_log); None: not kept.
         self.decisions = (DecisionLog(settings.decision_log) if settings.decision_log
                           else None)
@@ -431,6 +434,7 @@ class Service:
         scores = score_workers([self._view(w, prefix) for w in scored], matches, self.weights,
                                prompt_tokens=prompt_tokens, prompt_blocks=prompt_blocks,
                                held_elsewhere=held)
+        self._steady(scores, eligible, exclude, now)
         best, shown = choose(scores, groups, ties,
                              keep=None if request.all_scores else TOP_SCORES,
                              block_size=block_size)
@@ -462,6 +466,21 @@ class Service:
         return Decision(kind=asked.kind, worker=worker, best=best, scores=shown, tokens=tokens,
                         lora_name=lora_name, guess_expires=guess_expires,
                         eligible=count, logged=logged)
+
+    def _steady(self, scores: list[Score], eligible: Eligible,
+                exclude: frozenset[WorkerKey], now: float) -> None:
+        """Each score's queue term as `app.steady_queue` weighs it, in place: a worker that
+        holds part of the prompt (matched or guessed) counts at most its recent average."""
+        loaded = set()
+        for score in scores:
+            key = (score.instance, score.dp_rank)
+            if score.queue_cost > 0:
+                loaded.add(key)
+            steady = self.steady.observe(key, score.queue_cost, now)
+            if score.matched_tokens or score.pending_blocks:
+                score.queue_cost = steady
+        weighed = _Weighed(eligible.workers, exclude)
+        self.steady.settle(weighed, loaded, now)
 
     def retract(self, decision: Decision) -> None:
         """The chosen worker did not take the request (it refused the connection): its
@@ -727,6 +746,17 @@ class Service:
         return FleetStatus(id=fleet.id, url=fleet.config.url, addresses=list(fleet.addresses),
                            instances=sorted(fleet.members.values()),
                            resolve_failures=fleet.failures, error=fleet.error or UNSET)
+
+
+@dataclass(frozen=True, slots=True)
+class _Weighed:
+    """The workers a route weighed: the eligible ones less those excluded."""
+
+    workers: Mapping[WorkerKey, Worker]
+    exclude: frozenset[WorkerKey]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.workers and key not in self.exclude
 
 
 def _state_store(settings: Settings) -> StateStore | None:

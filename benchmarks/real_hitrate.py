@@ -68,6 +68,7 @@ from benchmarks.real_parts import (
     inflight_leaks,
     make_workload,
     merge,
+    runs_table,
     summarize,
     table,
 )
@@ -134,7 +135,37 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[str]:
         fig.savefig(out / fname, dpi=110)
         plt.close(fig)
         files.append(str(out / fname))
+    files.append(plot_runs(rows, out))
     return files
+
+
+def plot_runs(rows: list[dict[str, Any]], out: Path) -> str:
+    """One panel per (workload, concurrency) cell, one point per run: each router's runs as
+    shares of the partition's median run, so a dip shows where an average would hide it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = list(dict.fromkeys((r["workload"], r["concurrency"]) for r in rows))
+    fig, axes = plt.subplots(1, len(cells), figsize=(4.5 * len(cells), 4.2), squeeze=False)
+    for ax, (wl, level) in zip(axes[0], cells, strict=True):
+        routers = [r for r in rows if (r["workload"], r["concurrency"]) == (wl, level)]
+        for x, r in enumerate(routers):
+            shares = [100 * v for v in r.get("share_repeats") or [] if v is not None]
+            ax.scatter([x] * len(shares), shares, s=22, alpha=0.7)
+        ax.axhline(97, color="grey", linestyle="--", linewidth=0.8)
+        ax.set_xticks(range(len(routers)), [r["router"] for r in routers], rotation=30,
+                      ha="right", fontsize=8)
+        ax.set_title(f"{wl}, {level} client{'s' if level > 1 else ''}", fontsize=9)
+        ax.set_ylabel("run's hit rate, % of the partition's median run")
+    fig.suptitle(f"real vLLM {VLLM_VERSION} (CPU), {len(rows[0]['engine_hits'])} engines: "
+                 "every run")
+    fig.tight_layout()
+    path = out / "runs.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
 
 
 # --- main ---------------------------------------------------------------------------------------
@@ -206,7 +237,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="64 requests per workload, concurrency 1 and 4")
-    parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument("--engines", "--instances", type=int, default=2,
+                        help="vLLM engines (CPU builds of the same tiny model, sharing cores)")
     parser.add_argument("--requests", type=int, default=None,
                         help="requests per workload (default 120, quick 64)")
     parser.add_argument("--concurrency", default=None,
@@ -216,9 +248,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help="comma-separated subset of " + ",".join(WORKLOADS))
     parser.add_argument("--repeat", type=int, default=1,
-                        help="run every cell this many times (routers in a rotating order) and "
-                             "pool the requests: these engines share two cores, so one short "
-                             "run is noisy")
+                        help="run every cell this many times (routers in a rotating order); "
+                             "each run is reported on its own, the worst first, beside the "
+                             "pooled figures")
+    parser.add_argument("--prompts", choices=("tokens", "text"), default="tokens",
+                        help="send token ids (engines without a tokenizer), or text that the "
+                             "engines tokenize and kvroute tokenizes through their /tokenize "
+                             "(tokenizer = \"instance\", a user's default)")
     parser.add_argument("--seed", type=int, default=20261123)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--num-blocks", type=int, default=64, help="KV blocks per engine")
@@ -297,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i in range(args.engines):
             spec = EngineSpec(f"vllm-{i}", venv, model, logs, num_blocks=args.num_blocks,
-                              buffer_steps=args.buffer_steps, cpus=engine_cores)
+                              buffer_steps=args.buffer_steps, cpus=engine_cores,
+                              tokenizer=args.prompts == "text")
             engines.append(Engine(spec, procs))
             clock.say(f"starting {spec.name}: {spec.url}, events :{spec.events_port}, "
                       f"{spec.num_blocks} blocks of {spec.block_size} tokens "
@@ -361,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         "abandon_every": args.abandon_every,
         "lb_deadline_ms": args.lb_deadline_ms or 50,
         "seed": args.seed,
+        "prompts": args.prompts,
         "repeat": args.repeat,
         "concurrency": args.concurrency,
         "routers": args.routers,
@@ -373,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     done = [r for r in rows if not r.get("failed")]
     report["plots"] = plot(done, out) if done else []
-    text = table(rows)
+    text = runs_table(rows) + "\n\n" + table(rows)  # the worst run first
     (out / "real_hitrate.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "real_hitrate.txt").write_text(text + "\n")
     print(json.dumps(report), flush=True)

@@ -360,12 +360,14 @@ def merge(records: Sequence[RunRecord]) -> RunRecord:
         [h for r in records for h in (r.repeat_hit_rates or [hit_rate(r.deltas.values())])])
 
 
-def _by_repeat(outcomes: Iterable[Outcome]) -> list[list[float]]:
-    """The TTFTs of each repetition, in repetition order."""
+def _by_repeat(outcomes: Iterable[Outcome], what: str = "ttft_s") -> list[list[float]]:
+    """One figure (`what`: an Outcome field) of each repetition's requests, in repetition
+    order."""
     times: dict[int, list[float]] = {}
     for o in outcomes:
-        if o.ttft_s is not None:
-            times.setdefault(o.repeat, []).append(o.ttft_s)
+        value = getattr(o, what)
+        if value is not None and not (what == "latency_s" and o.abandoned):
+            times.setdefault(o.repeat, []).append(value)
     return [times[k] for k in sorted(times)]
 
 
@@ -410,6 +412,12 @@ def summarize(run: RunRecord) -> dict[str, Any]:
         "ttft_p90_ms": ms(percentile(ttft, 90)),
         "ttft_p90_repeats_ms": [ms(percentile(times, 90)) for times in _by_repeat(ok)],
         "latency_p50_ms": ms(percentile(latency, 50)),
+        "latency_p90_ms": ms(percentile(latency, 90)),
+        # Each run's request latency (sent to the last token, routing included), in order.
+        "latency_p50_repeats_ms": [ms(percentile(times, 50))
+                                   for times in _by_repeat(ok, "latency_s")],
+        "latency_p90_repeats_ms": [ms(percentile(times, 90))
+                                   for times in _by_repeat(ok, "latency_s")],
         "route_p50_ms": ms(percentile(route, 50)),
         "route_p99_ms": ms(percentile(route, 99)),
         "headers_p50_ms": ms(percentile(headers, 50)),
@@ -460,13 +468,34 @@ def failed_row(workload: str, router: str, concurrency: int, engines: list[str],
 
 def add_partition_share(rows: list[dict[str, Any]]) -> None:
     """Each row's hit rate as a share of the static partition's on the same workload and
-    concurrency (the upper bound these workloads allow), in place."""
-    bound = {(r["workload"], r["concurrency"]): r["hit_rate"]
-             for r in rows if r["router"] == "partition"}
+    concurrency (the upper bound these workloads allow), in place: pooled over the runs
+    (`share_of_partition`), and run by run (`share_repeats`: each run's hit rate over the
+    partition's median run), with the worst run's (`share_worst`) and the median's."""
+    pooled = {(r["workload"], r["concurrency"]): r["hit_rate"]
+              for r in rows if r["router"] == "partition"}
+    median_run = {(r["workload"], r["concurrency"]): median(r.get("hit_rate_repeats"))
+                  for r in rows if r["router"] == "partition"}
     for r in rows:
-        b = bound.get((r["workload"], r["concurrency"]))
+        key = (r["workload"], r["concurrency"])
+        b = pooled.get(key)
         r["share_of_partition"] = (r["hit_rate"] / b if b and r["hit_rate"] is not None
                                    else None)
+        m = median_run.get(key)
+        shares = [h / m if m and h is not None else None
+                  for h in r.get("hit_rate_repeats") or []]
+        r["share_repeats"] = shares
+        known = [x for x in shares if x is not None]
+        r["share_worst"] = min(known) if known else None
+        r["share_median"] = median(known)
+
+
+def median(values: Sequence[float | None] | None) -> float | None:
+    """The median of the known values (the mean of the middle two of an even count)."""
+    known = sorted(v for v in values or [] if v is not None)
+    if not known:
+        return None
+    mid = len(known) // 2
+    return known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
 
 
 def add_added_latency(rows: list[dict[str, Any]]) -> None:
@@ -597,4 +626,37 @@ def table(rows: list[dict[str, Any]]) -> str:
         "inflight: kvroute's load.inflight per worker after the run (a->b: right after -> "
         "settled); anything but 0 is a leak",
     ]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def runs_table(rows: list[dict[str, Any]]) -> str:
+    """Run by run, the worst first: per cell, each router's worst and median run as a share
+    of the partition's median run, then every run's hit rate and request latency p50/p90
+    (ms, sent to last token, routing included), in the order they ran."""
+    head = (f"{'workload':<22} {'conc':>4} {'router':<15} {'worst':>6} {'median':>6} "
+            f"{'pooled':>6} {'lat p90 worst':>13}  runs: hit% (share) p50/p90 ms")
+    lines = [head, "-" * len(head)]
+    previous = None
+    for r in rows:
+        if r.get("failed"):
+            continue
+        key = (r["workload"], r["concurrency"])
+        if previous is not None and key != previous:
+            lines.append("")
+        previous = key
+        hits = r.get("hit_rate_repeats") or []
+        shares = r.get("share_repeats") or [None] * len(hits)
+        p50s = r.get("latency_p50_repeats_ms") or []
+        p90s = r.get("latency_p90_repeats_ms") or []
+        worst_p90 = max((v for v in p90s if v is not None), default=None)
+        runs = "  ".join(
+            f"{_pct(h).strip()}({_pct(sh).strip()}) "
+            f"{_ms(p50s[i] if i < len(p50s) else None).strip()}/"
+            f"{_ms(p90s[i] if i < len(p90s) else None).strip()}"
+            for i, (h, sh) in enumerate(zip(hits, shares, strict=False)))
+        lines.append(f"{r['workload']:<22} {r['concurrency']:>4} {r['router']:<15} "
+                     f"{_pct(r.get('share_worst'))} {_pct(r.get('share_median'))} "
+                     f"{_pct(r.get('share_of_partition'))} {_ms(worst_p90):>13}  {runs}")
+    lines += ["", "worst / median: the worst and the median run's hit rate as a share of the "
+              "partition's median run; pooled: all runs' requests together (hides dips)"]
     return "\n".join(line.rstrip() for line in lines)

@@ -41,6 +41,7 @@ from benchmarks.real_parts import (
 )
 from benchmarks.real_replicas import RedisServer, Replicas, rolling_restart
 from e2e.lb import Balancer, start_balancer
+from e2e.model import text_of
 from e2e.processes import ProcessSet
 from e2e.service import Kvroute
 
@@ -61,8 +62,12 @@ class Sender:
 
     def __init__(self, client: httpx.AsyncClient, fleet: Fleet, router: str, max_tokens: int,
                  abandon_every: int, kvroute: Kvroute | None, ids: dict[str, str],
-                 balancer: Balancer | None = None, replicas: Replicas | None = None) -> None:
+                 balancer: Balancer | None = None, replicas: Replicas | None = None,
+                 text: bool = False) -> None:
         self.client = client
+        # Prompts as text (`e2e.model.text_of`), tokenized by the engines and by kvroute
+        # through the engines' /tokenize, instead of token ids.
+        self.text = text
         self.replicas = replicas
         self.failovers = 0  # route questions a replica did not answer, asked of the next
         self.fleet = fleet
@@ -77,7 +82,8 @@ class Sender:
         self.name_of_url = {e.url.rstrip("/"): e.name for e in fleet.engines}
 
     def body(self, req: Request) -> dict[str, Any]:
-        return {"model": self.fleet.model, "prompt": req.prompt, "max_tokens": self.max_tokens,
+        prompt = text_of(req.prompt) if self.text else req.prompt
+        return {"model": self.fleet.model, "prompt": prompt, "max_tokens": self.max_tokens,
                 "temperature": 0.0, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
 
@@ -101,8 +107,10 @@ class Sender:
             answer = None
             for n, kv in enumerate(kvs):
                 try:
-                    answer = await self.client.post(f"{kv.url}/v1/route",
-                                                    json={"token_ids": req.prompt}, timeout=10.0)
+                    question = ({"prompt": text_of(req.prompt)} if self.text
+                                else {"token_ids": req.prompt})
+                    answer = await self.client.post(f"{kv.url}/v1/route", json=question,
+                                                    timeout=10.0)
                     break
                 except httpx.TransportError as exc:  # a replica going away: ask the next
                     if n + 1 == len(kvs):
@@ -272,7 +280,8 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
             if shared:
                 redis_server = RedisServer(procs, log_dir / tag)
             replicas = Replicas(procs, fleet, log_dir / tag, REPLICA_COUNT,
-                                redis_server.url if redis_server else None, clock.say)
+                                redis_server.url if redis_server else None, clock.say,
+                                text=args.prompts == "text")
             replicas.start_all()
             kv, ids = replicas.kvs[0], dict(replicas.ids)
             clock.say(f"  {REPLICA_COUNT} fresh kvroute replicas at "
@@ -281,7 +290,7 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
                       f"(logs {log_dir.name}/{tag}/replica-*/kvroute.log), engines live: {ids}")
         elif router.startswith("kvroute") or router.endswith("-kvroute"):
             kv, ids = start_kvroute(procs, fleet, log_dir / tag, router == "kvroute-proxy",
-                                    clock.say)
+                                    clock.say, text=args.prompts == "text")
             clock.say(f"  fresh kvroute at {kv.url} (log {log_dir.name}/{tag}/kvroute.log), "
                       f"engines live: {ids}")
         if router in BALANCERS:
@@ -296,7 +305,8 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
         before = {e.name: fleet.metrics(e) for e in fleet.engines}
         sender_args = dict(fleet=fleet, router=router, max_tokens=args.max_tokens,
                            abandon_every=args.abandon_every, kvroute=kv, ids=ids,
-                           balancer=balancer, replicas=replicas)
+                           balancer=balancer, replicas=replicas,
+                           text=args.prompts == "text")
         started = time.monotonic()
         rolling = router in REPLICAS and REPLICAS[router][1]
         faults = (proc_sched.machine_major_faults(), proc_sched.major_faults(os.getpid()))

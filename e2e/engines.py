@@ -34,6 +34,8 @@ class EngineSpec:
     buffer_steps: int | None = None
     # The cores the engine and the processes it spawns may run on (None: the caller's).
     cpus: frozenset[int] | None = None
+    # Load the model folder's tokenizer (text prompts, /tokenize); off: token ids only.
+    tokenizer: bool = False
     http_port: int = field(default_factory=free_port)
     events_port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
@@ -65,7 +67,7 @@ class EngineSpec:
             "--host", "127.0.0.1",
             "--port", str(self.http_port),
             "--load-format", "dummy",
-            "--skip-tokenizer-init",
+            *(() if self.tokenizer else ("--skip-tokenizer-init",)),
             "--block-size", str(self.block_size),
             "--num-gpu-blocks-override", str(self.num_blocks),
             "--max-model-len", str(self.max_model_len),

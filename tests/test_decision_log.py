@@ -36,16 +36,16 @@ def test_the_log_keeps_the_newest_entries_in_order_and_each_outcome_once():
            for i in range(5)]
     assert ids == [1, 2, 3, 4, 5]
     kept = log.entries()
-    assert [e["id"] for e in kept] == [3, 4, 5] and len(log) == 3
-    assert [e["id"] for e in log.entries(since=3)] == [4, 5]
-    assert [e["id"] for e in log.entries(limit=1)] == [3]
-    assert kept[0]["chosen"] == {"instance": "a", "dp_rank": 0, "matched_tokens": 32}
-    assert [s["instance"] for s in kept[0]["scores"]] == ["a", "b"]
-    assert kept[0]["scores"][1]["prefill"] == 100.0
+    assert [e.id for e in kept] == [3, 4, 5] and len(log) == 3
+    assert [e.id for e in log.entries(since=3)] == [4, 5]
+    assert [e.id for e in log.entries(limit=1)] == [3]
+    assert (kept[0].chosen.instance, kept[0].chosen.matched_tokens) == ("a", 32)
+    assert [s.instance for s in kept[0].scores] == ["a", "b"]
+    assert kept[0].scores[1].prefill == 100.0
     log.outcome(4, 32)
     log.outcome(4, 0)  # a second report of one request changes nothing
     log.outcome(1, 16)  # dropped already: ignored
-    assert [e["cached_tokens"] for e in log.entries()] == [None, 32, None]
+    assert [e.cached_tokens for e in log.entries()] == [None, 32, None]
     with pytest.raises(ValueError):
         DecisionLog(0)
 

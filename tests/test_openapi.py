@@ -87,10 +87,11 @@ def test_the_served_document_follows_the_settings():
     plain = Settings(manage_instances=False, max_prompt_tokens=77, max_block_hashes=5,
                      max_prompt_chars=9)
     document = openapi_document(create_app(plain), plain)
-    # No proxy, no instance management: their operations are not described.
+    # No proxy, no instance management, no decision log: their operations are not described.
     assert operations(document) == set(CONTRACT) - {
         ("POST", "/v1/instances"), ("DELETE", "/v1/instances/{instance_id}"),
-        ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models")}
+        ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+        ("GET", "/v1/decisions")}
     # No token: no security scheme and no 401.
     assert "securitySchemes" not in document["components"]
     route = document["paths"]["/v1/route"]["post"]
@@ -127,7 +128,7 @@ def test_kvroute_openapi_with_a_config_prints_that_deployment(tmp_path):
 @pytest.mark.parametrize("docs", [False, True])
 def test_the_document_and_the_docs_page_are_served_only_with_docs_on(docs: bool):
     settings = Settings(host="127.0.0.1", port=0, log_level="warning", docs=docs,
-                        api_token="t", proxy=True)
+                        api_token="t", proxy=True, decision_log=10)
     with BackgroundServer(settings) as server, \
             httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as http:
         served = http.get("/openapi.json")

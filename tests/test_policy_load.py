@@ -1,6 +1,7 @@
 """Cache against load, through the real service: a hot prefix's holder gets busy (long
 requests running on a simulated instance whose steps take real time, seen through its
-/metrics), the prefix spreads; the requests go away, it comes back."""
+/metrics), the prefix spreads once that queue has lasted (app.steady_queue: a swing shorter
+than its window does not move a prefix); the requests go away, it comes back."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import httpx
 
 from kvroute.app.config import Settings
 from kvroute.app.server import BackgroundServer
+from kvroute.app.steady_queue import WINDOW
 from kvroute.sim.cluster import SimCluster
-from tests.conftest import HTTP_TIMEOUT, wait_for
+from tests.conftest import HTTP_TIMEOUT, scaled, wait_for
 
 BLOCK = 16
 BUSY = 24  # requests kept running on the holder
@@ -62,7 +64,7 @@ class Streams:
 
 
 def test_hot_prefix_spreads_when_its_holder_is_busy_and_returns_when_load_falls():
-    with SimCluster(n=2, block_size=BLOCK, num_blocks=2048, time_scale=1.0) as sim:
+    with SimCluster(n=2, block_size=BLOCK, num_blocks=40_000, time_scale=1.0) as sim:
         settings = Settings(host="127.0.0.1", port=0, log_level="warning",
                             load_interval=0.1, placement_ttl=0.0)
         with BackgroundServer(settings) as server, httpx.Client(base_url=server.url,
@@ -79,7 +81,9 @@ def test_hot_prefix_spreads_when_its_holder_is_busy_and_returns_when_load_falls(
             # Before its subscriber is live the holder is refused (503, no "instance").
             wait_for(lambda: (a := best()).get("instance") == holder
                      and a["matched_tokens"] == 20 * BLOCK, "the holder to be known")
-            with Streams(sim.urls[0], BUSY):
+            # Requests that last (in a cache that holds them all and the prefix): a queue
+            # moves a held prefix only once it has stood for about app.steady_queue's window.
+            with Streams(sim.urls[0], BUSY, LONG):
                 last: list[dict] = [{}]
 
                 def spread() -> dict | None:
@@ -90,7 +94,7 @@ def test_hot_prefix_spreads_when_its_holder_is_busy_and_returns_when_load_falls(
                                        and costs[holder] > costs[other]) else None
 
                 busy = wait_for(spread, "the hot prefix to spread away from its busy holder",
-                                timeout=30.0, detail=lambda: last[0].get("scores"))
+                                timeout=scaled(20 * WINDOW), detail=lambda: last[0].get("scores"))
                 scores = {s["instance"]: s for s in busy["scores"]}
                 # The holder still has the prefix; its queue is what costs more now.
                 assert scores[holder]["matched_tokens"] == 20 * BLOCK

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -25,6 +26,7 @@ from benchmarks.real_parts import (
     hit_rate,
     inflight_leaks,
     make_workload,
+    median,
     merge,
     metric_delta,
     multi_turn_chat,
@@ -34,6 +36,7 @@ from benchmarks.real_parts import (
     replica_order,
     restart_points,
     restart_windows,
+    runs_table,
     shared_system_prompts,
     summarize,
     table,
@@ -400,3 +403,39 @@ def test_an_engine_core_split_that_leaves_nothing_or_names_missing_cores_says_so
         split_cores(frozenset({5}), {0, 1})
     with pytest.raises(SystemExit):
         parse_args(["--engine-cores", "one"])
+
+
+def test_each_run_is_reported_beside_the_pool_and_the_worst_comes_first() -> None:
+    partition = summarize(merge([_record("partition", 800.0, repeat=r) for r in range(3)]))
+    runs = [_record("kvroute-proxy", hits, repeat=r)
+            for r, hits in enumerate((800.0, 400.0, 820.0))]
+    runs[1].outcomes[1].latency_s = 4.0  # the dipping run is the slow one too
+    proxy = summarize(merge(runs))
+    rows = [partition, proxy]
+    add_partition_share(rows)
+    assert proxy["share_repeats"] == pytest.approx([1.0, 0.5, 1.025])
+    assert proxy["share_worst"] == pytest.approx(0.5)
+    assert proxy["share_median"] == pytest.approx(1.0)
+    assert proxy["share_of_partition"] == pytest.approx(2020 / 2400)  # the pool hides it
+    assert proxy["latency_p90_repeats_ms"] == [400.0, 4000.0, 400.0]
+    assert proxy["latency_p50_repeats_ms"] == [200.0, 200.0, 200.0]
+    text = runs_table(rows)
+    line = next(ln for ln in text.splitlines() if "kvroute-proxy" in ln)
+    assert " 50.0% 100.0%  84.2%" in line and "4000" in line
+    assert "20.0%(50.0%) 200/4000" in line
+    assert median([3.0, None, 1.0, 2.0, 10.0]) == 2.5 and median([]) is None
+
+
+def test_text_prompts_tokenize_back_to_their_ids() -> None:
+    from tokenizers import Tokenizer
+
+    from e2e.model import VOCAB_SIZE, text_of, tokenizer_json
+
+    tokenizer = Tokenizer.from_str(json.dumps(tokenizer_json()))
+    ids = [3, 4, 31999, 1234, 1234, 17]
+    assert tokenizer.encode(text_of(ids)).ids == ids
+    assert tokenizer.get_vocab_size() == VOCAB_SIZE
+    assert parse_args(["--prompts", "text"]).prompts == "text"
+    assert parse_args([]).prompts == "tokens"
+    with pytest.raises(SystemExit):
+        parse_args(["--prompts", "words"])

@@ -33,6 +33,17 @@ def _store(publisher: EventPublisher, tokens: list[int], block_size: int, first:
                                    block_size=block_size)])
 
 
+class _QueueAsItStands:
+    """A steady queue that weighs every queue as it stands: the grouping is compared here,
+    not the averaging (tests/test_steady_queue.py)."""
+
+    def observe(self, key, queue_cost: float, now: float) -> float:
+        return queue_cost
+
+    def settle(self, weighed, loaded, now: float) -> None:
+        pass
+
+
 def _every_score(service: Service, request, exclude, tokens):
     """What scoring every eligible worker one by one gives (no grouping, no kept set)."""
     instances = ([service.registry.get(c) for c in dict.fromkeys(request.candidates)]
@@ -68,6 +79,7 @@ def test_a_route_chooses_what_scoring_every_worker_chooses():
 
         async def scenario() -> None:
             service = Service(settings)
+            service.steady = _QueueAsItStands()
             await service.start()
             try:
                 await wait_until(lambda: all(w.state == "live"

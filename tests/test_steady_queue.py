@@ -1,0 +1,94 @@
+"""A swing of load does not move a held prefix (app.steady_queue): the queue cost of a worker
+that holds the prompt counts at most its recent average.
+
+The cause it answers, as seen on real engines (docs/decisions.md, "Routing under concurrent
+clients"): when concurrent clients' requests pile onto the engine that holds their prefix
+for a moment, that engine's queue, priced as it stood, outweighed the prefill it saves
+plus the copy a move makes, and the prefix was computed a second time on the other engine,
+which evicted its own prefixes for it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from kvroute.app.config import Settings
+from kvroute.app.server import BackgroundServer
+from kvroute.app.steady_queue import FORGOTTEN, SteadyQueue
+from kvroute.sim.cluster import SimCluster
+from tests.conftest import HTTP_TIMEOUT, wait_for
+
+BLOCK = 16
+A, B, C = ("a", 0), ("b", 0), ("c", 0)
+
+
+def test_a_swing_weighs_a_fraction_and_a_lasting_queue_weighs_in_full():
+    steady = SteadyQueue(window=10.0)
+    assert steady.observe(A, 800.0, 0.0) == 0.0  # it just began
+    swing = steady.observe(A, 800.0, 1.0)
+    assert 70 < swing < 80  # 800 * (1 - e^-0.1)
+    assert steady.observe(A, 800.0, 100.0) > 799  # it lasted: in full
+    assert steady.observe(A, 100.0, 100.0) == 100.0  # it drained: at once
+    assert 100 < steady.average(A, 101.0) < 800
+
+
+def test_a_worker_that_stopped_carrying_load_averages_down_and_is_forgotten():
+    steady = SteadyQueue(window=1.0)
+    steady.observe(A, 500.0, 0.0)
+    steady.observe(B, 500.0, 0.0)
+    steady.observe(C, 500.0, 0.0)
+    steady.observe(A, 500.0, 5.0)
+    steady.observe(B, 500.0, 5.0)
+    steady.observe(C, 500.0, 5.0)
+    # A carries no load from t=5 on; C was not weighed (another model's): it keeps its queue.
+    steady.settle(weighed={A, B}, loaded={B}, now=5.0)
+    assert steady.average(A, 5.0) > 490
+    assert steady.average(A, 8.0) < 500 * 2.72 ** -2.9
+    assert steady.average(C, 8.0) > 499
+    steady.settle(weighed={A, B}, loaded={B}, now=30.0)
+    assert steady.average(A, 30.0) == 0.0 and len(steady) == 2  # A forgotten
+    assert steady.observe(A, 0.0, 31.0) == 0.0 and len(steady) == 2
+    assert FORGOTTEN > 0
+
+
+async def _open_streams(url: str, prompt: list[int], count: int,
+                        instances: list[str]) -> None:
+    """`count` streamed completions of `prompt` through kvroute's proxy, opened one after
+    another and all held open until the last one's headers arrived; the instance that
+    served each goes to `instances`."""
+    async with httpx.AsyncClient(base_url=url, timeout=HTTP_TIMEOUT) as client:
+        streams = []
+        try:
+            for _ in range(count):
+                stream = client.stream("POST", "/v1/completions", json={
+                    "model": "sim-model", "prompt": prompt, "max_tokens": 5000,
+                    "stream": True})
+                response = await stream.__aenter__()
+                streams.append(stream)
+                assert response.status_code == 200
+                instances.append(response.headers["x-kvroute-instance"])
+        finally:
+            for stream in reversed(streams):
+                await stream.__aexit__(None, None, None)
+
+
+def test_requests_piling_onto_a_prefix_holder_stay_there():
+    """22 requests of a held prompt at once, each one weighed with the ones before it in
+    flight on the holder: priced as it stood, the holder's queue passed the prefill it saves
+    plus the copy around the 20th, and the rest computed the prompt on the other worker."""
+    with SimCluster(n=2, block_size=BLOCK, num_blocks=2048, time_scale=1.0) as sim:
+        settings = Settings(host="127.0.0.1", port=0, log_level="warning", proxy=True,
+                            load_interval=0.0)
+        with BackgroundServer(settings) as server, httpx.Client(
+                base_url=server.url, timeout=HTTP_TIMEOUT) as client:
+            ids = [client.post("/v1/instances", json={"url": url}).json()["id"]
+                   for url in sim.urls]
+            hot = [(i * 31) % 20000 + 1 for i in range(20 * BLOCK + 3)]
+            sim.complete(0, hot, max_tokens=1)
+            wait_for(lambda: (a := client.post("/v1/route", json={
+                "token_ids": hot, "probe": True}).json()).get("instance") == ids[0]
+                and a["matched_tokens"] == 20 * BLOCK, "the holder to be known")
+            served: list[str] = []
+            asyncio.run(_open_streams(server.url, hot, 22, served))
+            assert served == [ids[0]] * 22
