@@ -434,7 +434,7 @@ class Service:
         scores = score_workers([self._view(w, prefix) for w in scored], matches, self.weights,
                                prompt_tokens=prompt_tokens, prompt_blocks=prompt_blocks,
                                held_elsewhere=held)
-        self._steady(scores, eligible, exclude, now)
+        self._steady(scores, eligible, exclude, prefix, now)
         best, shown = choose(scores, groups, ties,
                              keep=None if request.all_scores else TOP_SCORES,
                              block_size=block_size)
@@ -468,16 +468,19 @@ class Service:
                         eligible=count, logged=logged)
 
     def _steady(self, scores: list[Score], eligible: Eligible,
-                exclude: frozenset[WorkerKey], now: float) -> None:
+                exclude: frozenset[WorkerKey], prefix: bytes, now: float) -> None:
         """Each score's queue term as `app.steady_queue` weighs it, in place: a worker that
-        holds part of the prompt (matched or guessed) counts at most its recent average."""
+        holds part of the prompt (matched or guessed), or that the prompt's prefix was sent
+        to lately (`app.demand`: it held it, and may have evicted it under the same
+        pressure), counts at most its recent average."""
         loaded = set()
         for score in scores:
             key = (score.instance, score.dp_rank)
             if score.queue_cost > 0:
                 loaded.add(key)
             steady = self.steady.observe(key, score.queue_cost, now)
-            if score.matched_tokens or score.pending_blocks:
+            if (score.matched_tokens or score.pending_blocks
+                    or self.demand.latest(key, prefix, now)):
                 score.queue_cost = steady
         weighed = _Weighed(eligible.workers, exclude)
         self.steady.settle(weighed, loaded, now)

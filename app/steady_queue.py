@@ -11,12 +11,14 @@ its own prefixes to make room, and sent their requests away in turn: on two real
 partition, and one with several 10-14 (docs/decisions.md, "Routing under concurrent
 clients"). A queue that lasts is a reason to move a prefix; a swing is not.
 
-So the queue cost of a worker that holds part of the prompt counts at most its
-exponentially weighted average over the last `WINDOW` seconds: a swing shorter than the
-window weighs a fraction of its height, a queue that stays weighs in full once the window
-has passed, and a queue that drains counts at once (the smaller of the two). The other
-workers' queues count as they stand: where nobody holds the prompt, spreading a burst of new
-prefixes by the queues of the moment is what keeps them apart (app.routing).
+So the queue cost of a worker that holds part of the prompt, or that the prompt's prefix
+was sent to lately (its home: under the same pressure a holder evicts its prefixes, and a
+prefix evicted from its home was then placed anew by the queues of the moment), counts at
+most its exponentially weighted average over the last `WINDOW` seconds. A swing shorter
+than the window weighs a fraction of its height, a queue that stays weighs in full once the
+window has passed, and a queue that drains counts at once (the smaller of the two). The
+other workers' queues count as they stand: for a prefix new to the fleet, spreading a burst
+by the queues of the moment is what keeps new prefixes apart (app.routing).
 
 Invariants:
 

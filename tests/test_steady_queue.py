@@ -92,3 +92,73 @@ def test_requests_piling_onto_a_prefix_holder_stay_there():
             served: list[str] = []
             asyncio.run(_open_streams(server.url, hot, 22, served))
             assert served == [ids[0]] * 22
+
+
+async def _open_mixed(url: str, prompts: list[list[int]],
+                      served: list[tuple[int, str]]) -> httpx.AsyncClient:
+    """One streamed completion through kvroute's proxy per prompt, opened in order and left
+    open; `served` gets (prompt's place, instance). Returns the client holding them."""
+    client = httpx.AsyncClient(base_url=url, timeout=HTTP_TIMEOUT)
+    streams = []
+    for place, prompt in enumerate(prompts):
+        stream = client.stream("POST", "/v1/completions", json={
+            "model": "sim-model", "prompt": prompt, "max_tokens": 5000, "stream": True})
+        response = await stream.__aenter__()
+        assert response.status_code == 200
+        streams.append(stream)
+        served.append((place, response.headers["x-kvroute-instance"]))
+    client.streams = streams  # type: ignore[attr-defined]
+    return client
+
+
+def test_a_prefix_its_home_evicted_goes_back_home_through_a_swing():
+    """A prompt's prefix was sent to H lately and nobody holds it any more (H evicted it).
+    Both workers carry load, H a little more for the moment: priced as it stood, that
+    swing sent the prefix to the other worker, which then held one prefix more than its
+    share (a copy once H computed it again for its next request)."""
+    with SimCluster(n=2, block_size=BLOCK, num_blocks=4096, time_scale=1.0) as sim:
+        settings = Settings(host="127.0.0.1", port=0, log_level="warning", proxy=True,
+                            load_interval=0.0, placement_ttl=0.0)
+        with BackgroundServer(settings) as server, httpx.Client(
+                base_url=server.url, timeout=HTTP_TIMEOUT) as client:
+            home, other = [client.post("/v1/instances", json={"url": url}).json()["id"]
+                           for url in sim.urls]
+            evicted = [(i * 37) % 20000 + 5 for i in range(20 * BLOCK + 3)]
+            on_home = [(i * 41) % 20000 + 7 for i in range(10 * BLOCK + 3)]
+            on_other = [(i * 43) % 20000 + 9 for i in range(10 * BLOCK + 3)]
+            wait_for(lambda: all(i["state"] == "live" for i in client.get(
+                "/v1/instances").json()["instances"]), "both instances live")
+            # The prefix's last route named H (and nothing was stored: H evicted it).
+            sent = client.post("/v1/route", json={"token_ids": evicted, "candidates": [home]})
+            assert sent.status_code == 200 and sent.json()["instance"] == home
+            sim.complete(0, on_home, max_tokens=1)
+            sim.complete(1, on_other, max_tokens=1)
+            for prompt, holder in ((on_home, home), (on_other, other)):
+                wait_for(lambda p=prompt, h=holder: (a := client.post("/v1/route", json={
+                    "token_ids": p, "probe": True}).json()).get("instance") == h
+                    and a["matched_tokens"] == 10 * BLOCK, f"{holder}'s prompt indexed")
+            # Both get busy at once: 10 requests on H, 6 on the other, interleaved.
+            prompts = [on_home, on_other] * 6 + [on_home] * 4
+            served: list[tuple[int, str]] = []
+
+            async def scenario() -> dict:
+                streams = await _open_mixed(server.url, prompts, served)
+                try:
+                    async with httpx.AsyncClient(base_url=server.url,
+                                                 timeout=HTTP_TIMEOUT) as probe:
+                        answer = await probe.post("/v1/route", json={
+                            "token_ids": evicted, "probe": True, "all_scores": True})
+                        return answer.json()
+                finally:
+                    for stream in reversed(streams.streams):  # type: ignore[attr-defined]
+                        await stream.__aexit__(None, None, None)
+                    await streams.aclose()
+
+            answer = asyncio.run(scenario())
+            assert [i for _, i in served] == [home if p is on_home else other
+                                              for p in prompts]
+            scores = {s["instance"]: s for s in answer["scores"]}
+            assert scores[home]["matched_tokens"] == scores[other]["matched_tokens"] == 0
+            # The swing: H's queue stands higher than the other's, and counts less.
+            assert scores[home]["load"]["inflight"] > scores[other]["load"]["inflight"]
+            assert answer["instance"] == home, answer["scores"]
