@@ -82,6 +82,10 @@ class RecentDemand:
         entry = self._workers.get(key)
         return 0.0 if entry is None else self._decayed(entry[0], entry[1], now)
 
+    def workers(self) -> list[WorkerKey]:
+        """The workers some prefix was routed to lately (a copy)."""
+        return list(self._workers)
+
     def latest(self, key: WorkerKey, prefix: bytes, now: float) -> float:
         """What the prompt last sent to `key` with `prefix` adds to its demand at `now` (0.0
         when none is remembered): `of` less this is what other prefixes ask of its cache."""

@@ -10,13 +10,16 @@ Each eligible worker gets a cost in *prefill tokens*, the unit an engine spends:
               worker holds
     crowding = crowded_token * uncached tokens of this prompt
               * (others - least others) / others, between workers that carry load
+              and those that hold prefixes lately, once one of them carries load
               (others: the prompts of other prefixes sent there lately, `app.demand`)
     queue   = queued_prefill_token * prefill tokens queued ahead of it
             + running_request * requests running there (decode pressure)
     cost    = prefill + copy + crowding + queue
 
 So "the prefix is cached on the busy worker" and "the idle worker must compute the
-whole prompt" are compared in the same unit. A queued token weighs less than a token to
+whole prompt" are compared in the same unit. (The service weighs the queue term of a
+prompt's holders and of its prefix's recent home at no more than its recent average:
+`app.steady_queue`.) A queued token weighs less than a token to
 compute (a quarter by default) because the two are not the same price: the wait for the
 busy worker is paid once, by this request, while computing the prefix on another worker
 also stores a second copy of it there, evicting other prefixes whose next requests then
@@ -40,7 +43,11 @@ by a coincidence of the queues. (Same bench: without it, the queues alone placed
 system prompts four to two in 2 of 5 runs per mode, and prefixes evicted from their
 holder under load moved to the other engine; each such run lost 10-15 points of hit rate.
 Priced at one token per token, 1 run of 10 still did; at two, none of 18.)
-It weighs only between workers that carry load: between idle ones demand breaks the tie.
+It weighs between the workers that carry load and, beside them, the idle workers that were
+sent prefixes lately (a worker idle for a moment still holds its prefixes: priced without
+it, a prefix its busy home had evicted went to the idle worker, which then held one
+prefix more than its share; docs/decisions.md, "Routing under concurrent clients"). When
+no worker carries load it weighs nothing: between idle ones demand breaks the tie.
 
 What kvroute knows of a worker's queue, and which of it counts:
 - in proxy mode, exactly the requests it forwarded and has not seen end (`inflight`), each
@@ -246,19 +253,22 @@ def score_workers(
 
     The prefill cost counts against `prompt_tokens`, or for a block-hash query
     against `prompt_blocks` times each worker's block size; `held_elsewhere` is the
-    longest match (tokens) among all the eligible workers, `workers` or not. The crowding
-    term compares those of `workers` that carry load (a queue cost above 0) among
-    themselves; the others pay none.
+    longest match (tokens) among all the eligible workers, `workers` or not. When one of
+    `workers` carries load (a queue cost above 0), the crowding term compares those that
+    carry load or have recent demand among themselves; the others pay none.
     """
     scores = [score_worker(view, matches.get(view.key), weights, prompt_tokens=prompt_tokens,
                            prompt_blocks=prompt_blocks, held_elsewhere=held_elsewhere)
               for view in workers]
     if len(scores) < 2 or not weights.crowded_token:
         return scores
-    loaded = [i for i, score in enumerate(scores) if score.queue_cost > 0]
-    if len(loaded) > 1:
+    if not any(score.queue_cost > 0 for score in scores):
+        return scores
+    weighed = [i for i, score in enumerate(scores)
+               if score.queue_cost > 0 or workers[i].recent_demand > 0]
+    if len(weighed) > 1:
         others = {i: workers[i].recent_demand if workers[i].other_demand is None
-                  else workers[i].other_demand for i in loaded}
+                  else workers[i].other_demand for i in weighed}
         least = min(others.values())
         for i, other in others.items():
             if other > least:  # set here, on a score still being made (replace: ~14 µs)

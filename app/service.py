@@ -529,10 +529,13 @@ class Service:
                ) -> tuple[list[Worker], list[WorkerGroup], int | None]:
         """(workers to score one by one, groups of the others, smallest block size of all)
         for a prompt of `prompt_tokens` tokens of which some eligible worker holds `held`
-        (`routing.copy_cost`). Workers that carry load are scored; the
-        others cost only their prefill, so they are grouped by it: those matching the same
-        blocks, and the idle ones. Costs the matched and loaded workers, not the fleet."""
+        (`routing.copy_cost`). Workers that carry load are scored, and while any does, so
+        are those with recent demand (the crowding term weighs them); the others cost only
+        their prefill, so they are grouped by it: those matching the same blocks, and the
+        idle ones. Costs the matched, loaded and lately used workers, not the fleet."""
         busy = self._busy()
+        if busy:  # the crowding term weighs idle workers that hold prefixes too (app.routing)
+            busy.update(self.demand.workers())
         workers = eligible.workers
         scored = [workers[key] for key in busy if key in workers and key not in exclude]
         by_cost: dict[float, list[WorkerKey]] = {}

@@ -162,3 +162,50 @@ def test_a_prefix_its_home_evicted_goes_back_home_through_a_swing():
             # The swing: H's queue stands higher than the other's, and counts less.
             assert scores[home]["load"]["inflight"] > scores[other]["load"]["inflight"]
             assert answer["instance"] == home, answer["scores"]
+
+
+def test_an_idle_worker_that_holds_more_prefixes_does_not_take_a_busy_homes_prefix():
+    """H's prefix was evicted there under load; the other worker is idle for the moment but
+    was sent two prefixes lately against H's one. Without the crowding term for idle
+    workers the idle one took the prefix (cheaper by H's queue) and held three."""
+    with SimCluster(n=2, block_size=BLOCK, num_blocks=4096, time_scale=1.0) as sim:
+        settings = Settings(host="127.0.0.1", port=0, log_level="warning", proxy=True,
+                            load_interval=0.0, placement_ttl=0.0)
+        with BackgroundServer(settings) as server, httpx.Client(
+                base_url=server.url, timeout=HTTP_TIMEOUT) as client:
+            home, other = [client.post("/v1/instances", json={"url": url}).json()["id"]
+                           for url in sim.urls]
+            wait_for(lambda: all(i["state"] == "live" for i in client.get(
+                "/v1/instances").json()["instances"]), "both instances live")
+            evicted = [(i * 37) % 20000 + 5 for i in range(20 * BLOCK + 3)]
+            on_home = [(i * 41) % 20000 + 7 for i in range(20 * BLOCK + 3)]
+            on_other = [[(i * m) % 20000 + 11 for i in range(20 * BLOCK + 3)] for m in (47, 53)]
+            for prompt, holder in ((evicted, home), *((p, other) for p in on_other)):
+                sent = client.post("/v1/route", json={"token_ids": prompt,
+                                                      "candidates": [holder]})
+                assert sent.status_code == 200 and sent.json()["instance"] == holder
+            sim.complete(0, on_home, max_tokens=1)
+            wait_for(lambda: (a := client.post("/v1/route", json={
+                "token_ids": on_home, "probe": True}).json()).get("instance") == home
+                and a["matched_tokens"] == 20 * BLOCK, "H's prompt indexed")
+            served: list[tuple[int, str]] = []
+
+            async def scenario() -> dict:
+                streams = await _open_mixed(server.url, [on_home] * 8, served)
+                try:
+                    async with httpx.AsyncClient(base_url=server.url,
+                                                 timeout=HTTP_TIMEOUT) as probe:
+                        answer = await probe.post("/v1/route", json={
+                            "token_ids": evicted, "probe": True, "all_scores": True})
+                        return answer.json()
+                finally:
+                    for stream in reversed(streams.streams):  # type: ignore[attr-defined]
+                        await stream.__aexit__(None, None, None)
+                    await streams.aclose()
+
+            answer = asyncio.run(scenario())
+            assert [i for _, i in served] == [home] * 8
+            scores = {s["instance"]: s for s in answer["scores"]}
+            assert scores[other]["load"]["inflight"] == 0 < scores[home]["load"]["inflight"]
+            assert scores[other]["cost_terms"]["crowding"] > 0
+            assert answer["instance"] == home, answer["scores"]
