@@ -291,6 +291,7 @@ _KVROUTE_HEADERS = {
     "x-kvroute-instance": "the instance the request went to",
     "x-kvroute-dp-rank": "its data-parallel rank",
     "x-kvroute-attempts": "connections tried, this one included",
+    "x-kvroute-decision": "the decision's id in `GET /v1/decisions` (only with `decision_log`)",
 }
 
 

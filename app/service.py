@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from msgspec import UNSET
@@ -391,7 +391,8 @@ class Service:
 
     async def decide(self, request: RouteRequest,
                      exclude: frozenset[WorkerKey] = frozenset(), *,
-                     shed_when_overloaded: bool = False, mode: str = "route") -> Decision:
+                     shed_when_overloaded: bool = False,
+                     mode: Literal["route", "proxy", "epp"] = "route") -> Decision:
         """Weigh every eligible worker (minus `exclude`) and choose one; raises a RequestError.
         With `shed_when_overloaded`, a request that finds every eligible worker saturated
         (`routing.Score.saturated`: its waiting queue or its KV cache at the limit) is
