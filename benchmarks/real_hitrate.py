@@ -262,6 +262,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the cores the engines run on, e.g. 1 or 2-3 (default: every core "
                              "but the first, which the clients, kvroute and the balancers "
                              "keep; 'shared': no split)")
+    parser.add_argument("--front-ends", choices=("engines", "clients"), default="engines",
+                        help="with the cores split, where the engines' HTTP front ends (the "
+                             "`vllm serve` processes: HTTP, tokenizing, /tokenize, streaming) "
+                             "run: on the engines' cores (default), or on the clients' and "
+                             "kvroute's, as on a GPU machine, where only the forward pass "
+                             "runs on the accelerator")
     parser.add_argument("--buffer-steps", type=int, default=None,
                         help="KV-event batches each engine's replay keeps (default: vLLM's "
                              "10,000); short, a kvroute started from nothing misses what was "
@@ -341,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"(log {logs / (spec.name + '.log')})")
             engines[-1].start()
         wait_ready(engines, args.boot_timeout, clock.say)
+        if own_cores is not None and args.front_ends == "clients":
+            for engine in engines:
+                engine.move_front_end(own_cores)
+            clock.say(f"engines' HTTP front ends moved to cores {sorted(own_cores)}")
         fleet = Fleet(engines, str(model), clock.say)
         # Each repetition visits the routers in a rotated order, so no router always runs
         # first (or last) in a cell when the machine's load drifts.
@@ -393,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_blocks": args.num_blocks,
         "buffer_steps": args.buffer_steps,
         "engine_cores": sorted(engine_cores) if engine_cores else "shared",
+        "front_ends": args.front_ends if engine_cores else "shared",
         "max_model_len": engines[0].spec.max_model_len if engines else None,
         "max_tokens": args.max_tokens,
         "abandon_every": args.abandon_every,

@@ -6,6 +6,7 @@ restarts, so kvroute sees the same endpoints come back with a fresh engine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -137,6 +138,16 @@ class Engine:
     def kill(self) -> None:
         if self.proc is not None:
             self.proc.kill()
+
+    def move_front_end(self, cpus: frozenset[int]) -> None:
+        """Run the engine's HTTP front end (the `vllm serve` process: HTTP, tokenizing,
+        streaming) on `cpus` from now on, every thread of it; its engine-core and worker
+        processes stay where they were started. On a GPU machine the front end runs on the
+        host's cores and only the forward pass on the accelerator. Call once it serves."""
+        assert self.proc is not None and self.proc.pid is not None
+        for task in os.listdir(f"/proc/{self.proc.pid}/task"):
+            with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+                os.sched_setaffinity(int(task), cpus)
 
     def poll_ready(self) -> bool:
         """True once /health answers 200; raises if the process died."""

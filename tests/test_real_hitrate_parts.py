@@ -437,5 +437,7 @@ def test_text_prompts_tokenize_back_to_their_ids() -> None:
     assert tokenizer.get_vocab_size() == VOCAB_SIZE
     assert parse_args(["--prompts", "text"]).prompts == "text"
     assert parse_args([]).prompts == "tokens"
+    assert parse_args([]).front_ends == "engines"
+    assert parse_args(["--front-ends", "clients"]).front_ends == "clients"
     with pytest.raises(SystemExit):
         parse_args(["--prompts", "words"])
