@@ -373,8 +373,9 @@ DECISIONS = Operation(
     description=(
         "Only with `decision_log` set (it is the number of decisions kept, oldest dropped "
         "first). Per decision: when, for which caller (`route`, `proxy`, `epp`), the "
-        "prompt's prefix key, every shown worker's cost terms and load readings, the choice, "
-        "and for a proxied request the cached tokens the engine reported (the proxy's "
+        "prompt's prefix key, the cost terms and load readings of the cheapest shown workers "
+        "(at most 8), the choice, and for a proxied request the cached tokens the engine "
+        "reported (the proxy's "
         "answers carry the decision's id in `x-kvroute-decision`). Probes are not logged. "
         "Page with `since`."),
     tag="routing",

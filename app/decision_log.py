@@ -10,8 +10,8 @@ for requests the proxy relayed, the cached tokens vLLM reported in the answer's 
 Invariants:
 
 - Memory is bounded: at most `capacity` entries, the oldest dropped first; an entry holds
-  the scores its decision shows (`TOP_SCORES`, or every one with `all_scores`), never the
-  prompt's tokens.
+  at most `LOGGED_SCORES` of the scores its decision shows, cheapest first (a route asking
+  for `all_scores` over a large fleet logs no more), never the prompt's tokens.
 - Ids count up from 1 in the order decisions were made; `since` reads only newer ones, so
   a poller misses nothing that is still kept.
 - An outcome is recorded at most once per entry, and only while the entry is kept; a route
@@ -22,16 +22,19 @@ Invariants:
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice
 
 from kvroute.app.answers import LoggedChoice, LoggedDecision, LoggedScore
 from kvroute.app.routing import Score
 
-__all__ = ["DECISIONS_PAGE", "MAX_DECISION_LOG", "DecisionLog"]
+__all__ = ["DECISIONS_PAGE", "LOGGED_SCORES", "MAX_DECISION_LOG", "DecisionLog"]
 
 # The largest log a setting may ask for (app.config bounds `decision_log` by it).
 MAX_DECISION_LOG = 1_000_000
 # The most entries one GET /v1/decisions answers: page on with `since`.
 DECISIONS_PAGE = 10_000
+# The most weighed workers one entry keeps (the chosen one is always named in `chosen`).
+LOGGED_SCORES = 8
 
 
 def _score(score: Score) -> LoggedScore:
@@ -70,7 +73,8 @@ class DecisionLog:
             id=self._last_id, at=round(at, 4), mode=mode, prefix=prefix.hex()[:16],
             prompt_tokens=prompt_tokens,
             chosen=LoggedChoice(chosen.instance, chosen.dp_rank, chosen.matched_tokens),
-            eligible_workers=eligible, scores=[_score(score) for score in scores])
+            eligible_workers=eligible,
+            scores=[_score(score) for score in islice(scores, LOGGED_SCORES)])
         self._entries.append(entry)
         self._by_id[self._last_id] = entry
         return self._last_id
@@ -83,8 +87,11 @@ class DecisionLog:
 
     def entries(self, since: int = 0, limit: int | None = None) -> list[LoggedDecision]:
         """Kept entries with an id above `since`, oldest first, at most `limit` of them."""
-        out = [entry for entry in self._entries if entry.id > since]
-        return out if limit is None else out[:limit]
+        if not self._entries:
+            return []
+        # Ids are consecutive: the first one above `since` is found by its offset.
+        start = max(since - self._entries[0].id + 1, 0)
+        return list(islice(self._entries, start, None if limit is None else start + limit))
 
     def __len__(self) -> int:
         return len(self._entries)

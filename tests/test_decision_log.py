@@ -9,7 +9,7 @@ import pytest
 
 from kvroute.app.answers import LoadReadings
 from kvroute.app.config import ConfigError, Settings, load_settings
-from kvroute.app.decision_log import DECISIONS_PAGE, DecisionLog
+from kvroute.app.decision_log import DECISIONS_PAGE, LOGGED_SCORES, DecisionLog
 from kvroute.app.routing import Score
 from kvroute.app.server import BackgroundServer
 from kvroute.sim.cluster import SimCluster
@@ -121,3 +121,22 @@ def test_proxied_and_routed_decisions_are_logged_with_what_the_engine_cached():
                     assert answer.json()["error"]
         finally:
             server.stop()
+
+
+def test_an_entry_keeps_at_most_a_few_scores_and_paging_follows_the_ids():
+    log = DecisionLog(1000)
+    many = [score(f"w{i}", 0, 100.0 + i) for i in range(50)]
+    for i in range(30):
+        log.record(at=float(i), mode="route", prefix=b"p" * 16, prompt_tokens=100,
+                   chosen=many[0], scores=many, eligible=50)
+    assert all(len(e.scores) == LOGGED_SCORES for e in log.entries())
+    assert [e.id for e in log.entries(since=27)] == [28, 29, 30]
+    assert [e.id for e in log.entries(since=5, limit=2)] == [6, 7]
+    assert log.entries(since=30) == [] and log.entries(since=10_000) == []
+    small = DecisionLog(3)
+    for i in range(10):
+        small.record(at=float(i), mode="proxy", prefix=b"p" * 16, prompt_tokens=None,
+                     chosen=many[0], scores=many[:1], eligible=1)
+    assert [e.id for e in small.entries()] == [8, 9, 10]
+    assert [e.id for e in small.entries(since=2)] == [8, 9, 10]  # older ones are gone
+    assert [e.id for e in small.entries(since=8, limit=1)] == [9]
