@@ -8,7 +8,7 @@ client's first request arrives at once). Priced as they stood at that instant, t
 moved hot prefixes onto the other engine, which then held a second copy of them, evicted
 its own prefixes to make room, and sent their requests away in turn: on two real engines at
 16 and 32 clients, a run with one such move lost 3-5 points of hit rate against a static
-partition, and one with several 10-14 (docs/decisions.md, "Routing under concurrent
+partition, and one with several 5-14 (docs/decisions.md, "Routing under concurrent
 clients"). A queue that lasts is a reason to move a prefix; a swing is not.
 
 So the queue cost of a worker that holds part of the prompt, or that the prompt's prefix
@@ -41,7 +41,7 @@ from kvroute.app.subscription import WorkerKey
 __all__ = ["FORGOTTEN", "WINDOW", "SteadyQueue"]
 
 # Longer than a request's life under load (a swing passes within it), short enough that a
-# worker that stays busier than the others sheds its prefixes within seconds.
+# worker that stays busier than the others sheds its prefixes within a window or two.
 WINDOW = 10.0
 # An average below this many prefill tokens is no queue at all.
 FORGOTTEN = 1.0
