@@ -81,14 +81,14 @@ class Sender:
         self.name_of_id = {iid: name for name, iid in ids.items()}
         self.name_of_url = {e.url.rstrip("/"): e.name for e in fleet.engines}
 
-    def body(self, req: Request) -> dict[str, Any]:
-        prompt = text_of(req.prompt) if self.text else req.prompt
+    def body(self, prompt: str | list[int]) -> dict[str, Any]:
         return {"model": self.fleet.model, "prompt": prompt, "max_tokens": self.max_tokens,
                 "temperature": 0.0, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
 
     async def __call__(self, req: Request) -> Outcome:
         out = Outcome(req.index, len(req.prompt))
+        prompt = text_of(req.prompt) if self.text else req.prompt  # as the engines get it
         abandon = self.abandon_every > 0 and (req.index + 1) % self.abandon_every == 0
         engines = self.fleet.engines
         started = time.monotonic()
@@ -107,8 +107,7 @@ class Sender:
             answer = None
             for n, kv in enumerate(kvs):
                 try:
-                    question = ({"prompt": text_of(req.prompt)} if self.text
-                                else {"token_ids": req.prompt})
+                    question = {"prompt" if self.text else "token_ids": prompt}
                     answer = await self.client.post(f"{kv.url}/v1/route", json=question,
                                                     timeout=10.0)
                     break
@@ -148,15 +147,15 @@ class Sender:
             if out.engine is None:
                 out.error = f"routed to an unknown URL {url}"
                 return out
-        await self._stream(url, req, headers, started, out, abandon)
+        await self._stream(url, prompt, headers, started, out, abandon)
         return out
 
-    async def _stream(self, url: str, req: Request, headers: dict[str, str], started: float,
-                      out: Outcome, abandon: bool) -> None:
+    async def _stream(self, url: str, prompt: str | list[int], headers: dict[str, str],
+                      started: float, out: Outcome, abandon: bool) -> None:
         usage = None
         finished = False
         try:
-            async with self.client.stream("POST", f"{url}/v1/completions", json=self.body(req),
+            async with self.client.stream("POST", f"{url}/v1/completions", json=self.body(prompt),
                                           headers=headers) as response:
                 out.headers_s = time.monotonic() - started
                 if self.named_by_answer:
@@ -264,6 +263,7 @@ async def client_phase(workload: Workload, concurrency: int, sender_args: dict[s
 def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
             concurrency: int, args: argparse.Namespace, log_dir: Path, clock: Clock,
             repeat: int = 0) -> RunRecord:
+    text = args.prompts == "text"
     label = f"{workload.name} x{concurrency} {router}" + (f" #{repeat + 1}" if repeat else "")
     clock.say(f"run {label}: resetting the engines' prefix caches")
     notes = fleet.prepare()
@@ -280,8 +280,7 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
             if shared:
                 redis_server = RedisServer(procs, log_dir / tag)
             replicas = Replicas(procs, fleet, log_dir / tag, REPLICA_COUNT,
-                                redis_server.url if redis_server else None, clock.say,
-                                text=args.prompts == "text")
+                                redis_server.url if redis_server else None, clock.say, text=text)
             replicas.start_all()
             kv, ids = replicas.kvs[0], dict(replicas.ids)
             clock.say(f"  {REPLICA_COUNT} fresh kvroute replicas at "
@@ -290,7 +289,7 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
                       f"(logs {log_dir.name}/{tag}/replica-*/kvroute.log), engines live: {ids}")
         elif router.startswith("kvroute") or router.endswith("-kvroute"):
             kv, ids = start_kvroute(procs, fleet, log_dir / tag, router == "kvroute-proxy",
-                                    clock.say, text=args.prompts == "text")
+                                    clock.say, text=text)
             clock.say(f"  fresh kvroute at {kv.url} (log {log_dir.name}/{tag}/kvroute.log), "
                       f"engines live: {ids}")
         if router in BALANCERS:
@@ -305,8 +304,7 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
         before = {e.name: fleet.metrics(e) for e in fleet.engines}
         sender_args = dict(fleet=fleet, router=router, max_tokens=args.max_tokens,
                            abandon_every=args.abandon_every, kvroute=kv, ids=ids,
-                           balancer=balancer, replicas=replicas,
-                           text=args.prompts == "text")
+                           balancer=balancer, replicas=replicas, text=text)
         started = time.monotonic()
         rolling = router in REPLICAS and REPLICAS[router][1]
         faults = (proc_sched.machine_major_faults(), proc_sched.major_faults(os.getpid()))
@@ -384,17 +382,26 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
 
 
 def _save_decisions(kv: Kvroute, path: Path, say: Callable[[str], None]) -> None:
-    """The run's decision log (app.decision_log), as kvroute kept it, into ``path``."""
-    try:
-        answer = kv.http.get("/v1/decisions", timeout=30.0)
-    except httpx.HTTPError as exc:
-        say(f"  decision log not read: {type(exc).__name__}: {exc}")
-        return
-    if answer.status_code != 200:  # a kvroute started without the log (replicas)
-        return
+    """The run's decision log (app.decision_log), as kvroute kept it, into ``path``: page
+    after page (`since`), so a log longer than one answer is saved whole."""
+    decisions: list[dict[str, Any]] = []
+    while True:
+        try:
+            answer = kv.http.get("/v1/decisions",
+                                 params={"since": decisions[-1]["id"] if decisions else 0},
+                                 timeout=30.0)
+        except httpx.HTTPError as exc:
+            say(f"  decision log not read: {type(exc).__name__}: {exc}")
+            return
+        if answer.status_code != 200:  # a kvroute started without the log (replicas)
+            return
+        page = answer.json()
+        if not page["decisions"]:
+            break
+        decisions += page["decisions"]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(answer.text)
-    say(f"  decision log: {len(answer.json()['decisions'])} decisions in {path}")
+    path.write_text(json.dumps({"capacity": page["capacity"], "decisions": decisions}))
+    say(f"  decision log: {len(decisions)} decisions in {path}")
 
 
 def _sched_sample(kv_pid: int | None) -> proc_sched.Sample | None:
