@@ -483,8 +483,9 @@ class Service:
             if (score.matched_tokens or score.pending_blocks
                     or self.demand.latest(key, prefix, now)):
                 score.queue_cost = steady
-        weighed = _Weighed(eligible.workers, exclude)
-        self.steady.settle(weighed, loaded, now)
+        # The weighed workers not carrying load (another model's keep their queues).
+        self.steady.settle(lambda key: key in eligible and key not in exclude
+                           and key not in loaded, now)
 
     def retract(self, decision: Decision) -> None:
         """The chosen worker did not take the request (it refused the connection): its
@@ -753,17 +754,6 @@ class Service:
         return FleetStatus(id=fleet.id, url=fleet.config.url, addresses=list(fleet.addresses),
                            instances=sorted(fleet.members.values()),
                            resolve_failures=fleet.failures, error=fleet.error or UNSET)
-
-
-@dataclass(frozen=True, slots=True)
-class _Weighed:
-    """The workers a route weighed: the eligible ones less those excluded."""
-
-    workers: Mapping[WorkerKey, Worker]
-    exclude: frozenset[WorkerKey]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.workers and key not in self.exclude
 
 
 def _state_store(settings: Settings) -> StateStore | None:

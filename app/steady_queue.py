@@ -34,7 +34,7 @@ Invariants:
 from __future__ import annotations
 
 import math
-from collections.abc import Container
+from collections.abc import Callable
 
 from kvroute.app.subscription import WorkerKey
 
@@ -70,10 +70,9 @@ class SteadyQueue:
         entry[1] = queue_cost
         return min(queue_cost, average)
 
-    def settle(self, weighed: Container[WorkerKey], loaded: Container[WorkerKey],
-               now: float) -> None:
-        """Every worker in `weighed` but not in `loaded` carries no load from `now` on."""
-        for key in [key for key in self._workers if key in weighed and key not in loaded]:
+    def settle(self, idle: Callable[[WorkerKey], bool], now: float) -> None:
+        """Every worker for which `idle` says so carries no load from `now` on."""
+        for key in [key for key in self._workers if idle(key)]:
             entry = self._workers[key]
             average = self._advance(entry, now)
             entry[1] = 0.0

@@ -40,7 +40,7 @@ class _QueueAsItStands:
     def observe(self, key, queue_cost: float, now: float) -> float:
         return queue_cost
 
-    def settle(self, weighed, loaded, now: float) -> None:
+    def settle(self, idle, now: float) -> None:
         pass
 
 

@@ -44,11 +44,11 @@ def test_a_worker_that_stopped_carrying_load_averages_down_and_is_forgotten():
     steady.observe(B, 500.0, 5.0)
     steady.observe(C, 500.0, 5.0)
     # A carries no load from t=5 on; C was not weighed (another model's): it keeps its queue.
-    steady.settle(weighed={A, B}, loaded={B}, now=5.0)
+    steady.settle(lambda key: key == A, now=5.0)
     assert steady.average(A, 5.0) > 490
     assert steady.average(A, 8.0) < 500 * 2.72 ** -2.9
     assert steady.average(C, 8.0) > 499
-    steady.settle(weighed={A, B}, loaded={B}, now=30.0)
+    steady.settle(lambda key: key == A, now=30.0)
     assert steady.average(A, 30.0) == 0.0 and len(steady) == 2  # A forgotten
     assert steady.observe(A, 0.0, 31.0) == 0.0 and len(steady) == 2
     assert FORGOTTEN > 0
