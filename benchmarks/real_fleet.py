@@ -136,16 +136,16 @@ DECISION_LOG = 20_000
 
 
 def start_kvroute(procs: ProcessSet, fleet: Fleet, log_dir: Path, proxy: bool,
-                  say: Callable[[str], None], text: bool = False
+                  say: Callable[[str], None], tokenizer: str | None = None
                   ) -> tuple[Kvroute, dict[str, str]]:
     """A fresh kvroute with the engines registered by URL and live; returns it and the
-    instance id of each engine name. With `text`, it tokenizes text prompts with the
-    instances' /tokenize (`tokenizer = "instance"`, the proxy's default anyway)."""
+    instance id of each engine name. `tokenizer` is its setting for text prompts: "instance"
+    (the engines' /tokenize, the proxy's default anyway) or a tokenizer.json folder."""
     kv = Kvroute(procs, log_dir)
     # The decision log (app.decision_log) lets a dipping run be replayed decision by decision.
     kv.start({"KVROUTE_PROXY": "true" if proxy else "false",
               "KVROUTE_DECISION_LOG": str(DECISION_LOG),
-              **({"KVROUTE_TOKENIZER": "instance"} if text else {})})
+              **({"KVROUTE_TOKENIZER": tokenizer} if tokenizer else {})})
     ids = {e.name: kv.register(e.url) for e in fleet.engines}
     for iid in ids.values():
         kv.wait_state(iid, {"live"}, 60.0, say, "after registering")

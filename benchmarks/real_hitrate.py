@@ -255,6 +255,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="send token ids (engines without a tokenizer), or text that the "
                              "engines tokenize and kvroute tokenizes through their /tokenize "
                              "(tokenizer = \"instance\", a user's default)")
+    parser.add_argument("--kvroute-tokenizer", choices=("instance", "local"), default="instance",
+                        help="with text prompts, how kvroute tokenizes them: through the "
+                             "engines' /tokenize (default), or with the model's tokenizer.json "
+                             "read by kvroute itself (no call to the engines)")
     parser.add_argument("--seed", type=int, default=20261123)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--num-blocks", type=int, default=64, help="KV blocks per engine")
@@ -410,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         "lb_deadline_ms": args.lb_deadline_ms or 50,
         "seed": args.seed,
         "prompts": args.prompts,
+        "kvroute_tokenizer": args.kvroute_tokenizer if args.prompts == "text" else None,
         "repeat": args.repeat,
         "concurrency": args.concurrency,
         "routers": args.routers,

@@ -79,13 +79,13 @@ class Replicas:
 
     def __init__(self, procs: ProcessSet, fleet: Fleet, log_dir: Path, count: int,
                  state_url: str | None, say: Callable[[str], None],
-                 text: bool = False) -> None:
+                 tokenizer: str | None = None) -> None:
         self.fleet = fleet
         self.say = say
         self.kvs = [Kvroute(procs, log_dir / f"replica-{i}") for i in range(count)]
         self.settings = {"KVROUTE_PROXY": "false", "KVROUTE_STATE_DIR": ""}
-        if text:  # text prompts, tokenized by the engines' /tokenize
-            self.settings["KVROUTE_TOKENIZER"] = "instance"
+        if tokenizer:  # text prompts: "instance" or a tokenizer.json folder
+            self.settings["KVROUTE_TOKENIZER"] = tokenizer
         if state_url is not None:
             self.settings["KVROUTE_STATE_URL"] = state_url
         self.in_service = [False] * count

@@ -264,6 +264,10 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
             concurrency: int, args: argparse.Namespace, log_dir: Path, clock: Clock,
             repeat: int = 0) -> RunRecord:
     text = args.prompts == "text"
+    # kvroute's `tokenizer` setting: none for token ids; for text, the engines' /tokenize or
+    # the model folder's tokenizer.json
+    tokenizer = None if not text else (
+        "instance" if args.kvroute_tokenizer == "instance" else fleet.model)
     label = f"{workload.name} x{concurrency} {router}" + (f" #{repeat + 1}" if repeat else "")
     clock.say(f"run {label}: resetting the engines' prefix caches")
     notes = fleet.prepare()
@@ -280,7 +284,8 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
             if shared:
                 redis_server = RedisServer(procs, log_dir / tag)
             replicas = Replicas(procs, fleet, log_dir / tag, REPLICA_COUNT,
-                                redis_server.url if redis_server else None, clock.say, text=text)
+                                redis_server.url if redis_server else None, clock.say,
+                                tokenizer=tokenizer)
             replicas.start_all()
             kv, ids = replicas.kvs[0], dict(replicas.ids)
             clock.say(f"  {REPLICA_COUNT} fresh kvroute replicas at "
@@ -289,7 +294,7 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
                       f"(logs {log_dir.name}/{tag}/replica-*/kvroute.log), engines live: {ids}")
         elif router.startswith("kvroute") or router.endswith("-kvroute"):
             kv, ids = start_kvroute(procs, fleet, log_dir / tag, router == "kvroute-proxy",
-                                    clock.say, text=text)
+                                    clock.say, tokenizer=tokenizer)
             clock.say(f"  fresh kvroute at {kv.url} (log {log_dir.name}/{tag}/kvroute.log), "
                       f"engines live: {ids}")
         if router in BALANCERS:
