@@ -2,7 +2,7 @@
 # Build: docker build -t kvroute .    Run: docker run -p 8080:8080 kvroute
 
 # The wheel, built where a C compiler is: the index's compiled loops (index/_fast.pyx)
-# and the route's token reader (app/_token_scan.pyx) ingest two to three times faster
+# and the route's token reader (app/api/_token_scan.pyx) ingest two to three times faster
 # than their pure Python references. The image that runs kvroute carries no compiler.
 FROM python:3.11-slim AS build
 
@@ -24,7 +24,7 @@ COPY app ./app
 COPY sim ./sim
 # Without a compiler the build would still pass, with the pure loops: here that is an error.
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
-    && python -c "import glob, sys, zipfile; names = zipfile.ZipFile(glob.glob('/wheels/kvroute-*.whl')[0]).namelist(); missing = [m for m in ('kvroute/index/_fast.', 'kvroute/app/_token_scan.', 'kvroute/app/_live_drain.') if not any(n.startswith(m) and n.endswith('.so') for n in names)]; sys.exit(f'compiled modules missing from the wheel: {missing}' if missing else 0)"
+    && python -c "import glob, sys, zipfile; names = zipfile.ZipFile(glob.glob('/wheels/kvroute-*.whl')[0]).namelist(); missing = [m for m in ('kvroute/index/_fast.', 'kvroute/app/api/_token_scan.', 'kvroute/app/ingest/_live_drain.') if not any(n.startswith(m) and n.endswith('.so') for n in names)]; sys.exit(f'compiled modules missing from the wheel: {missing}' if missing else 0)"
 
 FROM python:3.11-slim
 

@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 .PHONY: run test bench bench-full bench-real bench-fleet bench-peer lint e2e e2e-dashboard e2e-lb clean
 
 # index/_fast.pyx: the editable install compiles the index's loops; a changed source rebuilds.
-$(STAMP): pyproject.toml index/_fast.pyx index/_keys.pxi index/_tables.pxi index/_batch.pxi app/_token_scan.pyx app/_live_drain.pyx
+$(STAMP): pyproject.toml index/_fast.pyx index/_keys.pxi index/_tables.pxi index/_batch.pxi app/api/_token_scan.pyx app/ingest/_live_drain.pyx
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'

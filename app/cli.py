@@ -62,7 +62,7 @@ def _serve(args: argparse.Namespace) -> int:
              "fleets": [{"url": url} for url in args.fleet] or None,
              "dns_refresh_seconds": args.dns_refresh_seconds}
     settings = load_settings(args.config, flags=flags)
-    from kvroute.app.fleet_resources import raise_open_files
+    from kvroute.app.fleet.limits import raise_open_files
 
     raise_open_files(settings)  # a fleet too large for the process: one line, exit 2
     # log_level governs kvroute's own loggers too (debug: every proxy decision's scores).
@@ -83,8 +83,8 @@ def _add_openapi(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _openapi(args: argparse.Namespace) -> int:
-    from kvroute.app.api import create_app
-    from kvroute.app.openapi import markdown_table, openapi_document, reference_settings, render
+    from kvroute.app.api.openapi import markdown_table, openapi_document, reference_settings, render
+    from kvroute.app.http.app import create_app
 
     settings = reference_settings() if args.config is None else load_settings(args.config)
     document = openapi_document(create_app(settings), settings)
@@ -112,7 +112,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from kvroute.app import tail
+    from kvroute.app.ingest import tail
 
     parser = argparse.ArgumentParser(prog="kvroute",
                                      description="KV-cache-aware routing for vLLM fleets")
@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _demo(args)
         if args.command == "openapi":
             return _openapi(args)
-        from kvroute.app import tail
+        from kvroute.app.ingest import tail
 
         return tail.run(args)
     except ConfigError as exc:

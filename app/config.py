@@ -42,9 +42,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from kvroute.app.decision_log import MAX_DECISION_LOG
-from kvroute.app.endpoints import parse_endpoint
-from kvroute.app.json_body import split_validation
+from kvroute.app.api.json_body import split_validation
+from kvroute.app.fleet.endpoints import parse_endpoint
 from kvroute.app.patterns import (
     API_KEY,
     HTTP_ORIGIN,
@@ -56,8 +55,9 @@ from kvroute.app.patterns import (
     documented,
     matches,
 )
-from kvroute.app.routing import CostWeights
-from kvroute.app.subscription import SubscriberOptions
+from kvroute.app.routing.cost import CostWeights
+from kvroute.app.routing.decision_log import MAX_DECISION_LOG
+from kvroute.app.workers import SubscriberOptions
 
 _COSTS = CostWeights()  # the one place the cost defaults are written
 _PUBLISHER_BOUNDS = SubscriberOptions()  # and the publisher bounds
@@ -175,7 +175,7 @@ class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
 
     Each address the name resolves to is an instance, `http(s)://ADDRESS:PORT` with the
     url's scheme and port, discovered by that URL and named `<id>@<address>`; the name is
-    resolved again every `dns_refresh_seconds` (app.fleet). After construction `url` has
+    resolved again every `dns_refresh_seconds` (app.fleet.dns). After construction `url` has
     no trailing slash and `id` is set (default: the url's host)."""
 
     url: described(str, HTTP_ORIGIN)
@@ -199,7 +199,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
     host: Text = "127.0.0.1"
     port: Port = 8000
     instances: tuple[InstanceConfig, ...] = ()
-    # DNS names followed as fleets (app.fleet), and how often each is resolved again.
+    # DNS names followed as fleets (app.fleet.dns), and how often each is resolved again.
     fleets: tuple[FleetConfig, ...] = ()
     dns_refresh_seconds: Seconds = 10.0
     # Size limits protect the event loop: a query is O(prompt length).
@@ -219,7 +219,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
     # The proxy sends the instance's own `api_key` instead of the client's Authorization
     # (always so when api_token is set: the client's header then holds kvroute's token).
     proxy_instance_key: bool = False
-    # Routing cost weights, in prefill tokens; their defaults are app.routing.CostWeights'.
+    # Routing cost weights, in prefill tokens; their defaults are app.routing.cost.CostWeights'.
     cost_miss_token: NonNegative = _COSTS.miss_token
     cost_cpu_hit_token: NonNegative = _COSTS.cpu_hit_token
     cost_storage_hit_token: NonNegative = _COSTS.storage_hit_token
@@ -234,9 +234,9 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
     # Seconds a routing answer counts as "the chosen worker will hold this prompt" before
     # its events confirm it; 0 turns placement guesses off.
     placement_ttl: NonNegative = 2.0
-    # Keep the last N routing decisions for GET /v1/decisions (app.decision_log); 0: off.
+    # Keep the last N routing decisions for GET /v1/decisions (app.routing.decision_log); 0: off.
     decision_log: Annotated[int, msgspec.Meta(ge=0, le=MAX_DECISION_LOG)] = 0
-    # Bearer tokens (app.auth): api_token for routing, the proxy and the instance list;
+    # Bearer tokens (app.http.auth): api_token for routing, the proxy and the instance list;
     # admin_token for registering and removing instances (api_token when not set).
     api_token: Text | None = None
     admin_token: Text | None = None
@@ -270,7 +270,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
     # fleet-wide; each worker's 5 s interval is jittered by half.
     idle_checks_per_second: Seconds = 50.0  # a positive finite number, like Seconds
     # `kvroute serve` freezes the fleet's objects out of the garbage collector's passes
-    # (app.gc_freeze); at most this often, once the fleet has been quiet for 5 s after a
+    # (app.fleet.gc_freeze); at most this often, once the fleet has been quiet for 5 s after a
     # change, it unfreezes, collects and freezes again, freeing the garbage the freezes
     # kept. 0: never.
     gc_refreeze_interval: NonNegative = 3600.0
@@ -282,7 +282,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
     max_event_message_bytes: Positive = _PUBLISHER_BOUNDS.max_message_bytes
     max_blocks_per_event: Positive = _PUBLISHER_BOUNDS.max_blocks_per_event
     max_blocks_per_worker: Positive = _PUBLISHER_BOUNDS.max_blocks_per_worker
-    # Saved state (app.saved_state): the index is saved every state_save_interval seconds
+    # Saved state (app.state.format): the index is saved every state_save_interval seconds
     # and on shutdown, to a directory or to Valkey/Redis (redis://, rediss://, unix://),
     # and loaded on start. With state_url, replicas also share placement guesses and load.
     state_dir: Text | None = None
@@ -293,7 +293,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
     # Saved holdings that no replay could confirm count like placement guesses for this
     # long, unless real events replace them first.
     unconfirmed_ttl: Seconds = _PUBLISHER_BOUNDS.unconfirmed_ttl
-    # The Endpoint Picker (app.epp): Envoy's ext_proc gRPC service on this port, on `host`;
+    # The Endpoint Picker (app.epp.stream): Envoy's ext_proc gRPC service on this port, on `host`;
     # None: off. Gateways of the Gateway API Inference Extension ask it where each request
     # goes (README, "kvroute as an Endpoint Picker").
     epp_port: Port | None = None
@@ -491,7 +491,7 @@ def load_settings(
     """Layer defaults < file < environment (KVROUTE_*) < flags; instances accumulate.
 
     `KVROUTE_INSTANCES` is a comma-separated list of instance URLs, `KVROUTE_FLEETS` one
-    of fleet URLs (DNS names, app.fleet); fleets accumulate like instances. Every other
+    of fleet URLs (DNS names, app.fleet.dns); fleets accumulate like instances. Every other
     setting `x` is read from `KVROUTE_X`. Flags with value None are "not given".
     Each layer is checked on its own first, so an error names the layer it is in.
     """
@@ -566,7 +566,7 @@ def _check_epp(settings: Settings) -> None:
     if not settings.epp_tls and (settings.epp_tls_certfile or settings.epp_client_ca):
         raise ConfigError("epp_tls is off: epp_tls_certfile, epp_tls_keyfile and "
                           "epp_client_ca need it on", "epp_tls")
-    from kvroute.app.epp_tls import check_pem_files  # cryptography: only with the EPP on
+    from kvroute.app.epp.tls import check_pem_files  # cryptography: only with the EPP on
 
     try:
         check_pem_files(settings.epp_tls_certfile, settings.epp_tls_keyfile,

@@ -1,6 +1,6 @@
 """Why a request cannot be answered as asked, in the service's own terms.
 
-The service, the proxy and the tokenizer raise these; only the HTTP layer (`app.api`)
+The service, the proxy and the tokenizer raise these; only the HTTP layer (`app.http.app`)
 knows which status each kind is answered with, so nothing below it speaks HTTP. Every
 kind carries a message for people, the request field at fault when there is one, and
 optional extra detail that the JSON answer includes.

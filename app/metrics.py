@@ -19,9 +19,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from kvroute.app.hit_accuracy import HitAccuracy
-from kvroute.app.registry import Registry
-from kvroute.app.subscription import COUNTERS, WorkerState
+from kvroute.app.fleet.registry import Registry
+from kvroute.app.routing.accuracy import HitAccuracy
+from kvroute.app.workers import COUNTERS, WorkerState
 
 __all__ = ["ServiceMetrics", "CONTENT_TYPE"]
 
@@ -147,7 +147,7 @@ class ServiceMetrics:
             "kvroute_match_errors", "match queries answered with an error",
             labelnames=["status"], registry=self.registry,
         )
-        # The proxy's predicted-vs-actual cached tokens (app.hit_accuracy).
+        # The proxy's predicted-vs-actual cached tokens (app.routing.accuracy).
         self.hits = HitAccuracy(self.registry)
 
     async def render(self) -> bytes:

@@ -8,7 +8,7 @@ Every connection is bounded before the app sees a request (`BoundedHttpProtocol`
 `max_connections` are open at once, its request headers must arrive within
 `header_timeout` and fit in MAX_HEADER_BYTES, and an idle keep-alive connection closes
 after `keep_alive_timeout`. The body's own deadline is
-the app's (app.request_body), since only the app knows when it reads one.
+the app's (app.http.request_body), since only the app knows when it reads one.
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from kvroute.app.answers import Error, encode
-from kvroute.app.api import create_app
+from kvroute.app.api.answers import Error, encode
 from kvroute.app.config import Settings
-from kvroute.app.fleet import Resolver
-from kvroute.app.loop_budget import shared_budget
+from kvroute.app.fleet.dns import Resolver
+from kvroute.app.http.app import create_app
+from kvroute.app.ingest.budget import shared_budget
 from kvroute.app.service import Service
 
 if TYPE_CHECKING:
-    from kvroute.app.epp_server import EppServer
-    from kvroute.app.gc_freeze import FleetFreezer
+    from kvroute.app.epp.server import EppServer
+    from kvroute.app.fleet.gc_freeze import FleetFreezer
 
 __all__ = ["MAX_HEADER_BYTES", "BackgroundServer", "BoundedHttpProtocol", "serve_forever"]
 
@@ -50,7 +50,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     Count: a connection accepted while `max_connections` others are open is answered 503
     and closed at once, so clients cannot take the open files the fleet's sockets need
-    (the limit is counted in them, app.fleet_resources) however many connect.
+    (the limit is counted in them, app.fleet.limits) however many connect.
 
     Deadline: a connection has `header_timeout` seconds from being opened to deliver its
     first request's headers, and from the first byte after each response to deliver the
@@ -81,7 +81,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._requests_begun = 0
         self._header_bytes = 0
         # Requests of this connection begun and not yet answered, counted in the loop's
-        # ingest budget (app.loop_budget): from a request's first byte, ingest takes a
+        # ingest budget (app.ingest.budget): from a request's first byte, ingest takes a
         # smaller share of each turn, so the turns that read, run and answer it come sooner.
         # Its socket is watched by the budget too: bytes waiting on it end ingest's turn.
         self._budget = shared_budget()
@@ -265,7 +265,7 @@ class BackgroundServer:
         self.settings = settings
         self._socket = _bind(settings.host, settings.port)
         self.port: int = self._socket.getsockname()[1]
-        # freeze_fleet as `kvroute serve` does (app.gc_freeze): the freezes are the whole
+        # freeze_fleet as `kvroute serve` does (app.fleet.gc_freeze): the freezes are the whole
         # process's, so only for a caller that owns it (a benchmark, a test that unfreezes).
         self._config = _config(settings, resolver, freeze_fleet=freeze_fleet)
         self._server = uvicorn.Server(self._config)

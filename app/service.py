@@ -2,7 +2,7 @@
 
 `Service` holds the index, the registry of followed instances, the tokenizer and
 the metrics; `decide` turns a route request into a chosen worker and every
-eligible worker's score. The HTTP layer (`app.api`) and the proxy (`app.proxy`)
+eligible worker's score. The HTTP layer (`app.http.app`) and the proxy (`app.http.proxy`)
 are thin shells around it.
 
 Route requests are decoded with msgspec against strict types, so a float or a
@@ -23,7 +23,7 @@ from typing import Any, Literal
 import httpx
 from msgspec import UNSET
 
-from kvroute.app.answers import (
+from kvroute.app.api.answers import (
     FleetStatus,
     InstanceDetail,
     InstanceList,
@@ -34,11 +34,17 @@ from kvroute.app.answers import (
     WorkerDetail,
     WorkerMatch,
 )
+from kvroute.app.api.route_decode import route_decoder
+from kvroute.app.api.route_request import (
+    INPUTS,
+    MatchRequest,
+    RouteRequest,
+    check_messages,
+    match_request_type,
+    parse_hash,
+    route_request_type,
+)
 from kvroute.app.config import Settings
-from kvroute.app.dashboard import RouteActivity
-from kvroute.app.decision_log import DecisionLog
-from kvroute.app.demand import RecentDemand
-from kvroute.app.eligible import Eligible, EligibleCache, eligible_among
 from kvroute.app.errors import (
     Busy,
     InvalidRequest,
@@ -48,24 +54,13 @@ from kvroute.app.errors import (
     TooLarge,
     UpstreamFailed,
 )
-from kvroute.app.fleet import Fleet, FleetCollector, Resolver, resolve_with_getaddrinfo
-from kvroute.app.fleet_pacing import FleetPacing
-from kvroute.app.fleet_resources import fleet_context
-from kvroute.app.inflight import InFlight, RecentAnswers
-from kvroute.app.load import LoadMonitor
+from kvroute.app.fleet.dns import Fleet, FleetCollector, Resolver, resolve_with_getaddrinfo
+from kvroute.app.fleet.limits import fleet_context
+from kvroute.app.fleet.registry import Instance, Registry, Worker
+from kvroute.app.http.dashboard import RouteActivity
+from kvroute.app.ingest.pacing import FleetPacing
 from kvroute.app.metrics import ServiceMetrics
-from kvroute.app.registry import Instance, Registry, Worker
-from kvroute.app.route_decode import route_decoder
-from kvroute.app.route_request import (
-    INPUTS,
-    MatchRequest,
-    RouteRequest,
-    check_messages,
-    match_request_type,
-    parse_hash,
-    route_request_type,
-)
-from kvroute.app.routing import (
+from kvroute.app.routing.cost import (
     DEFAULT_BLOCK_SIZE,
     CostWeights,
     Score,
@@ -77,12 +72,17 @@ from kvroute.app.routing import (
     score_worker,
     score_workers,
 )
-from kvroute.app.state_keeper import StateCollector, StateKeeper
-from kvroute.app.state_store import DirectoryStore, StateStore
-from kvroute.app.steady_queue import SteadyQueue
-from kvroute.app.subscription import SubscriberOptions, WorkerKey, WorkerState
-from kvroute.app.tokenizer import Tokenizer, make_tokenizer
-from kvroute.app.valkey import NO_LOAD, PeerLoad, Peers, PeersCollector, ValkeyStore
+from kvroute.app.routing.decision_log import DecisionLog
+from kvroute.app.routing.demand import RecentDemand
+from kvroute.app.routing.eligible import Eligible, EligibleCache, eligible_among
+from kvroute.app.routing.inflight import InFlight, RecentAnswers
+from kvroute.app.routing.load import LoadMonitor
+from kvroute.app.routing.steady_queue import SteadyQueue
+from kvroute.app.routing.tokenizer import Tokenizer, make_tokenizer
+from kvroute.app.state.keeper import StateCollector, StateKeeper
+from kvroute.app.state.store import DirectoryStore, StateStore
+from kvroute.app.state.valkey import NO_LOAD, PeerLoad, Peers, PeersCollector, ValkeyStore
+from kvroute.app.workers import SubscriberOptions, WorkerKey, WorkerState
 from kvroute.index import Match, PrefixIndex
 from kvroute.index.keys import TOKEN_BYTES, token_bytes
 from kvroute.index.prefix_index import COMPILED_AVAILABLE
@@ -104,7 +104,7 @@ ROUTING_LATELY = 1.0
 
 def route_request_decoder(settings: Settings) -> Callable[[bytes], RouteRequest]:
     """How POST /v1/route reads its body under `settings`; refusals are RequestErrors
-    (`app.route_decode`: token ids read without a Python int each)."""
+    (`app.api.route_decode`: token ids read without a Python int each)."""
     return route_decoder(settings)
 
 
@@ -161,7 +161,7 @@ class Service:
         self.index = PrefixIndex()
         self._last_route = float("-inf")  # perf_counter() when a route or match last began
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
-        # A context of its own, sized for the fleet (app.fleet_resources), ended in close().
+        # A context of its own, sized for the fleet (app.fleet.limits), ended in close().
         self.zmq_context = fleet_context(settings)
         self.registry = Registry(self.index, self.client, self.zmq_context,
                                  options=SubscriberOptions(
@@ -176,7 +176,7 @@ class Service:
         self.metrics = ServiceMetrics(self.registry)
         # The workers each model's routes weigh, kept until the registry changes.
         self.eligible = EligibleCache(self.registry)
-        # DNS names followed as fleets (app.fleet): each address is an instance.
+        # DNS names followed as fleets (app.fleet.dns): each address is an instance.
         self.fleets = [Fleet(config, self.registry, resolver or resolve_with_getaddrinfo,
                              interval=settings.dns_refresh_seconds)
                        for config in settings.fleets]
@@ -202,10 +202,10 @@ class Service:
         self.demand = RecentDemand()
         # Each worker's recent queue cost: a swing does not push a prefix off its holder.
         self.steady = SteadyQueue()
-        # The last decisions, for GET /v1/decisions (app.decision_log); None: not kept.
+        # The last decisions, for GET /v1/decisions (app.routing.decision_log); None: not kept.
         self.decisions = (DecisionLog(settings.decision_log) if settings.decision_log
                           else None)
-        # Decisions per worker and their latency, for the dashboard (app.dashboard).
+        # Decisions per worker and their latency, for the dashboard (app.http.dashboard).
         self.activity = RouteActivity()
         self.started_at = time.monotonic()
         self._configured: list[Instance] = []
@@ -218,7 +218,7 @@ class Service:
                                own_load=self._own_load,
                                apply_guesses=settings.placement_ttl > 0)
             self.metrics.registry.register(PeersCollector(self.peers))
-        # Saved state (app.state_keeper): loaded before any subscriber starts, saved
+        # Saved state (app.state.keeper): loaded before any subscriber starts, saved
         # periodically and before the subscribers stop; None: nothing is saved.
         self.state: StateKeeper | None = None
         store = _state_store(settings)
@@ -400,7 +400,7 @@ class Service:
 
         Only workers that carry load get a full score; the others cost their prefill alone
         and are kept as keys, grouped by it (`_group`, `routing.WorkerGroup`), and which
-        workers are eligible is kept between routes (`app.eligible`), so a route's cost
+        workers are eligible is kept between routes (`app.routing.eligible`), so a route's cost
         follows the work, not the fleet. The decision keeps `TOP_SCORES` scores, or all
         of them with `request.all_scores`. `mode` names the caller in the decision log."""
         started = time.perf_counter()
@@ -470,9 +470,9 @@ class Service:
 
     def _steady(self, scores: list[Score], eligible: Eligible,
                 exclude: frozenset[WorkerKey], prefix: bytes, now: float) -> None:
-        """Each score's queue term as `app.steady_queue` weighs it, in place: a worker that
+        """Each score's queue term as `app.routing.steady_queue` weighs it, in place: a worker that
         holds part of the prompt (matched or guessed), or that the prompt's prefix was sent
-        to lately (`app.demand`: it held it, and may have evicted it under the same
+        to lately (`app.routing.demand`: it held it, and may have evicted it under the same
         pressure), counts at most its recent average."""
         loaded = set()
         for score in scores:
@@ -536,7 +536,7 @@ class Service:
         their prefill, so they are grouped by it: those matching the same blocks, and the
         idle ones. Costs the matched, loaded and lately used workers, not the fleet."""
         busy = self._busy()
-        if busy:  # the crowding term weighs idle workers that hold prefixes too (app.routing)
+        if busy:  # the crowding term weighs idle workers that hold prefixes too (app.routing.cost)
             busy.update(self.demand.workers())
         workers = eligible.workers
         scored = [workers[key] for key in busy if key in workers and key not in exclude]
@@ -612,13 +612,13 @@ class Service:
 
     def _view(self, worker: Worker, prefix: bytes | None = None) -> WorkerView:
         """What the policy knows of `worker`; with `prefix` (the prompt's key in
-        `app.demand`), its demand from other prefixes than that one too."""
+        `app.routing.demand`), its demand from other prefixes than that one too."""
         now = time.monotonic()
         key = worker.key
         view = self._unloaded_view(worker, now)  # its counts are set here, as it is made
         forwarded = self.inflight.get(key)
         answered = self.answers.get(key)
-        # The other replicas' own requests and answers, as they last said (app.valkey).
+        # The other replicas' own requests and answers, as they last said (app.state.valkey).
         peers = self.peers.load(key) if self.peers is not None else NO_LOAD
         view.inflight = forwarded.requests + peers.inflight
         view.answered = answered.requests + peers.answered
@@ -670,7 +670,7 @@ class Service:
             prompt_blocks=len(asked.hashes) if asked.hashes else None,
             matches=found, eligible_workers=asked.count)
 
-    # -- replicas (app.valkey) ----------------------------------------------
+    # -- replicas (app.state.valkey) ----------------------------------------------
     def _follows(self, key: WorkerKey) -> bool:
         instance_id, rank = key
         return instance_id in self.registry and any(
@@ -743,7 +743,7 @@ class Service:
             "block_size": instance.block_size,
             "state": state,
             "dp_size": len(instance.workers),
-            # Where the Endpoint Picker sends gateways (app.endpoints), when configured.
+            # Where the Endpoint Picker sends gateways (app.fleet.endpoints), when configured.
             "endpoint": instance.config.endpoint or UNSET,
             "discovery_error": instance.discovery_error or UNSET,
             "load_error": self.load.failure(instance.id) or UNSET,

@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from kvroute.app.wire import BlockStored
+from kvroute.app.ingest.wire import BlockStored
 from kvroute.sim.publisher import EventPublisher
 
 BLOCK = 16

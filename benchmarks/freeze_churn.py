@@ -1,5 +1,5 @@
 """What a fleet that keeps changing leaves behind under the garbage-collector freezes of
-`kvroute serve` (app.gc_freeze): instances added and removed through the API, over and
+`kvroute serve` (app.fleet.gc_freeze): instances added and removed through the API, over and
 over, with what the process keeps measured after every cycle.
 
 kvroute runs in this process (the real HTTP API on a free port, its fleet frozen as

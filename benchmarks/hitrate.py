@@ -55,7 +55,7 @@ from benchmarks.policies import (
     ReplicatedRouter,
     RoundRobinPolicy,
 )
-from kvroute.app.wire import Event
+from kvroute.app.ingest.wire import Event
 from kvroute.sim.cluster import SimCluster
 from kvroute.sim.engine import Engine, TimeModel
 from kvroute.sim.rank import SimRank

@@ -50,8 +50,8 @@ import msgspec
 
 from benchmarks.report import emit
 from kvroute.app.config import Settings
+from kvroute.app.ingest.wire import BlockRemoved, BlockStored, encode_batch
 from kvroute.app.server import BackgroundServer
-from kvroute.app.wire import BlockRemoved, BlockStored, encode_batch
 from kvroute.sim.publisher import EventPublisher
 
 BLOCK = 16

@@ -6,9 +6,9 @@ noisy machines:
 - ingestion: batches in vLLM 0.32.0's map encoding (``[ts, events, dp_rank]``, events as maps
   with every field vLLM writes), 16-token blocks, chains of 1 to 64 blocks hanging off cached
   shared system prompts, and in steady state one BlockRemoved (one hash each, as vLLM sends
-  them) per stored block. Measured: decode + apply through ``app.wire.decode_batch`` +
-  ``app.wire.apply_batch`` (the service's path; a typed msgspec decoder of this file when
-  app.wire is absent), apply alone, and the floor: a typed msgspec decode of the same bytes
+  them) per stored block. Measured: decode + apply through ``app.ingest.wire.decode_batch`` +
+  ``app.ingest.wire.apply_batch`` (the service's path; a typed msgspec decoder of this file when
+  app.ingest.wire is absent), apply alone, and the floor: a typed msgspec decode of the same bytes
   with nothing applied. Blocks counted = blocks stored + blocks removed.
 - queries: 1k, 8k and 32k-token prompts against an index with about 1M holdings spread over
   4, 32 and 128 workers; the prompt is fully cached by one worker and partly by the others,
@@ -167,7 +167,8 @@ def build_ingest_workload(workers: int, capacity: int, steady_blocks: int,
     return workload
 
 
-# A decoder of this file: the floor (decode only), and decode + apply when app.wire is absent.
+# A decoder of this file: the floor (decode only), and decode + apply when app.ingest.wire is
+# absent.
 class BenchStored(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
     block_hashes: list[int]
     parent_block_hash: int | None = None
@@ -216,12 +217,12 @@ def bench_apply(index: PrefixIndex, worker: Any, batch: BenchBatch) -> None:
 
 
 def service_codec() -> tuple[str, Callable[[bytes], Any], Callable[[PrefixIndex, Any, Any], Any]]:
-    """The service's decode + apply (app.wire) if present, else this file's."""
+    """The service's decode + apply (app.ingest.wire) if present, else this file's."""
     try:
-        from kvroute.app.wire import apply_batch, decode_batch
+        from kvroute.app.ingest.wire import apply_batch, decode_batch
     except ImportError:
         return "bench msgspec decoder", _bench_decoder.decode, bench_apply
-    return "kvroute.app.wire", decode_batch, apply_batch
+    return "kvroute.app.ingest.wire", decode_batch, apply_batch
 
 
 def best_of(repeats: int, run: Callable[[], float]) -> float:

@@ -48,7 +48,7 @@ from benchmarks.peer_bench import (
 from benchmarks.peer_sides import Kvroute
 from benchmarks.peer_stream import BLOCK, CHAIN_BLOCKS, Mix, marker_store, marker_tokens, roots
 from benchmarks.report import emit
-from kvroute.app.wire import BlockStored, encode_batch
+from kvroute.app.ingest.wire import BlockStored, encode_batch
 
 STALL_TARGET_MS = 50.0
 PLACING = "burst, routing"  # the scenario whose prober's routes leave placement guesses

@@ -58,7 +58,7 @@ from benchmarks import proc_sched
 from benchmarks.peer_sides import Dynamo, Kvroute, Side, ensure_peer, peer_python
 from benchmarks.peer_stream import BLOCK, Mix, deep, doc_tokens, roots
 from benchmarks.report import emit
-from kvroute.app.wire import decode_batch
+from kvroute.app.ingest.wire import decode_batch
 
 POLL = 0.05
 QUERY_LENGTHS = (1024, 8192, 32768)

@@ -31,7 +31,7 @@ from pathlib import Path
 import zmq
 
 from benchmarks.peer_stream import Mix
-from kvroute.app.wire import END_SEQ, encode_seq
+from kvroute.app.ingest.wire import END_SEQ, encode_seq
 
 TOPIC = b"kv-events"
 

@@ -21,7 +21,7 @@ import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvroute.app.wire import BlockRemoved, BlockStored, Event, encode_batch
+from kvroute.app.ingest.wire import BlockRemoved, BlockStored, Event, encode_batch
 
 BLOCK = 16
 CHAINS_PER_BATCH = 8

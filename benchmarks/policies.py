@@ -20,14 +20,15 @@ from typing import Any, Protocol, runtime_checkable
 
 import httpx
 
-from kvroute.app.inflight import InFlight, Ticket
+from kvroute.app.routing.inflight import InFlight, Ticket
 from kvroute.sim.engine import Engine
 
 
 @dataclass
 class FleetWorker:
     """One routing unit of the benchmark's fleet: an engine (one data-parallel rank of one
-    instance), read directly by the policies. Not the service's ``kvroute.app.registry.Worker``."""
+    instance), read directly by the policies. Not the service's
+    ``kvroute.app.fleet.registry.Worker``."""
 
     index: int
     instance: int

@@ -142,7 +142,8 @@ def start_kvroute(procs: ProcessSet, fleet: Fleet, log_dir: Path, proxy: bool,
     instance id of each engine name. `tokenizer` is its setting for text prompts: "instance"
     (the engines' /tokenize, the proxy's default anyway) or a tokenizer.json folder."""
     kv = Kvroute(procs, log_dir)
-    # The decision log (app.decision_log) lets a dipping run be replayed decision by decision.
+    # The decision log (app.routing.decision_log) lets a dipping run be replayed decision by
+    # decision.
     kv.start({"KVROUTE_PROXY": "true" if proxy else "false",
               "KVROUTE_DECISION_LOG": str(DECISION_LOG),
               **({"KVROUTE_TOKENIZER": tokenizer} if tokenizer else {})})

@@ -387,7 +387,7 @@ def run_one(fleet: Fleet, procs: ProcessSet, workload: Workload, router: str,
 
 
 def _save_decisions(kv: Kvroute, path: Path, say: Callable[[str], None]) -> None:
-    """The run's decision log (app.decision_log), as kvroute kept it, into ``path``: page
+    """The run's decision log (app.routing.decision_log), as kvroute kept it, into ``path``: page
     after page (`since`), so a log longer than one answer is saved whole."""
     decisions: list[dict[str, Any]] = []
     while True:

@@ -14,10 +14,10 @@ import time
 import zmq.asyncio
 
 from kvroute.app.config import InstanceConfig
-from kvroute.app.registry import Instance, Worker
-from kvroute.app.state_keeper import StateKeeper
-from kvroute.app.subscriber import Subscriber
-from kvroute.app.subscription import SubscriberHooks, SubscriberOptions, WorkerEndpoint, WorkerState
+from kvroute.app.fleet.registry import Instance, Worker
+from kvroute.app.ingest.subscriber import Subscriber
+from kvroute.app.state.keeper import StateKeeper
+from kvroute.app.workers import SubscriberHooks, SubscriberOptions, WorkerEndpoint, WorkerState
 from kvroute.index import PrefixIndex
 
 WAIT_LIVE_S = 600.0

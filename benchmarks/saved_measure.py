@@ -26,17 +26,17 @@ from xxhash import xxh3_64
 
 from benchmarks.saved_kvroute import Kvroute, Units
 from benchmarks.saved_traffic import random_hashes
-from kvroute.app.registry import Worker
-from kvroute.app.saved_state import (
+from kvroute.app.fleet.registry import Worker
+from kvroute.app.state.format import (
     PIECE_BLOCKS,
     StateWriter,
     WorkerHead,
     decode_state,
     encode_piece,
 )
-from kvroute.app.state_keeper import StateKeeper
-from kvroute.app.state_store import DirectoryStore
-from kvroute.app.subscription import WorkerEndpoint
+from kvroute.app.state.keeper import StateKeeper
+from kvroute.app.state.store import DirectoryStore
+from kvroute.app.workers import WorkerEndpoint
 from kvroute.index import PrefixIndex
 
 

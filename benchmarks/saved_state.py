@@ -5,7 +5,7 @@ Setup: 4 simulated vLLM ranks (--workers) (``sim.publisher.EventPublisher``, wir
 batches that make each hold ~250k blocks (--quick: 25k): 16-token blocks, random uint64
 block hashes as vLLM's are, requests of 1 to 64 blocks hanging off 32 system prompts that
 every rank caches (same content, each rank its own hashes), and a fifth of the requests'
-content also cached by another rank. kvroute's subscribers (``app.subscriber.Subscriber``,
+content also cached by another rank. kvroute's subscribers (``app.ingest.subscriber.Subscriber``,
 default options) follow them live into one ``PrefixIndex``.
 
 Measured, each figure on the wall clock and in process CPU time (the CPU time leaves out
@@ -73,10 +73,10 @@ from benchmarks.saved_measure import (
 )
 from benchmarks.saved_report import summarize, table
 from benchmarks.saved_traffic import AFTER_BATCHES, build_traffic
-from kvroute.app.saved_state import PIECE_BLOCKS
-from kvroute.app.state_keeper import StateKeeper
-from kvroute.app.state_store import DirectoryStore
-from kvroute.app.subscription import WorkerEndpoint, WorkerState
+from kvroute.app.state.format import PIECE_BLOCKS
+from kvroute.app.state.keeper import StateKeeper
+from kvroute.app.state.store import DirectoryStore
+from kvroute.app.workers import WorkerEndpoint, WorkerState
 from kvroute.sim.publisher import EventPublisher
 
 TARGET_RESUME_S = 2.0

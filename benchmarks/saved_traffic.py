@@ -14,7 +14,7 @@ from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvroute.app.wire import BlockRemoved, BlockStored, Event, encode_batch
+from kvroute.app.ingest.wire import BlockRemoved, BlockStored, Event, encode_batch
 
 BLOCK = 16
 SYSTEM_PROMPTS = 32

@@ -6,7 +6,7 @@
 # keys, non-negative int hashes, a block size in (0, 2**20], token ids in [0, 2**32) and
 # ``blocks * block_size`` of them (``index.runs``' static checks, which are stricter than
 # the decoder's types), and nil locality, ownership and session id. Anything else, in any event, and it returns None: the caller decodes
-# the payload the ordinary way (``app.wire.decode_batch``). So for an accepted payload
+# the payload the ordinary way (``app.ingest.wire.decode_batch``). So for an accepted payload
 # ``decode_batch`` gives the same events, one for one, none left out as malformed or
 # unknown; ``apply_run`` stops at an event that is not plain for the worker's state (an
 # unheld parent, a cap), and the caller continues from that event's index in the decoded

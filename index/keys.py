@@ -68,7 +68,7 @@ def token_bytes(token_ids: Sequence[int] | bytes) -> bytes:
     if isinstance(token_ids, bytes):
         return token_ids
     if isinstance(token_ids, array) and token_ids.typecode == TOKEN_TYPECODE:
-        return token_ids.tobytes()  # already uint32 (a route body's ids, app.route_decode)
+        return token_ids.tobytes()  # already uint32 (a route body's ids, app.api.route_decode)
     try:
         return array(TOKEN_TYPECODE, token_ids).tobytes()
     except OverflowError:

@@ -368,7 +368,7 @@ class PrefixIndex:
         """A vLLM event batch (its msgpack payload) read for ``apply_run`` without an object
         per event, when every one of its events is plain in form (``index.runs``) and the
         compiled loops are in use; else None, and the caller decodes the payload itself.
-        An accepted payload decodes (``app.wire.decode_batch``) to as many events, each
+        An accepted payload decodes (``app.ingest.wire.decode_batch``) to as many events, each
         the same, none left out: a run that stops at event k continues from event k of
         those. The result has ``ts``, ``data_parallel_rank`` and a length."""
         fast = self._fast

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvroute.app.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from kvroute.app.ingest.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 HashFormat = Literal["int", "bytes"]
 BlockHash = int | bytes

@@ -33,7 +33,7 @@ from typing import Literal
 
 import zmq
 
-from kvroute.app.wire import END_SEQ, Encoding, Event, encode_batch, encode_seq
+from kvroute.app.ingest.wire import END_SEQ, Encoding, Event, encode_batch, encode_seq
 
 ReplayFormat = Literal["new", "old"]
 

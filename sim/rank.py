@@ -18,7 +18,7 @@ import threading
 import time
 from concurrent.futures import Future
 
-from kvroute.app.wire import Event
+from kvroute.app.ingest.wire import Event
 from kvroute.sim.engine import Engine, RequestOutcome, StepResult
 from kvroute.sim.publisher import EventPublisher
 from kvroute.sim.spec import SimInstanceSpec

@@ -10,9 +10,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.app.config import InstanceConfig, Settings
-from kvroute.app.routing import CostWeights, TieBreaker, WorkerView, best_of, score_workers
+from kvroute.app.routing.cost import CostWeights, TieBreaker, WorkerView, best_of, score_workers
 from kvroute.app.server import BackgroundServer
-from kvroute.app.subscription import COUNTERS
+from kvroute.app.workers import COUNTERS
 from kvroute.sim.cluster import SimCluster
 from kvroute.sim.instance import SimInstance
 from kvroute.sim.spec import SimInstanceSpec
@@ -511,7 +511,7 @@ def test_a_model_naming_a_lora_adapter_matches_that_adapters_blocks():
     adapter's name; a request for that model must match those blocks, not the base's."""
     import json
 
-    from kvroute.app.wire import BlockStored
+    from kvroute.app.ingest.wire import BlockStored
     from kvroute.sim.publisher import EventPublisher
     from tests.support.canned_http import canned_http
 

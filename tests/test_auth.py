@@ -12,7 +12,7 @@ import pytest
 from starlette.requests import Request
 
 from kvroute.app.config import Settings
-from kvroute.app.proxy import _forwarded_headers
+from kvroute.app.http.proxy import _forwarded_headers
 from kvroute.app.server import BackgroundServer
 from kvroute.sim.instance import SimInstance
 from kvroute.sim.spec import SimInstanceSpec

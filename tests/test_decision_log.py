@@ -1,4 +1,5 @@
-"""The decision log (app.decision_log): bounded, ordered, off by default, and through real HTTP
+"""The decision log (app.routing.decision_log): bounded, ordered, off by default, and through
+real HTTP
 it names each weighed worker's cost terms, the choice and, for proxied requests, the cached
 tokens the engine reported."""
 
@@ -7,10 +8,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvroute.app.answers import LoadReadings
+from kvroute.app.api.answers import LoadReadings
 from kvroute.app.config import ConfigError, Settings, load_settings
-from kvroute.app.decision_log import DECISIONS_PAGE, LOGGED_SCORES, DecisionLog
-from kvroute.app.routing import Score
+from kvroute.app.routing.cost import Score
+from kvroute.app.routing.decision_log import DECISIONS_PAGE, LOGGED_SCORES, DecisionLog
 from kvroute.app.server import BackgroundServer
 from kvroute.sim.cluster import SimCluster
 from tests.conftest import HTTP_TIMEOUT, wait_for

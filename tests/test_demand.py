@@ -1,4 +1,4 @@
-"""Recent demand per worker (app.demand) against a brute-force model of its definition."""
+"""Recent demand per worker (app.routing.demand) against a brute-force model of its definition."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroute.app.demand import FORGET_AFTER, RecentDemand
+from kvroute.app.routing.demand import FORGET_AFTER, RecentDemand
 
 HALF = 10.0
 

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvroute.app.discovery import (
+from kvroute.app.fleet.discovery import (
     DiscoveryError,
     block_size_in,
     discover,
@@ -20,7 +20,7 @@ from kvroute.app.discovery import (
     rewrite_host,
     workers_from_sources,
 )
-from kvroute.app.subscription import WorkerEndpoint
+from kvroute.app.workers import WorkerEndpoint
 from tests.conftest import HTTP_TIMEOUT
 from tests.support.canned_http import canned_http
 

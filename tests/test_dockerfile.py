@@ -62,7 +62,7 @@ def test_the_image_runs_the_compiled_loops_built_without_a_compiler_in_it() -> N
     build_runs = " ".join(args for kw, args in build if kw == "RUN")
     assert re.search(r"apt-get install\b[^&]*\bgcc\b", build_runs)
     assert re.search(r"pip wheel\b[^&]*--wheel-dir /wheels \.", build_runs)
-    for module in ("kvroute/index/_fast.", "kvroute/app/_token_scan."):
+    for module in ("kvroute/index/_fast.", "kvroute/app/api/_token_scan."):
         assert module in build_runs, f"the build does not check {module} is in the wheel"
     assert ("COPY", f"--from={build_name} /wheels /wheels") in run
     run_runs = " ".join(args for kw, args in run if kw == "RUN")

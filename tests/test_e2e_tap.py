@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from e2e.tap import EventTap, replay_seqs
-from kvroute.app.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from kvroute.app.ingest.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from kvroute.sim.publisher import EventPublisher
 from tests.conftest import scaled, wait_for
 

@@ -15,10 +15,10 @@ from cryptography import x509
 
 from kvroute.app.cli import _parser
 from kvroute.app.config import ConfigError, InstanceConfig, load_settings, parse_instance
-from kvroute.app.endpoints import EndpointMap, format_endpoint, parse_endpoint
-from kvroute.app.epp_tls import check_pem_files, load_identity, self_signed
-from kvroute.app.inflight import InFlight
-from kvroute.app.registry import Instance
+from kvroute.app.epp.tls import check_pem_files, load_identity, self_signed
+from kvroute.app.fleet.endpoints import EndpointMap, format_endpoint, parse_endpoint
+from kvroute.app.fleet.registry import Instance
+from kvroute.app.routing.inflight import InFlight
 from kvroute.index import PrefixIndex
 from kvroute.index.placement import Placements, chain_keys
 from tests.conftest import run_async, scaled
@@ -250,7 +250,7 @@ def test_an_epp_port_already_taken_is_one_clear_line() -> None:
 def test_grpc_and_envoys_messages_stay_in_the_grpc_edge() -> None:
     from tests.test_packaging import _module_imports
 
-    edge = {"kvroute.app.epp", "kvroute.app.epp_messages", "kvroute.app.epp_server"}
+    edge = {"kvroute.app.epp.stream", "kvroute.app.epp.messages", "kvroute.app.epp.server"}
     for library in ("grpc", "grpc_health", "envoy", "google.protobuf"):
         users = {m for m, targets in _module_imports(library).items()
                  if m.startswith(("kvroute.app", "kvroute.index")) and targets}
@@ -258,4 +258,4 @@ def test_grpc_and_envoys_messages_stay_in_the_grpc_edge() -> None:
     # The certificate library loads only with the EPP (config imports it when epp_port is set).
     users = {m for m, targets in _module_imports("cryptography").items()
              if m.startswith("kvroute.") and targets}
-    assert users == {"kvroute.app.epp_tls"}
+    assert users == {"kvroute.app.epp.tls"}

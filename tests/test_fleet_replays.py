@@ -8,8 +8,8 @@ import asyncio
 import dataclasses
 from collections.abc import Callable
 
-from kvroute.app.fleet_pacing import FleetPacing
-from kvroute.app.subscriber import Subscriber
+from kvroute.app.ingest.pacing import FleetPacing
+from kvroute.app.ingest.subscriber import Subscriber
 from kvroute.sim.publisher import EventPublisher
 from tests.conftest import wait_until
 from tests.support.events import (

@@ -12,9 +12,9 @@ import zmq
 import zmq.asyncio
 
 from kvroute.app.config import Settings
-from kvroute.app.fleet_pacing import FleetPacing
-from kvroute.app.fleet_resources import SOCKETS_PER_WORKER, fleet_context, room_for
-from kvroute.app.subscriber import Subscriber
+from kvroute.app.fleet.limits import SOCKETS_PER_WORKER, fleet_context, room_for
+from kvroute.app.ingest.pacing import FleetPacing
+from kvroute.app.ingest.subscriber import Subscriber
 from kvroute.sim.publisher import EventPublisher
 from tests.conftest import wait_until
 from tests.support.events import (

@@ -11,9 +11,9 @@ import pytest
 
 from kvroute.app.cli import main
 from kvroute.app.config import InstanceConfig, Settings
-from kvroute.app.fleet_resources import SOCKETS_PER_WORKER, raise_open_files
+from kvroute.app.fleet.limits import SOCKETS_PER_WORKER, raise_open_files
+from kvroute.app.ingest.wire import BlockStored
 from kvroute.app.server import BackgroundServer
-from kvroute.app.wire import BlockStored
 from kvroute.sim.publisher import EventPublisher
 from tests.conftest import HTTP_TIMEOUT, wait_for
 

@@ -15,7 +15,7 @@ import weakref
 import httpx
 
 from kvroute.app.config import InstanceConfig
-from kvroute.app.registry import Registry
+from kvroute.app.fleet.registry import Registry
 from kvroute.index import PrefixIndex
 from kvroute.sim.publisher import EventPublisher
 from tests.conftest import wait_until

@@ -11,14 +11,14 @@ import contextlib
 import httpx
 import pytest
 
-from kvroute.app.auth import admin_guard
 from kvroute.app.config import InstanceConfig, Settings
 from kvroute.app.errors import RequestError
-from kvroute.app.fleet_pacing import FleetPacing
-from kvroute.app.paced_changes import PacedFleetChanges, changes_fleet
-from kvroute.app.registry import Registry
+from kvroute.app.fleet.paced_changes import PacedFleetChanges, changes_fleet
+from kvroute.app.fleet.registry import Registry
+from kvroute.app.http.auth import admin_guard
+from kvroute.app.ingest.pacing import FleetPacing
+from kvroute.app.ingest.subscriber import Subscriber
 from kvroute.app.service import ROUTING_LATELY, Service
-from kvroute.app.subscriber import Subscriber
 from kvroute.index import PrefixIndex
 from kvroute.sim.publisher import EventPublisher
 from tests.conftest import run_async, wait_until

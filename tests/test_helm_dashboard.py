@@ -21,7 +21,7 @@ from tests.support.helm import CHART, rendered
 DASHBOARD = CHART / "dashboards" / "kvroute.json"
 TEMPLATE = "grafana-dashboard.yaml"
 ENABLED = {"grafana": {"dashboard": {"enabled": True}}}
-# Predicted vs actual cached tokens, exported by the proxy (app.hit_accuracy).
+# Predicted vs actual cached tokens, exported by the proxy (app.routing.accuracy).
 COMPARISON = {"kvroute_predicted_cached_tokens_total", "kvroute_actual_cached_tokens_total",
               "kvroute_cached_tokens_difference_bucket", "kvroute_cached_tokens_difference_count",
               "kvroute_cached_tokens_unavailable_total"}

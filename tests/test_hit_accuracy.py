@@ -1,4 +1,4 @@
-"""Predicted against actual cached tokens (app.hit_accuracy): the scanner on its own, and
+"""Predicted against actual cached tokens (app.routing.accuracy): the scanner on its own, and
 through `kvroute serve --proxy` over real HTTP against simulated vLLM, whose usage reports
 the cached tokens its own prefix cache served."""
 
@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvroute.app.config import Settings
-from kvroute.app.hit_accuracy import CARRY, HitAccuracy, UsageScanner
+from kvroute.app.routing.accuracy import CARRY, HitAccuracy, UsageScanner
 from kvroute.app.server import BackgroundServer
 from kvroute.sim.cluster import SimCluster
 from tests.conftest import HTTP_TIMEOUT, wait_for

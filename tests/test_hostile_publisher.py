@@ -26,8 +26,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvroute.app.subscriber import Subscriber
-from kvroute.app.wire import (
+from kvroute.app.ingest.subscriber import Subscriber
+from kvroute.app.ingest.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -23,7 +23,7 @@ import pytest
 import trustme
 
 from kvroute.app.config import Settings
-from kvroute.app.http_guard import host_name
+from kvroute.app.http.guard import host_name
 from kvroute.app.server import MAX_HEADER_BYTES, BackgroundServer
 from tests.conftest import HTTP_TIMEOUT, scaled, wait_for
 

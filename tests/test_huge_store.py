@@ -1,4 +1,4 @@
-"""One huge BlockStored decoded and applied a slice at a time (app.huge_store).
+"""One huge BlockStored decoded and applied a slice at a time (app.ingest.huge_store).
 
 Without sockets: over random histories and events (both encodings, malformed ones among
 them), the huge-store path, with its fallback to the ordinary decode, leaves a PrefixIndex
@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvroute.app.huge_store import HUGE_EVENT_BYTES, HugeStore
-from kvroute.app.subscriber import Subscriber
-from kvroute.app.wire import BlockStored, apply_event, decode_events, encode_batch
+from kvroute.app.ingest.huge_store import HUGE_EVENT_BYTES, HugeStore
+from kvroute.app.ingest.subscriber import Subscriber
+from kvroute.app.ingest.wire import BlockStored, apply_event, decode_events, encode_batch
 from kvroute.index import PrefixIndex
 from kvroute.sim.publisher import EventPublisher
 from tests.conftest import wait_until
@@ -60,7 +60,7 @@ def apply_lazily(index: PrefixIndex, raw: msgspec.Raw, max_blocks: int) -> None:
 
 
 def _batch():  # a scratch EventBatch for decode_events' counters
-    from kvroute.app.wire import EventBatch
+    from kvroute.app.ingest.wire import EventBatch
     return EventBatch(0.0, [])
 
 
@@ -168,7 +168,7 @@ def test_a_huge_store_over_the_wire_is_applied_a_slice_at_a_time_while_routes_ar
     the index ends exactly as the whole event leaves it.
 
     ``read``: a plain store, which the compiled index reads (``read_plain_batch``) and the
-    applier rebuilds a slice at a time (``app.plain_slices``). ``decoded``: the same store
+    applier rebuilds a slice at a time (``app.ingest.plain_slices``). ``decoded``: the same store
     with a locality, which the index does not read: it goes through ``HugeStore``."""
     slice_blocks = 512
     blocks = HUGE_EVENT_BYTES // 40 + 1_000  # a 16-token block encodes to over 40 bytes

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroute.app.wire import (
+from kvroute.app.ingest.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

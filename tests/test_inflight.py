@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroute.app.inflight import InFlight, RecentAnswers, WorkerLoad
-from kvroute.app.load import Load
+from kvroute.app.routing.inflight import InFlight, RecentAnswers, WorkerLoad
+from kvroute.app.routing.load import Load
 
 A, B = ("a", 0), ("b", 1)
 
@@ -132,7 +132,7 @@ def test_the_typical_prefill_of_a_worker_outlives_its_answers_and_is_bounded(mon
     assert typical is not None and 100 < typical < 101
     answers.add(B, -5, now=0.0)  # tickets never count negative tokens; nor does the mean
     assert answers.typical_prefill(B) == 0
-    monkeypatch.setattr("kvroute.app.inflight.TYPICAL_WORKERS", 2)
+    monkeypatch.setattr("kvroute.app.routing.inflight.TYPICAL_WORKERS", 2)
     answers.add(A, 100, now=1.0)  # A answered last: B is the one forgotten for C
     answers.add(("c", 0), 100, now=1.0)
     assert answers.typical_prefill(B) is None and answers.typical_prefill(A) is not None

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from kvroute.app.config import InstanceConfig, Settings
-from kvroute.app.dashboard import snapshot
+from kvroute.app.http.dashboard import snapshot
 from kvroute.app.service import INSTANCES_PER_SLICE, Service
 from tests.conftest import run_async
 

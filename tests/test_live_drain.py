@@ -1,4 +1,4 @@
-"""The compiled take of live messages (app/_live_drain.pyx, ``BatchApplier.drain``): it
+"""The compiled take of live messages (app/ingest/_live_drain.pyx, ``BatchApplier.drain``): it
 applies exactly the queued messages that are the next batch in order, read as plain and
 applied whole by one run, leaves the index as the Python path does, and hands back the
 first other message as it was sent; it stops at each bound without taking a message it
@@ -16,12 +16,12 @@ import weakref
 import pytest
 import zmq
 
-from kvroute.app import batch_apply
-from kvroute.app.batch_apply import BatchApplier, BatchOutcome, Unfinished
-from kvroute.app.loop_budget import LoopBudget
-from kvroute.app.subscriber import Subscriber
-from kvroute.app.subscription import SubscriberOptions
-from kvroute.app.wire import BlockRemoved, BlockStored, apply_event, encode_batch, encode_seq
+from kvroute.app.ingest import apply as batch_apply
+from kvroute.app.ingest.apply import BatchApplier, BatchOutcome, Unfinished
+from kvroute.app.ingest.budget import LoopBudget
+from kvroute.app.ingest.subscriber import Subscriber
+from kvroute.app.ingest.wire import BlockRemoved, BlockStored, apply_event, encode_batch, encode_seq
+from kvroute.app.workers import SubscriberOptions
 from kvroute.index import PrefixIndex
 from kvroute.index.runs import RunLimits
 from kvroute.sim.publisher import EventPublisher
@@ -29,7 +29,7 @@ from tests.support.events import TEST_OPTIONS, EventSource, Ledger, Running, end
 from tests.support.index_impl import layout
 from tests.test_subscriber_index import synced
 
-live_drain = pytest.importorskip("kvroute.app._live_drain",
+live_drain = pytest.importorskip("kvroute.app.ingest._live_drain",
                                  reason="the compiled drain is built with the compiled index")
 pytestmark = pytest.mark.skipif(not live_drain.BOUND or PrefixIndex().implementation != "compiled",
                                 reason="the drain needs libzmq's functions and the compiled index")

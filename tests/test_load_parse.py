@@ -9,7 +9,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.app.load import Load, parse_load
+from kvroute.app.routing.load import Load, parse_load
 
 PAGE = Path(__file__).parent / "fixtures" / "vllm-0.32.0-metrics.txt"
 FIELDS = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvroute.app.loop_budget import LoopBudget, shared_budget
+from kvroute.app.ingest.budget import LoopBudget, shared_budget
 from kvroute.app.loop_lag import LoopLagMonitor
 
 

@@ -1,4 +1,4 @@
-"""app.loop_socket: plain ZeroMQ sockets read from the event loop, through real sockets."""
+"""app.ingest.sockets: plain ZeroMQ sockets read from the event loop, through real sockets."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import pytest
 import zmq
 
-from kvroute.app.loop_socket import BIG_FRAME_BYTES, LoopSocket, Monitor
+from kvroute.app.ingest.sockets import BIG_FRAME_BYTES, LoopSocket, Monitor
 from tests.conftest import run_async, wait_until
 
 

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from kvroute.app.metrics import WORKERS_PER_SLICE, ServiceMetrics
-from kvroute.app.subscription import COUNTERS, WorkerState, WorkerStatus
+from kvroute.app.workers import COUNTERS, WorkerState, WorkerStatus
 from kvroute.index import PrefixIndex
 from tests.support.tokens import unique_tokens
 

@@ -17,10 +17,10 @@ import httpx
 import pytest
 from fastapi.routing import APIRoute
 
-from kvroute.app.api import create_app
+from kvroute.app.api.contract import CONTRACT
+from kvroute.app.api.openapi import markdown_table, openapi_document, reference_settings, render
 from kvroute.app.config import Settings
-from kvroute.app.contract import CONTRACT
-from kvroute.app.openapi import markdown_table, openapi_document, reference_settings, render
+from kvroute.app.http.app import create_app
 from kvroute.app.server import BackgroundServer
 from tests.conftest import HTTP_TIMEOUT, scaled
 
@@ -154,8 +154,8 @@ def test_the_registration_schema_accepts_what_registration_accepts(body: dict):
     InstanceConfig takes it ("url or events" was missing: {} was schema-valid)."""
     import jsonschema_rs
 
+    from kvroute.app.api.json_body import integral_numbers
     from kvroute.app.config import ConfigError, parse_instance
-    from kvroute.app.json_body import integral_numbers
 
     document = json.loads(COMMITTED.read_text())
     schema = document["paths"]["/v1/instances"]["post"]["requestBody"]["content"][

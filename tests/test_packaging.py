@@ -38,7 +38,8 @@ def _compiled_loops(names: list[str]) -> list[str]:
     """The compiled modules in a wheel: the index's loops, the route's token reader, the
     live drain."""
     return [n for n in names if n.endswith(".so") and n.startswith(
-        ("kvroute/index/_fast.", "kvroute/app/_token_scan.", "kvroute/app/_live_drain."))]
+        ("kvroute/index/_fast.", "kvroute/app/api/_token_scan.",
+         "kvroute/app/ingest/_live_drain."))]
 
 
 # A wheel build compiles every extension: about 40 s alone, far more on a loaded machine.
@@ -57,9 +58,9 @@ def test_the_wheel_holds_only_the_kvroute_package(tmp_path: Path) -> None:
     for module in ("kvroute/app/service.py", "kvroute/index/prefix_index.py",
                    "kvroute/sim/engine.py", "kvroute/sim/demo.py",
                    # GET /dashboard serves these from the installed package
-                   "kvroute/app/dashboard_static/index.html",
-                   "kvroute/app/dashboard_static/app.js",
-                   "kvroute/app/dashboard_static/style.css"):
+                   "kvroute/app/http/dashboard_static/index.html",
+                   "kvroute/app/http/dashboard_static/app.js",
+                   "kvroute/app/http/dashboard_static/style.css"):
         assert module in names
     assert not any("/tests/" in n or "/benchmarks/" in n for n in names)
     info = next(t for t in tops if t.endswith(".dist-info"))
@@ -78,7 +79,7 @@ def test_without_a_c_compiler_the_wheel_builds_with_the_pure_loops(tmp_path: Pat
 
 def test_the_service_never_imports_the_simulator() -> None:
     """`kvroute demo` loads the simulator when asked; nothing else in the service does."""
-    code = ("import sys, kvroute.app.api, kvroute.app.cli, kvroute.app.proxy; "
+    code = ("import sys, kvroute.app.http.app, kvroute.app.cli, kvroute.app.http.proxy; "
             "print(sorted(m for m in sys.modules if m.startswith('kvroute.sim')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             cwd=ROOT.parent, timeout=120)
@@ -91,8 +92,9 @@ def _module_imports(prefix: str = "kvroute.") -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for package, folder in (("kvroute.app", "app"), ("kvroute.index", "index"),
                             ("kvroute.sim", "sim")):
-        for path in sorted((ROOT / folder).glob("*.py")):
-            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            name = ".".join((package, *(parts[:-1] if parts[-1] == "__init__" else parts)))
             targets = set()
             for node in ast.parse(path.read_text()).body:  # module level only
                 if isinstance(node, ast.ImportFrom) and node.module:
@@ -105,7 +107,8 @@ def _module_imports(prefix: str = "kvroute.") -> dict[str, set[str]]:
 
 def test_no_module_imports_itself_through_others() -> None:
     graph = _module_imports()
-    assert "kvroute.app.api" in graph and "kvroute.app.proxy" in graph["kvroute.app.api"]
+    assert ("kvroute.app.http.app" in graph
+            and "kvroute.app.http.proxy" in graph["kvroute.app.http.app"])
     visiting: list[str] = []
     done: set[str] = set()
 
@@ -125,10 +128,11 @@ def test_no_module_imports_itself_through_others() -> None:
 
 # The HTTP edge: the app, its bearer tokens, which requests it admits, the proxy's routes,
 # body reading, the lean route path, the server, and the OpenAPI document of the app's routes.
-HTTP_LAYER = {"kvroute.app.api", "kvroute.app.auth", "kvroute.app.http_guard",
-              "kvroute.app.paced_changes",
-              "kvroute.app.proxy", "kvroute.app.request_body", "kvroute.app.route_asgi",
-              "kvroute.app.server", "kvroute.app.openapi"}
+HTTP_LAYER = {"kvroute.app.http.app", "kvroute.app.http.auth", "kvroute.app.http.guard",
+              "kvroute.app.fleet.paced_changes",
+              "kvroute.app.http.proxy", "kvroute.app.http.request_body",
+              "kvroute.app.http.route_asgi",
+              "kvroute.app.server", "kvroute.app.api.openapi"}
 
 
 def test_http_types_stay_in_the_http_layer() -> None:
@@ -140,8 +144,8 @@ def test_http_types_stay_in_the_http_layer() -> None:
 
 
 def test_every_refusal_has_one_status() -> None:
-    from kvroute.app.api import STATUS_OF
     from kvroute.app.errors import RequestError
+    from kvroute.app.http.app import STATUS_OF
 
     kinds = set(RequestError.__subclasses__())
     assert kinds == set(STATUS_OF), sorted(k.__name__ for k in kinds ^ set(STATUS_OF))
@@ -149,7 +153,7 @@ def test_every_refusal_has_one_status() -> None:
 
 
 def test_every_subscriber_counter_is_listed_in_the_readme() -> None:
-    from kvroute.app.subscription import COUNTERS
+    from kvroute.app.workers import COUNTERS
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     metrics = readme.split("## Metrics")[1].split("\n## ")[0]

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvroute.app import patterns
+from kvroute.app.api.route_request import parse_hash
 from kvroute.app.config import InstanceConfig
-from kvroute.app.endpoints import parse_endpoint
-from kvroute.app.route_request import parse_hash
+from kvroute.app.fleet.endpoints import parse_endpoint
 
 PATTERNS = {
     "HTTP_ORIGIN": patterns.HTTP_ORIGIN,

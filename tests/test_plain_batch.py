@@ -19,11 +19,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvroute.app import batch_apply
-from kvroute.app.batch_apply import BatchApplier, BatchOutcome, Unfinished
-from kvroute.app.plain_slices import event_slices
-from kvroute.app.subscription import SubscriberOptions
-from kvroute.app.wire import (
+from kvroute.app.ingest import apply as batch_apply
+from kvroute.app.ingest.apply import BatchApplier, BatchOutcome, Unfinished
+from kvroute.app.ingest.plain_slices import event_slices
+from kvroute.app.ingest.wire import (
     BlockRemoved,
     BlockStored,
     RawStored,
@@ -33,6 +32,7 @@ from kvroute.app.wire import (
     slices,
     stored,
 )
+from kvroute.app.workers import SubscriberOptions
 from kvroute.index import PrefixIndex
 from kvroute.index.runs import MAX_PLAIN_BLOCK_SIZE, PLAIN_KINDS, RunLimits
 from tests.conftest import run_async
@@ -292,8 +292,8 @@ def test_a_stream_through_the_applier_leaves_the_index_as_decoding_does(
 
     ``big``: every payload counts as too big to decode in one call, and every event as a
     huge one. The compiled index then rebuilds the events no run takes from its reading, a
-    slice at a time (``app.plain_slices``); the pure one decodes lazily, each store through
-    ``app.huge_store``."""
+    slice at a time (``app.ingest.plain_slices``); the pure one decodes lazily, each store through
+    ``app.ingest.huge_store``."""
     rebuilt = collections.Counter()
     if lazily:
         monkeypatch.setattr(batch_apply, "_DECODE_WHOLE_BYTES", 0)

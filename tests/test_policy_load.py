@@ -1,6 +1,6 @@
 """Cache against load, through the real service: a hot prefix's holder gets busy (long
 requests running on a simulated instance whose steps take real time, seen through its
-/metrics), the prefix spreads once that queue has lasted (app.steady_queue: a swing shorter
+/metrics), the prefix spreads once that queue has lasted (app.routing.steady_queue: a swing shorter
 than its window does not move a prefix); the requests go away, it comes back."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import threading
 import httpx
 
 from kvroute.app.config import Settings
+from kvroute.app.routing.steady_queue import WINDOW
 from kvroute.app.server import BackgroundServer
-from kvroute.app.steady_queue import WINDOW
 from kvroute.sim.cluster import SimCluster
 from tests.conftest import HTTP_TIMEOUT, scaled, wait_for
 
@@ -82,7 +82,8 @@ def test_hot_prefix_spreads_when_its_holder_is_busy_and_returns_when_load_falls(
             wait_for(lambda: (a := best()).get("instance") == holder
                      and a["matched_tokens"] == 20 * BLOCK, "the holder to be known")
             # Requests that last (in a cache that holds them all and the prefix): a queue
-            # moves a held prefix only once it has stood for about app.steady_queue's window.
+            # moves a held prefix only once it has stood for about
+            # app.routing.steady_queue's window.
             with Streams(sim.urls[0], BUSY, LONG):
                 last: list[dict] = [{}]
 

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from kvroute.app.config import Settings
-from kvroute.app.proxy import MAX_CONNECT_ATTEMPTS
+from kvroute.app.http.proxy import MAX_CONNECT_ATTEMPTS
 from kvroute.app.server import BackgroundServer
 from kvroute.sim.cluster import SimCluster
 from kvroute.sim.instance import SimInstance

@@ -17,8 +17,8 @@ import anyio
 import httpx
 import pytest
 
-from kvroute.app.api import create_app
 from kvroute.app.config import Settings
+from kvroute.app.http.app import create_app
 from kvroute.app.server import BackgroundServer
 from kvroute.sim.cluster import SimCluster
 from tests.conftest import HTTP_TIMEOUT, run_async, scaled, wait_for, wait_until

@@ -38,10 +38,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.app.config import InstanceConfig, Settings
-from kvroute.app.saved_state import SavedState, decode_state
+from kvroute.app.ingest.wire import BlockRemoved, decode_batch
 from kvroute.app.server import BackgroundServer
-from kvroute.app.state_store import STATE_FILE
-from kvroute.app.wire import BlockRemoved, decode_batch
+from kvroute.app.state.format import SavedState, decode_state
+from kvroute.app.state.store import STATE_FILE
 from kvroute.sim.cluster import SimCluster
 from kvroute.sim.engine import Engine
 from kvroute.sim.instance import SimInstance

@@ -3,7 +3,7 @@
 Each scenario runs a first subscriber, saves its worker as kvroute does (a save point and a
 capture in one step, through the blob format), stops it, lets the publisher go on, and
 starts a second subscriber on a fresh index with the saved worker. What the replay's first
-batch says decides (app/subscriber.py, "Resume"); the index is then checked against the
+batch says decides (app/ingest/subscriber.py, "Resume"); the index is then checked against the
 publisher's truth (every batch it ever sent, in order).
 """
 
@@ -11,11 +11,17 @@ from __future__ import annotations
 
 import time
 
-from kvroute.app.saved_state import PIECE_BLOCKS, SavedWorker, StateWriter, WorkerHead, decode_state
-from kvroute.app.state_keeper import encode_worker
-from kvroute.app.subscriber import Subscriber
-from kvroute.app.subscription import WorkerEndpoint
-from kvroute.app.wire import BlockRemoved, BlockStored, Event
+from kvroute.app.ingest.subscriber import Subscriber
+from kvroute.app.ingest.wire import BlockRemoved, BlockStored, Event
+from kvroute.app.state.format import (
+    PIECE_BLOCKS,
+    SavedWorker,
+    StateWriter,
+    WorkerHead,
+    decode_state,
+)
+from kvroute.app.state.keeper import encode_worker
+from kvroute.app.workers import WorkerEndpoint
 from kvroute.index import PrefixIndex
 from kvroute.sim.publisher import EventPublisher
 from tests.conftest import wait_until

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from kvroute.app.config import Settings
-from kvroute.app.routing import (
+from kvroute.app.routing.cost import (
     CostWeights,
     Score,
     TieBreaker,

@@ -1,4 +1,4 @@
-"""POST /v1/route and /v1/match answered by the lean ASGI path (app.route_asgi) as the
+"""POST /v1/route and /v1/match answered by the lean ASGI path (app.http.route_asgi) as the
 declared FastAPI endpoints answer them: two real servers on the same settings and instance,
 one of them with the lean path taken out, asked the same requests (answers and every kind
 of refusal)."""
@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from kvroute.app.config import Settings
-from kvroute.app.route_asgi import RouteFastPath
+from kvroute.app.http.route_asgi import RouteFastPath
 from kvroute.app.server import BackgroundServer
 from kvroute.sim.instance import SimInstance
 from kvroute.sim.spec import SimInstanceSpec

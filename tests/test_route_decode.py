@@ -1,4 +1,4 @@
-"""The fast route-body reader (app.route_decode, compiled app/_token_scan.pyx) answers every
+"""The fast route-body reader (app.api.route_decode, compiled app/api/_token_scan.pyx) answers every
 body as the reference decoder does: the same request or the same refusal. Bodies are built
 as text, so they include what a JSON library would never write: floats and exponents among
 the ids, signs, leading zeros, whitespace, duplicate keys, `\\u`-escaped keys, values out
@@ -15,11 +15,11 @@ import msgspec
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvroute.app import _token_scan, route_decode
+from kvroute.app.api import _token_scan, route_decode
+from kvroute.app.api.route_decode import route_decoder
+from kvroute.app.api.route_request import match_request_type
 from kvroute.app.config import Settings
 from kvroute.app.errors import RequestError
-from kvroute.app.route_decode import route_decoder
-from kvroute.app.route_request import match_request_type
 
 LIMIT = 6
 SETTINGS = Settings(max_prompt_tokens=LIMIT)

@@ -1,5 +1,5 @@
 """A route weighs a kept set of eligible workers and groups the unloaded ones
-(`app.eligible`, `Service._group`): its choice and the scores it shows are what scoring
+(`app.routing.eligible`, `Service._group`): its choice and the scores it shows are what scoring
 every eligible worker one by one gives, through real subscribers on real sockets, with load,
 mixed block sizes, models, candidates and excluded workers; and the kept set follows the
 registry as workers come, go and change state."""
@@ -10,14 +10,14 @@ import asyncio
 import random
 import time
 
+from kvroute.app.api.route_request import route_request_type
 from kvroute.app.config import InstanceConfig, Settings
-from kvroute.app.eligible import eligible_among
 from kvroute.app.errors import NoEligibleWorker
-from kvroute.app.route_request import route_request_type
-from kvroute.app.routing import TieBreaker, best_of, ranked, score_workers
+from kvroute.app.ingest.wire import BlockStored
+from kvroute.app.routing.cost import TieBreaker, best_of, ranked, score_workers
+from kvroute.app.routing.eligible import eligible_among
 from kvroute.app.service import TOP_SCORES, Service
-from kvroute.app.subscription import WorkerState
-from kvroute.app.wire import BlockStored
+from kvroute.app.workers import WorkerState
 from kvroute.sim.publisher import EventPublisher
 from tests.conftest import run_async, wait_until
 from tests.support.tokens import unique_tokens

@@ -6,8 +6,8 @@ from collections import Counter
 
 import msgspec
 
-from kvroute.app.load import parse_load
-from kvroute.app.routing import CostWeights, TieBreaker, WorkerView, best_of, score_workers
+from kvroute.app.routing.cost import CostWeights, TieBreaker, WorkerView, best_of, score_workers
+from kvroute.app.routing.load import parse_load
 from kvroute.index import Match
 from tests.support.tokens import unique_tokens
 

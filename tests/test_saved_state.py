@@ -7,15 +7,15 @@ import asyncio
 import msgspec
 import pytest
 
-from kvroute.app import saved_state
-from kvroute.app.saved_state import (
+from kvroute.app.state import format as saved_state
+from kvroute.app.state.format import (
     SavedStateError,
     StateWriter,
     WorkerHead,
     decode_state,
     encode_piece,
 )
-from kvroute.app.state_store import STATE_FILE, DirectoryStore, StateStoreError
+from kvroute.app.state.store import STATE_FILE, DirectoryStore, StateStoreError
 from kvroute.index import PrefixIndex
 
 BS = 4

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroute.app.sequence import Kind, Verdict, classify
+from kvroute.app.ingest.sequence import Kind, Verdict, classify
 
 IN_ORDER = Verdict(Kind.IN_ORDER)
 DUPLICATE = Verdict(Kind.DUPLICATE)

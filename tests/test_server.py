@@ -11,7 +11,7 @@ import time
 import httpx
 
 from kvroute.app.config import Settings
-from kvroute.app.loop_budget import shared_budget
+from kvroute.app.ingest.budget import shared_budget
 from kvroute.app.server import BackgroundServer
 from tests.conftest import HTTP_TIMEOUT
 
@@ -48,7 +48,7 @@ def test_the_listening_socket_says_tcp_so_asyncio_disables_nagle():
 
 
 def _serving(server: BackgroundServer) -> int:
-    """The server loop's count of requests being answered (app.loop_budget), read there."""
+    """The server loop's count of requests being answered (app.ingest.budget), read there."""
     loop = server._server.servers[0].get_loop()
 
     async def read() -> int:

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvroute.app.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from kvroute.app.ingest.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from kvroute.sim.engine import Engine, EngineError
 
 Key = tuple[int, ...]

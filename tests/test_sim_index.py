@@ -11,7 +11,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvroute.app.wire import apply_batch, decode_batch, encode_batch
+from kvroute.app.ingest.wire import apply_batch, decode_batch, encode_batch
 from kvroute.index import PrefixIndex
 from kvroute.sim.engine import Engine
 

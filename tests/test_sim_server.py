@@ -10,7 +10,7 @@ import httpx
 import pytest
 import zmq
 
-from kvroute.app.wire import BlockStored, decode_batch, decode_replay_frame
+from kvroute.app.ingest.wire import BlockStored, decode_batch, decode_replay_frame
 from kvroute.sim.cluster import SimCluster
 from kvroute.sim.instance import SimInstance
 from kvroute.sim.spec import SimInstanceSpec

@@ -8,8 +8,8 @@ import asyncio
 import httpx
 import zmq.asyncio
 
-from kvroute.app.registry import Registry
-from kvroute.app.state_keeper import StateKeeper
+from kvroute.app.fleet.registry import Registry
+from kvroute.app.state.keeper import StateKeeper
 from kvroute.index.prefix_index import PrefixIndex
 from tests.conftest import run_async, wait_until
 

@@ -1,4 +1,5 @@
-"""A swing of load does not move a held prefix (app.steady_queue): the queue cost of a worker
+"""A swing of load does not move a held prefix (app.routing.steady_queue): the queue cost of a
+worker
 that holds the prompt counts at most its recent average.
 
 The cause it answers, as seen on real engines (docs/decisions.md, "Routing under concurrent
@@ -16,8 +17,8 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 
 from kvroute.app.config import Settings
+from kvroute.app.routing.steady_queue import FORGOTTEN, SteadyQueue
 from kvroute.app.server import BackgroundServer
-from kvroute.app.steady_queue import FORGOTTEN, SteadyQueue
 from kvroute.sim.cluster import SimCluster
 from tests.conftest import HTTP_TIMEOUT, wait_for
 

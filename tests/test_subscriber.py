@@ -18,10 +18,9 @@ import msgspec
 import pytest
 import zmq
 
-from kvroute.app import subscriber as subscriber_module
-from kvroute.app.subscriber import Subscriber
-from kvroute.app.subscription import COUNTERS, SubscriberHooks, WorkerEndpoint
-from kvroute.app.wire import (
+from kvroute.app.ingest import subscriber as subscriber_module
+from kvroute.app.ingest.subscriber import Subscriber
+from kvroute.app.ingest.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -30,6 +29,7 @@ from kvroute.app.wire import (
     encode_batch,
     encode_seq,
 )
+from kvroute.app.workers import COUNTERS, SubscriberHooks, WorkerEndpoint
 from kvroute.sim.publisher import EventPublisher
 from tests.conftest import refusing_ports, scaled, wait_until
 from tests.support.events import (

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from kvroute.app.subscriber import Subscriber
-from kvroute.app.wire import BlockStored, apply_batch, decode_batch
+from kvroute.app.ingest.subscriber import Subscriber
+from kvroute.app.ingest.wire import BlockStored, apply_batch, decode_batch
 from kvroute.index import PrefixIndex
 from kvroute.sim.publisher import EventPublisher
 from tests.conftest import wait_until

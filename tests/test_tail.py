@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from kvroute.app import tail
-from kvroute.app.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from kvroute.app.ingest import tail
+from kvroute.app.ingest.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from kvroute.sim.publisher import EventPublisher
 from tests.conftest import scaled, wait_for
 

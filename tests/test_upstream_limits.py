@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from kvroute.app.config import Settings
+from kvroute.app.fleet.upstream import DISCOVERY_MAX_BYTES, UpstreamError, fetch
 from kvroute.app.server import BackgroundServer
-from kvroute.app.upstream import DISCOVERY_MAX_BYTES, UpstreamError, fetch
 from kvroute.sim.cluster import SimCluster
 from kvroute.sim.publisher import EventPublisher
 from tests.conftest import HTTP_TIMEOUT, run_async, wait_for

@@ -1,4 +1,4 @@
-"""app.valkey against a real redis-server (never mocked): the saved-state store, and the
+"""app.state.valkey against a real redis-server (never mocked): the saved-state store, and the
 messages replicas share (`Peers`) on their own. tests/test_replicas.py runs whole replicas.
 
 The server listens on a unix socket (TCP off: no port to race for) and, at least once for
@@ -14,8 +14,8 @@ import msgspec
 import pytest
 import redis.asyncio as aredis
 
-from kvroute.app.state_store import StateStoreError
-from kvroute.app.valkey import PeerLoad, Peers, ValkeyStore, redacted
+from kvroute.app.state.store import StateStoreError
+from kvroute.app.state.valkey import PeerLoad, Peers, ValkeyStore, redacted
 from kvroute.index import PrefixIndex
 from tests.conftest import refusing_ports, run_async, wait_until
 from tests.support.redis_server import RedisServer, running, start_on_a_free_port
@@ -235,7 +235,7 @@ def test_publishing_never_waits_and_drops_what_cannot_be_sent(valkey: RedisServe
 def test_every_peers_metric_is_listed_in_the_readme() -> None:
     from pathlib import Path
 
-    from kvroute.app.valkey import DROP_REASONS, PeersCollector
+    from kvroute.app.state.valkey import DROP_REASONS, PeersCollector
 
     peers = make_peers("unix:///nowhere.sock", PrefixIndex())  # never started: no I/O
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()

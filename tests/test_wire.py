@@ -1,4 +1,4 @@
-"""app.wire against real vLLM 0.32.0 traffic, hand-built frames of the older array encoding,
+"""app.ingest.wire against real vLLM 0.32.0 traffic, hand-built frames of the older array encoding,
 and property tests (round trips in both encodings; garbage never raises anything but
 WireError and never costs the well-formed events of a batch)."""
 
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvroute.app.wire import (
+from kvroute.app.ingest.wire import (
     END_SEQ,
     AllBlocksCleared,
     BlockRemoved,

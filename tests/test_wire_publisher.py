@@ -8,7 +8,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvroute.app.wire import END_SEQ, AllBlocksCleared, BlockStored, decode_batch, encode_seq
+from kvroute.app.ingest.wire import END_SEQ, AllBlocksCleared, BlockStored, decode_batch, encode_seq
 from kvroute.sim.publisher import EventPublisher
 from tests.conftest import scaled
 

@@ -18,9 +18,9 @@ from typing import Any, NamedTuple
 
 import zmq.asyncio
 
-from kvroute.app.subscriber import Subscriber
-from kvroute.app.subscription import SubscriberOptions, WorkerEndpoint
-from kvroute.app.wire import BlockRemoved, BlockStored, Event, EventBatch, apply_batch
+from kvroute.app.ingest.subscriber import Subscriber
+from kvroute.app.ingest.wire import BlockRemoved, BlockStored, Event, EventBatch, apply_batch
+from kvroute.app.workers import SubscriberOptions, WorkerEndpoint
 from kvroute.index import PrefixIndex
 from kvroute.sim.publisher import EventPublisher
 from tests.conftest import run_async, scaled, wait_until

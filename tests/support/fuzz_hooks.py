@@ -8,7 +8,7 @@ instance that cannot be discovered is a 502 by design. So, in `POST /v1/instance
   (KVROUTE_FUZZ_EVENTS / KVROUTE_FUZZ_REPLAY). A value is only ever replaced by another value
   the schema admits, so a case stays exactly as valid or invalid as it was drawn;
 - a case whose `replay` does not list one endpoint per `events` entry, or whose endpoint
-  names a bind address, is left out: both are refusals app.contract documents (422) that
+  names a bind address, is left out: both are refusals app.api.contract documents (422) that
   JSON Schema cannot express. Nothing else is left out;
 - a registration without an `id` gets a fresh one (the id would be the url's HOST:PORT, the
   simulated instance's in every case, so all but the first would only meet "already

@@ -8,8 +8,8 @@ from contextlib import asynccontextmanager
 import httpx
 
 from kvroute.app.config import InstanceConfig
-from kvroute.app.load import LoadMonitor
-from kvroute.app.registry import Registry
+from kvroute.app.fleet.registry import Registry
+from kvroute.app.routing.load import LoadMonitor
 from kvroute.index import PrefixIndex
 
 

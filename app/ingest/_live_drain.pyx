@@ -1,0 +1,281 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""A subscriber's live messages taken in one call while they are the plain common case: the
+compiled half of ``BatchApplier.drain``.
+
+``drain`` receives from a SUB socket through libzmq's own functions (the library pyzmq
+loaded, looked up by name through pyzmq's extension module, as ``index/_keys.pxi`` finds
+xxHash), and applies each message that is the next batch in order, read whole by the index
+(``read_plain_batch``) and applied whole by one run (``apply_run``), as the subscriber's
+Python path would: the same calls with the same bounds. It stops at the first message that
+is anything else and hands it back, as frames, with what was done to it; the caller goes on
+with it through the Python path. So nothing it takes differs from what that path does, and
+what it does not take reaches that path unchanged.
+"""
+
+from cpython.buffer cimport PyBUF_WRITABLE
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from libc.stdint cimport uint64_t
+
+import zmq
+
+cdef extern from "<dlfcn.h>" nogil:
+    void* dlopen(const char* filename, int flags)
+    void* dlsym(void* handle, const char* symbol)
+    int RTLD_NOW
+    int RTLD_NOLOAD
+
+cdef extern from "<errno.h>" nogil:
+    int EAGAIN
+    int EINTR
+
+cdef extern from "<sys/epoll.h>" nogil:
+    cdef struct epoll_event:
+        unsigned int events
+    int epoll_wait(int epfd, epoll_event* events, int maxevents, int timeout)
+
+cdef extern from "<time.h>" nogil:
+    ctypedef long time_t
+    cdef struct timespec:
+        time_t tv_sec
+        long tv_nsec
+    int clock_gettime(int clock, timespec* ts)
+    int CLOCK_MONOTONIC
+
+cdef extern from *:
+    """
+    typedef struct { _Alignas(8) unsigned char bytes[64]; } kvroute_zmq_msg;
+    """
+    ctypedef struct kvroute_zmq_msg:
+        pass
+
+ctypedef int (*_msg_init_fn)(kvroute_zmq_msg*) noexcept nogil
+ctypedef int (*_msg_recv_fn)(kvroute_zmq_msg*, void*, int) noexcept nogil
+ctypedef void* (*_msg_data_fn)(kvroute_zmq_msg*) noexcept nogil
+ctypedef size_t (*_msg_size_fn)(const kvroute_zmq_msg*) noexcept nogil
+ctypedef int (*_msg_more_fn)(const kvroute_zmq_msg*) noexcept nogil
+ctypedef int (*_msg_close_fn)(kvroute_zmq_msg*) noexcept nogil
+ctypedef int (*_msg_move_fn)(kvroute_zmq_msg*, kvroute_zmq_msg*) noexcept nogil
+ctypedef int (*_errno_fn)() noexcept nogil
+
+cdef _msg_init_fn _msg_init = NULL
+cdef _msg_recv_fn _msg_recv = NULL
+cdef _msg_data_fn _msg_data = NULL
+cdef _msg_size_fn _msg_size = NULL
+cdef _msg_more_fn _msg_more = NULL
+cdef _msg_close_fn _msg_close = NULL
+cdef _msg_move_fn _msg_move = NULL
+cdef _errno_fn _zmq_errno = NULL
+
+DEF _DONTWAIT = 1  # ZMQ_DONTWAIT (checked against pyzmq's at import)
+DEF _SEQ_BYTES = 8  # app.ingest.wire.decode_seq's frame: an unsigned big-endian int
+
+
+cdef class InPlace:
+    """A received frame over ``big`` bytes, left where libzmq holds it: read-only, and
+    alive as long as a view of it is."""
+
+    cdef kvroute_zmq_msg msg
+
+    def __cinit__(self):
+        if _msg_init is NULL:
+            raise RuntimeError("libzmq's message functions were not found")
+        _msg_init(&self.msg)
+
+    def __dealloc__(self):
+        _msg_close(&self.msg)
+
+    def __getbuffer__(self, Py_buffer* view, int flags):
+        if flags & PyBUF_WRITABLE:
+            raise BufferError("a received frame is read-only")
+        view.buf = _msg_data(&self.msg)
+        view.len = <Py_ssize_t>_msg_size(&self.msg)
+        view.readonly = 1
+        view.itemsize = 1
+        view.format = NULL
+        view.ndim = 1
+        view.shape = NULL
+        view.strides = NULL
+        view.suboffsets = NULL
+        view.internal = NULL
+        view.obj = self
+
+
+def _bind():
+    """Look libzmq's message functions up through pyzmq's extension module; False when
+    any is missing (the caller keeps the Python path)."""
+    global _msg_init, _msg_recv, _msg_data, _msg_size, _msg_more, _msg_close, _msg_move
+    global _zmq_errno
+    import zmq.backend.cython._zmq as backend
+    if zmq.DONTWAIT != _DONTWAIT:
+        return False
+    cdef void* handle = dlopen(backend.__file__.encode(), RTLD_NOW | RTLD_NOLOAD)
+    if handle is NULL:
+        return False
+    _msg_init = <_msg_init_fn>dlsym(handle, b"zmq_msg_init")
+    _msg_recv = <_msg_recv_fn>dlsym(handle, b"zmq_msg_recv")
+    _msg_data = <_msg_data_fn>dlsym(handle, b"zmq_msg_data")
+    _msg_size = <_msg_size_fn>dlsym(handle, b"zmq_msg_size")
+    _msg_more = <_msg_more_fn>dlsym(handle, b"zmq_msg_more")
+    _msg_close = <_msg_close_fn>dlsym(handle, b"zmq_msg_close")
+    _msg_move = <_msg_move_fn>dlsym(handle, b"zmq_msg_move")
+    _zmq_errno = <_errno_fn>dlsym(handle, b"zmq_errno")
+    if (_msg_init is NULL or _msg_recv is NULL or _msg_data is NULL or _msg_size is NULL
+            or _msg_more is NULL or _msg_close is NULL or _msg_move is NULL
+            or _zmq_errno is NULL):
+        _msg_init = NULL  # InPlace refuses to be made; drain is never called (BOUND)
+        return False
+    return True
+
+
+BOUND = _bind()
+
+
+cdef inline double _now() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+cdef list _receive(void* socket, Py_ssize_t big):
+    """The next message's frames (bytes; a frame over ``big`` bytes as a memoryview of an
+    ``InPlace``), or None when none is queued. A ZeroMQ error other than "nothing queued"
+    raises ``zmq.ZMQError``, as pyzmq's receive does."""
+    cdef list frames = None
+    cdef kvroute_zmq_msg msg
+    cdef InPlace kept
+    cdef int rc, error
+    cdef size_t size
+    while True:
+        _msg_init(&msg)
+        rc = _msg_recv(&msg, socket, _DONTWAIT)  # never waits: the GIL stays held
+        if rc < 0:
+            error = _zmq_errno()
+            _msg_close(&msg)
+            if error == EINTR:
+                continue
+            if error == EAGAIN and frames is None:
+                return None
+            raise zmq.ZMQError(error)
+        size = _msg_size(&msg)
+        if frames is None:
+            frames = []
+        if <Py_ssize_t>size > big:
+            kept = InPlace.__new__(InPlace)
+            _msg_move(&kept.msg, &msg)  # into the object, which closes it
+            _msg_close(&msg)  # empty now
+            frames.append(memoryview(kept))
+            if not _msg_more(&kept.msg):
+                return frames
+        else:
+            frames.append(PyBytes_FromStringAndSize(<const char*>_msg_data(&msg), size))
+            more = _msg_more(&msg)
+            _msg_close(&msg)
+            if not more:
+                return frames
+
+
+cdef class Drained:
+    """What one ``drain`` call did: ``taken`` messages applied whole (``events``, ``blocks``
+    among them; the last one's ``seq`` and ``payload``), the work done since its last look
+    at the clock (``unyielded`` events, ``unyielded_work`` blocks), and
+    the message it stopped at, if any (``frames``), with the reading and run it began on it
+    (``plain``, ``run``: None when nothing of it was applied). ``bounded``: it stopped,
+    before receiving, at the turn's deadline or for a waiting request
+    (``requests_waiting``). The caller yields, then drains on."""
+
+    cdef public Py_ssize_t taken, events, blocks, unyielded, unyielded_work
+    cdef public object seq, payload, frames, plain, run
+    cdef public bint empty, requests_waiting, bounded
+
+    def __init__(self):
+        self.taken = self.events = self.blocks = 0
+        self.seq = self.payload = self.frames = self.plain = self.run = None
+        self.empty = self.requests_waiting = self.bounded = False
+
+
+def drain(Py_ssize_t socket_address, index, worker, object last_seq, object last_live,
+          object rank, Py_ssize_t limit, double deadline, int arrivals, double look,
+          Py_ssize_t unyielded, Py_ssize_t unyielded_work, Py_ssize_t chunk_events,
+          Py_ssize_t slice_blocks, Py_ssize_t whole_bytes, Py_ssize_t big, limits):
+    """Apply queued live messages while each is the next batch (``last_seq + 1``, above
+    ``last_live``), its payload (at most ``whole_bytes``) reads as plain with the
+    endpoint's ``rank`` (or none), and one run applies it whole within ``chunk_events``
+    events and ``slice_blocks`` blocks of work since the last look at the clock (for the
+    first message, the caller's ``unyielded`` events and ``unyielded_work`` blocks count).
+    Takes at most ``limit``. Before each message it looks at the clock: it stops at
+    ``deadline`` (``time.perf_counter``'s clock) or when the epoll descriptor ``arrivals``
+    (-1: none) is ready, looked at every ``look`` seconds (a request waits:
+    ``app.ingest.budget``), or when the caller's work left no room for an event; these are
+    ``bounded``. It stops too when nothing is queued (``empty``), or at a message that is
+    anything else: that one is handed back in ``Drained``.
+
+    So the events and blocks bound each message's run, not the sum since the last yield as
+    on the Python path (``BatchApplier.apply``): the drain needs no yield to look at the
+    turn's clock or for a waiting request, and one yield (a pass of the event loop and a
+    wake-up of the subscriber's task) cost about as much as applying a small batch."""
+    cdef Drained done = Drained()
+    cdef void* socket = <void*>socket_address
+    cdef list frames
+    cdef bytes seq_frame, payload
+    cdef const unsigned char* p
+    cdef uint64_t seq
+    cdef Py_ssize_t count, i
+    cdef double now, next_look = 0.0
+    cdef epoll_event ready
+    done.unyielded = unyielded
+    done.unyielded_work = unyielded_work
+    done.seq = last_seq
+    if last_seq is None:
+        return done
+    read = index.read_plain_batch
+    apply_run = index.apply_run
+    while done.taken < limit:
+        now = _now()
+        if now >= deadline or unyielded + 1 >= chunk_events:
+            done.bounded = True
+            break
+        if arrivals >= 0 and now >= next_look:
+            next_look = now + look
+            if epoll_wait(arrivals, &ready, 1, 0) > 0:
+                done.requests_waiting = done.bounded = True
+                break
+        frames = _receive(socket, big)
+        if frames is None:
+            done.empty = True
+            break
+        if len(frames) != 3 or type(frames[1]) is not bytes or type(frames[2]) is not bytes:
+            done.frames = frames
+            break
+        seq_frame = frames[1]
+        payload = frames[2]
+        if PyBytes_GET_SIZE(seq_frame) != _SEQ_BYTES or PyBytes_GET_SIZE(payload) > whole_bytes:
+            done.frames = frames
+            break
+        p = <const unsigned char*>PyBytes_AS_STRING(seq_frame)
+        seq = 0
+        for i in range(_SEQ_BYTES):
+            seq = (seq << 8) | p[i]
+        if seq != done.seq + 1 or (last_live is not None and seq <= last_live):
+            done.frames = frames
+            break
+        plain = read(payload)
+        if plain is None or (plain.data_parallel_rank is not None
+                             and plain.data_parallel_rank != rank):
+            done.frames = frames
+            break
+        count = len(plain)
+        run = apply_run(worker, plain, 0, slice_blocks - unyielded_work,
+                        chunk_events - unyielded - 1, limits)
+        done.unyielded = unyielded + 1 + run.next
+        done.unyielded_work = unyielded_work + run.work
+        if run.next < count or run.error is not None or run.full:
+            done.frames, done.plain, done.run = frames, plain, run
+            break
+        done.taken += 1
+        done.events += count
+        done.blocks += run.blocks
+        done.seq = seq
+        last_live = seq
+        done.payload = payload
+        unyielded = unyielded_work = 0  # the clock is looked at before the next one
+    return done
