@@ -29,6 +29,7 @@ test: $(STAMP) $(REDIS_SERVER)
 
 lint: $(STAMP)
 	$(BIN)/ruff check app index sim tests benchmarks e2e
+	$(BIN)/lint-imports
 	$(BIN)/hadolint Dockerfile
 
 bench: $(STAMP)

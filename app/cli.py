@@ -83,8 +83,13 @@ def _add_openapi(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _openapi(args: argparse.Namespace) -> int:
-    from kvroute.app.api.openapi import markdown_table, openapi_document, reference_settings, render
     from kvroute.app.http.app import create_app
+    from kvroute.app.http.openapi import (
+        markdown_table,
+        openapi_document,
+        reference_settings,
+        render,
+    )
 
     settings = reference_settings() if args.config is None else load_settings(args.config)
     document = openapi_document(create_app(settings), settings)

@@ -36,14 +36,14 @@ import os
 import re
 import tomllib
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlsplit
 
 import msgspec
 
-from kvroute.app.api.json_body import split_validation
-from kvroute.app.fleet.endpoints import parse_endpoint
+from kvroute.app.errors import split_validation
 from kvroute.app.patterns import (
     API_KEY,
     HTTP_ORIGIN,
@@ -54,16 +54,41 @@ from kvroute.app.patterns import (
     described,
     documented,
     matches,
+    parse_endpoint,
 )
-from kvroute.app.routing.cost import CostWeights
-from kvroute.app.routing.decision_log import MAX_DECISION_LOG
 from kvroute.app.workers import SubscriberOptions
+
+# The largest decision log a setting may ask for (app.routing.decision_log keeps it).
+MAX_DECISION_LOG = 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class CostWeights:
+    """What each term of a route's cost weighs, in prefill tokens (app.routing.cost)."""
+
+    miss_token: float = 1.0
+    cpu_hit_token: float = 0.25
+    storage_hit_token: float = 0.5
+    # One token of prefill queued ahead, relative to a token of this prompt to compute.
+    queued_prefill_token: float = 0.25
+    # Decode pressure of one running request, in prefill tokens.
+    running_request: float = 32.0
+    # A token to compute here that another eligible worker holds: on top of its miss, the
+    # cache space the second copy takes from other prefixes (see the module docstring).
+    copied_token: float = 1.0
+    # A token to compute on a worker that must hold more other prefixes than the least
+    # crowded loaded worker, times the share of its demand above that one's.
+    crowded_token: float = 2.0
+    overload_waiting: int = 64
+    overload_kv_usage: float = 0.98
+
 
 _COSTS = CostWeights()  # the one place the cost defaults are written
 _PUBLISHER_BOUNDS = SubscriberOptions()  # and the publisher bounds
 
 __all__ = [
-    "ConfigError", "FleetConfig", "InstanceConfig", "Settings", "default_instance_id",
+    "MAX_DECISION_LOG", "ConfigError", "CostWeights", "FleetConfig", "InstanceConfig", "Settings",
+    "default_instance_id",
     "foreign_endpoints", "is_loopback", "load_settings", "parse_instance",
 ]
 
@@ -566,7 +591,7 @@ def _check_epp(settings: Settings) -> None:
     if not settings.epp_tls and (settings.epp_tls_certfile or settings.epp_client_ca):
         raise ConfigError("epp_tls is off: epp_tls_certfile, epp_tls_keyfile and "
                           "epp_client_ca need it on", "epp_tls")
-    from kvroute.app.epp.tls import check_pem_files  # cryptography: only with the EPP on
+    from kvroute.app.pem import check_pem_files  # cryptography: only with the EPP on
 
     try:
         check_pem_files(settings.epp_tls_certfile, settings.epp_tls_keyfile,

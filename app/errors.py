@@ -13,7 +13,7 @@ from typing import Any
 __all__ = [
     "AlreadyExists", "Busy", "Conflict", "InvalidRequest", "LimitReached", "MalformedRequest",
     "NoEligibleWorker", "NotAllowed", "NotFound", "RequestError", "TimedOut", "TooLarge",
-    "Unauthorized", "UnsupportedMediaType", "UpstreamFailed",
+    "Unauthorized", "UnsupportedMediaType", "UpstreamFailed", "split_validation",
 ]
 
 
@@ -95,3 +95,12 @@ class NoEligibleWorker(RequestError):
 
 class UpstreamFailed(RequestError):
     """An instance kvroute had to ask (to discover, tokenize or forward) failed."""
+
+
+def split_validation(message: str) -> tuple[str, str]:
+    """msgspec's `Expected `int` - at `$.token_ids[3]`` as (`Expected `int``,
+    `token_ids[3]`); the path is empty for the document itself."""
+    text, found, path = message.rpartition(" - at `")
+    if not found:
+        return message, ""
+    return text, path.rstrip("`").removeprefix("$").removeprefix(".")

@@ -10,6 +10,7 @@ Python's `$` also matches before a final newline and ECMA-262's does not.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from functools import cache
 from typing import Annotated, Any
@@ -19,7 +20,7 @@ import msgspec
 __all__ = [
     "API_KEY", "BLOCK_HASH_HEX", "HTTP_ORIGIN", "INSTANCE_ID", "IP_ENDPOINT", "NOT_BLANK",
     "ZMQ_ENDPOINT",
-    "described", "documented", "matches",
+    "described", "documented", "format_endpoint", "matches", "parse_endpoint",
 ]
 
 # Contains something besides ASCII whitespace (unanchored: a `search`, in both engines).
@@ -83,3 +84,24 @@ def described(kind: Any, pattern: str) -> Any:
 def documented(kind: Any, description: str) -> Any:
     """`kind` with a description for people in its JSON Schema (a field of a request)."""
     return Annotated[kind, msgspec.Meta(description=description)]
+
+
+def format_endpoint(address: str, port: int) -> str:
+    """`1.2.3.4:80` or `[fd00::1]:80` (the address in its compressed form)."""
+    ip = ipaddress.ip_address(address)
+    return f"[{ip.compressed}]:{port}" if ip.version == 6 else f"{ip.compressed}:{port}"
+
+
+def parse_endpoint(text: str) -> str | None:
+    """`text` as a normalized IP:PORT (IPv6 in brackets), or None when it is not one."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    bracketed = host.startswith("[") and host.endswith("]")
+    try:
+        ip = ipaddress.ip_address(host[1:-1] if bracketed else host)
+    except ValueError:
+        return None
+    if (ip.version == 6) != bracketed:
+        return None
+    return format_endpoint(ip.compressed, int(port))

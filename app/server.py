@@ -1,5 +1,7 @@
-"""Running the service: in the foreground for `kvroute serve`, or on a background
-thread for the demo, the tests and the benchmarks.
+"""The composition root: one kvroute process, the service with its HTTP server and, when
+`epp_port` is set, the Endpoint Picker beside it on the same event loop. It runs in the
+foreground for `kvroute serve`, or on a background thread for the demo, the tests and the
+benchmarks. The only module that knows every wing.
 
 A background server owns its thread and event loop; `stop()` runs the app's
 lifespan shutdown (subscribers stopped, sockets closed) before it returns.
@@ -20,6 +22,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -28,7 +31,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from kvroute.app.api.answers import Error, encode
 from kvroute.app.config import Settings
 from kvroute.app.fleet.dns import Resolver
-from kvroute.app.http.app import create_app
+from kvroute.app.http.app import STATUS_OF, Companion, create_app
 from kvroute.app.ingest.budget import shared_budget
 from kvroute.app.service import Service
 
@@ -192,13 +195,28 @@ def _say_full(limit: int) -> None:
         log.warning("refusing connections: %d open already (max_connections)", limit)
 
 
+def _companions(settings: Settings) -> dict[str, Callable[[Service], Companion]]:
+    """The servers beside the HTTP API on the same service: the Endpoint Picker when
+    `epp_port` is set."""
+    if settings.epp_port is None:
+        return {}
+
+    def endpoint_picker(service: Service) -> Companion:
+        # Imported here: gRPC and Envoy's messages load only when the EPP is on.
+        from kvroute.app.epp.server import EppServer
+
+        return EppServer(service, STATUS_OF)
+
+    return {"epp": endpoint_picker}
+
+
 def _config(settings: Settings, resolver: Resolver | None = None, *,
             freeze_fleet: bool = False) -> uvicorn.Config:
     # uvicorn calls the protocol class with keywords only (config=, server_state=, ...).
     protocol = functools.partial(BoundedHttpProtocol, header_timeout=settings.header_timeout,
                                  max_connections=settings.max_connections)
-    return uvicorn.Config(create_app(settings, resolver=resolver,
-                                     freeze_fleet=freeze_fleet),
+    return uvicorn.Config(create_app(settings, resolver=resolver, freeze_fleet=freeze_fleet,
+                                     companions=_companions(settings)),
                           host=settings.host, port=settings.port,
                           log_level=settings.log_level, lifespan="on", access_log=False,
                           http=protocol,  # type: ignore[arg-type]
@@ -295,7 +313,7 @@ class BackgroundServer:
     @property
     def epp(self) -> EppServer | None:
         """The running Endpoint Picker (its port, its certificate), None when it is off."""
-        return self._config.app.state.epp  # type: ignore[union-attr]
+        return self._config.app.state.companions.get("epp")  # type: ignore[union-attr]
 
     def start(self, timeout: float = 20.0) -> BackgroundServer:
         self._thread.start()

@@ -57,9 +57,9 @@ from kvroute.app.errors import (
 from kvroute.app.fleet.dns import Fleet, FleetCollector, Resolver, resolve_with_getaddrinfo
 from kvroute.app.fleet.limits import fleet_context
 from kvroute.app.fleet.registry import Instance, Registry, Worker
-from kvroute.app.http.dashboard import RouteActivity
 from kvroute.app.ingest.pacing import FleetPacing
 from kvroute.app.metrics import ServiceMetrics
+from kvroute.app.routing.activity import RouteActivity
 from kvroute.app.routing.cost import (
     DEFAULT_BLOCK_SIZE,
     CostWeights,

@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from kvroute.app.config import Settings
-from kvroute.app.http.dashboard import PAGES, RouteActivity
+from kvroute.app.http.dashboard import PAGES
+from kvroute.app.routing.activity import RouteActivity
 from kvroute.app.server import BackgroundServer
 from kvroute.sim.cluster import SimCluster
 from tests.conftest import HTTP_TIMEOUT, wait_for

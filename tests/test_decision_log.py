@@ -9,9 +9,10 @@ import httpx
 import pytest
 
 from kvroute.app.api.answers import LoadReadings
+from kvroute.app.api.contract import DECISIONS_PAGE
 from kvroute.app.config import ConfigError, Settings, load_settings
 from kvroute.app.routing.cost import Score
-from kvroute.app.routing.decision_log import DECISIONS_PAGE, LOGGED_SCORES, DecisionLog
+from kvroute.app.routing.decision_log import LOGGED_SCORES, DecisionLog
 from kvroute.app.server import BackgroundServer
 from kvroute.sim.cluster import SimCluster
 from tests.conftest import HTTP_TIMEOUT, wait_for

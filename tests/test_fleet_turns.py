@@ -13,9 +13,9 @@ import pytest
 
 from kvroute.app.config import InstanceConfig, Settings
 from kvroute.app.errors import RequestError
-from kvroute.app.fleet.paced_changes import PacedFleetChanges, changes_fleet
 from kvroute.app.fleet.registry import Registry
 from kvroute.app.http.auth import admin_guard
+from kvroute.app.http.paced_changes import PacedFleetChanges, changes_fleet
 from kvroute.app.ingest.pacing import FleetPacing
 from kvroute.app.ingest.subscriber import Subscriber
 from kvroute.app.service import ROUTING_LATELY, Service

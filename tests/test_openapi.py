@@ -18,9 +18,9 @@ import pytest
 from fastapi.routing import APIRoute
 
 from kvroute.app.api.contract import CONTRACT
-from kvroute.app.api.openapi import markdown_table, openapi_document, reference_settings, render
 from kvroute.app.config import Settings
 from kvroute.app.http.app import create_app
+from kvroute.app.http.openapi import markdown_table, openapi_document, reference_settings, render
 from kvroute.app.server import BackgroundServer
 from tests.conftest import HTTP_TIMEOUT, scaled
 

@@ -126,23 +126,6 @@ def test_no_module_imports_itself_through_others() -> None:
         visit(module)
 
 
-# The HTTP edge: the app, its bearer tokens, which requests it admits, the proxy's routes,
-# body reading, the lean route path, the server, and the OpenAPI document of the app's routes.
-HTTP_LAYER = {"kvroute.app.http.app", "kvroute.app.http.auth", "kvroute.app.http.guard",
-              "kvroute.app.fleet.paced_changes",
-              "kvroute.app.http.proxy", "kvroute.app.http.request_body",
-              "kvroute.app.http.route_asgi",
-              "kvroute.app.server", "kvroute.app.api.openapi"}
-
-
-def test_http_types_stay_in_the_http_layer() -> None:
-    """The service, the index and everything under them speak in refusals, not statuses."""
-    for web in ("fastapi", "starlette", "uvicorn"):
-        users = {m for m, targets in _module_imports(web).items()
-                 if m.startswith(("kvroute.app", "kvroute.index")) and targets}
-        assert users <= HTTP_LAYER, (web, sorted(users - HTTP_LAYER))
-
-
 def test_every_refusal_has_one_status() -> None:
     from kvroute.app.errors import RequestError
     from kvroute.app.http.app import STATUS_OF

@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 from kvroute.app import patterns
 from kvroute.app.api.route_request import parse_hash
 from kvroute.app.config import InstanceConfig
-from kvroute.app.fleet.endpoints import parse_endpoint
 
 PATTERNS = {
     "HTTP_ORIGIN": patterns.HTTP_ORIGIN,
@@ -104,7 +103,7 @@ def test_every_admitted_id_is_accepted(instance_id: str):
 @given(st.from_regex(re.compile(patterns.IP_ENDPOINT), fullmatch=True))
 def test_every_admitted_gateway_endpoint_is_accepted(endpoint: str):
     config = msgspec.convert({"url": "http://h:1", "endpoint": endpoint}, InstanceConfig)
-    assert config.endpoint is not None and config.endpoint == parse_endpoint(endpoint)
+    assert config.endpoint is not None and config.endpoint == patterns.parse_endpoint(endpoint)
 
 
 @MANY

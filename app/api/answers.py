@@ -1,7 +1,7 @@
 """What the HTTP API answers: every JSON body kvroute writes is one of these structs.
 
 They are encoded with msgspec exactly as they are, and the OpenAPI document
-(`app.api.openapi`) describes these same structs, so the description cannot drift from what
+(`app.http.openapi`) describes these same structs, so the description cannot drift from what
 is sent. Invariants: every field is always present unless its default is UNSET (then it
 is left out, never sent as null); fields that can be null say so in their type.
 """

@@ -42,12 +42,16 @@ from kvroute.app.api.route_request import (
     route_request_type,
 )
 from kvroute.app.config import URL_OR_EVENTS, InstanceConfig, Settings
-from kvroute.app.http.request_body import REGISTRATION_MAX_BYTES
-from kvroute.app.routing.decision_log import DECISIONS_PAGE
 
-__all__ = ["CONTRACT", "JSON", "Answer", "Operation", "Relayed"]
+__all__ = ["CONTRACT", "DECISIONS_PAGE", "JSON", "REGISTRATION_MAX_BYTES", "Answer", "Operation",
+           "Relayed"]
 
 JSON = "application/json"
+
+# A registration is a few hundred bytes; this bounds what one can make kvroute hold.
+REGISTRATION_MAX_BYTES = 64 * 1024
+# The most entries one GET /v1/decisions answers: page on with `since`.
+DECISIONS_PAGE = 10_000
 
 
 @dataclass(frozen=True, slots=True)

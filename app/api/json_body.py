@@ -18,9 +18,9 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from kvroute.app.errors import InvalidRequest, MalformedRequest
+from kvroute.app.errors import InvalidRequest, MalformedRequest, split_validation
 
-__all__ = ["decode_json", "field_of", "integral_numbers", "split_validation"]
+__all__ = ["decode_json", "field_of", "integral_numbers"]
 
 T = TypeVar("T")
 
@@ -61,15 +61,6 @@ def integral_numbers(value: Any) -> Any:
             elif isinstance(item, list | dict):
                 pending.append(item)
     return value
-
-
-def split_validation(message: str) -> tuple[str, str]:
-    """msgspec's `Expected `int` - at `$.token_ids[3]`` as (`Expected `int``,
-    `token_ids[3]`); the path is empty for the document itself."""
-    text, found, path = message.rpartition(" - at `")
-    if not found:
-        return message, ""
-    return text, path.rstrip("`").removeprefix("$").removeprefix(".")
 
 
 def field_of(validation_message: str) -> str | None:

@@ -17,14 +17,14 @@ from typing import Annotated, Any
 
 import msgspec
 
-from kvroute.app.api.json_body import decode_json, integral_numbers, split_validation
+from kvroute.app.api.json_body import decode_json, integral_numbers
 from kvroute.app.api.route_request import (
     ChatMessage,
     ChatTemplateArgs,
     RouteRequest,
     check_messages,
 )
-from kvroute.app.errors import InvalidRequest, MalformedRequest
+from kvroute.app.errors import InvalidRequest, MalformedRequest, split_validation
 
 __all__ = ["PROMPT_SCHEMA", "ChatQuestion", "CompletionQuestion", "route_request_of"]
 

@@ -8,7 +8,7 @@ side, the response's headers, body and trailers. For each stream kvroute:
    request trailers), refusing a body over `max_body_bytes` (413, as soon as it is known)
    or one that takes longer than `body_timeout` (408);
 2. decides exactly as `POST /v1/route` and the proxy do (`Service.decide` on the question
-   `proxy.route_request_of` reads from an OpenAI completions or chat body: token ids or
+   `openai_request.route_request_of` reads from an OpenAI completions or chat body: token ids or
    text), among the workers whose instance has an endpoint the gateway can reach
    (app.fleet.endpoints) and, when the gateway sends a subset hint, whose endpoint it lists;
    other paths (GET /v1/models, ...) carry no prompt and go to the cheapest worker by load;
@@ -43,6 +43,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from prometheus_client import Counter, Gauge
 
+from kvroute.app.api.openai_request import route_request_of
 from kvroute.app.epp import messages
 from kvroute.app.errors import (
     Busy,
@@ -52,9 +53,9 @@ from kvroute.app.errors import (
     TimedOut,
     TooLarge,
 )
-from kvroute.app.fleet.endpoints import EndpointMap, parse_endpoint
+from kvroute.app.fleet.endpoints import EndpointMap
 from kvroute.app.fleet.registry import Worker
-from kvroute.app.http.proxy import route_request_of
+from kvroute.app.patterns import parse_endpoint
 from kvroute.app.routing.inflight import Ticket
 from kvroute.app.service import Decision, RouteRequest, Service
 

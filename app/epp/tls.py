@@ -13,14 +13,15 @@ import datetime
 import hashlib
 import ipaddress
 from dataclasses import dataclass
-from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-__all__ = ["ServerIdentity", "check_pem_files", "load_identity", "self_signed"]
+from kvroute.app.pem import check_pem_files, read_pem
+
+__all__ = ["ServerIdentity", "load_identity", "self_signed"]
 
 VALIDITY = datetime.timedelta(days=365)
 
@@ -77,55 +78,14 @@ def self_signed(host: str) -> tuple[bytes, bytes]:
                               serialization.NoEncryption()))
 
 
-def _read(path: str, what: str, setting: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise ValueError(f"{setting}: the {what} {path} cannot be read: "
-                         f"{exc.strerror or exc}") from None
-
-
-def check_pem_files(certfile: str | None, keyfile: str | None,
-                    client_ca: str | None) -> None:
-    """Raise ValueError (starting with the setting's name) unless each given file holds
-    what it should: certificates, and a private key matching the first certificate."""
-    if certfile is not None and keyfile is not None:
-        certificates = _certificates(_read(certfile, "certificate", "epp_tls_certfile"),
-                                     certfile, "epp_tls_certfile")
-        try:
-            key = serialization.load_pem_private_key(
-                _read(keyfile, "key", "epp_tls_keyfile"), password=None)
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"epp_tls_keyfile: {keyfile} is not an unencrypted PEM private "
-                             f"key: {exc}") from None
-        if (key.public_key().public_bytes(serialization.Encoding.DER,
-                                          serialization.PublicFormat.SubjectPublicKeyInfo)
-                != certificates[0].public_key().public_bytes(
-                    serialization.Encoding.DER,
-                    serialization.PublicFormat.SubjectPublicKeyInfo)):
-            raise ValueError(f"epp_tls_keyfile: {keyfile} is not the key of the first "
-                             f"certificate in {certfile}")
-    if client_ca is not None:
-        _certificates(_read(client_ca, "CA bundle", "epp_client_ca"), client_ca,
-                      "epp_client_ca")
-
-
-def _certificates(pem: bytes, path: str, setting: str) -> list[x509.Certificate]:
-    try:
-        certificates = x509.load_pem_x509_certificates(pem)
-    except ValueError as exc:
-        raise ValueError(f"{setting}: {path} holds no PEM certificate: {exc}") from None
-    return certificates
-
-
 def load_identity(host: str, certfile: str | None, keyfile: str | None,
                   client_ca: str | None) -> ServerIdentity:
     """The configured certificate and key, or a self-signed pair for `host`; files are
     checked as `check_pem_files` does (ValueError)."""
     check_pem_files(certfile, keyfile, client_ca)
-    ca = _read(client_ca, "CA bundle", "epp_client_ca") if client_ca else None
+    ca = read_pem(client_ca, "CA bundle", "epp_client_ca") if client_ca else None
     if certfile is not None and keyfile is not None:
-        return ServerIdentity(_read(certfile, "certificate", "epp_tls_certfile"),
-                              _read(keyfile, "key", "epp_tls_keyfile"), ca, self_signed=False)
+        return ServerIdentity(read_pem(certfile, "certificate", "epp_tls_certfile"),
+                              read_pem(keyfile, "key", "epp_tls_keyfile"), ca, self_signed=False)
     certificate, key = self_signed(host)
     return ServerIdentity(certificate, key, ca, self_signed=True)

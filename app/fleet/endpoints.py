@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import socket
 import time
@@ -32,37 +31,18 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from kvroute.app.patterns import format_endpoint
+
 if TYPE_CHECKING:
     from kvroute.app.fleet.registry import Instance
 
-__all__ = ["EndpointMap", "format_endpoint", "parse_endpoint"]
+__all__ = ["EndpointMap"]
 
 log = logging.getLogger("kvroute.endpoints")
 
 RESOLVED_TTL = 10.0  # Kubernetes DNS answers for pods live 5-30 s
 NOT_RESOLVED_TTL = 2.0
 RESOLVE_TIMEOUT = 2.0
-
-
-def format_endpoint(address: str, port: int) -> str:
-    """`1.2.3.4:80` or `[fd00::1]:80` (the address in its compressed form)."""
-    ip = ipaddress.ip_address(address)
-    return f"[{ip.compressed}]:{port}" if ip.version == 6 else f"{ip.compressed}:{port}"
-
-
-def parse_endpoint(text: str) -> str | None:
-    """`text` as a normalized IP:PORT (IPv6 in brackets), or None when it is not one."""
-    host, sep, port = text.strip().rpartition(":")
-    if not sep or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
-        return None
-    bracketed = host.startswith("[") and host.endswith("]")
-    try:
-        ip = ipaddress.ip_address(host[1:-1] if bracketed else host)
-    except ValueError:
-        return None
-    if (ip.version == 6) != bracketed:
-        return None
-    return format_endpoint(ip.compressed, int(port))
 
 
 def _origin(instance: Instance) -> tuple[str, int] | None:

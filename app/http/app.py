@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Annotated, Any
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Annotated, Any, Protocol
 
 import msgspec
 from fastapi import Depends, FastAPI, Query, Request
@@ -28,8 +28,8 @@ from kvroute.app.api.answers import (
     Readiness,
     encode,
 )
+from kvroute.app.api.contract import DECISIONS_PAGE, REGISTRATION_MAX_BYTES
 from kvroute.app.api.json_body import decode_json, integral_numbers
-from kvroute.app.api.openapi import openapi_document
 from kvroute.app.config import ConfigError, Settings, parse_instance
 from kvroute.app.errors import (
     AlreadyExists,
@@ -51,13 +51,14 @@ from kvroute.app.errors import (
 from kvroute.app.fleet.discovery import DiscoveryError
 from kvroute.app.fleet.dns import Resolver
 from kvroute.app.fleet.gc_freeze import FleetFreezer
-from kvroute.app.fleet.paced_changes import PacedFleetChanges
 from kvroute.app.fleet.registry import DuplicateInstance, ModelNotServed, UnknownInstance
 from kvroute.app.http.auth import admin_guard, api_guard
 from kvroute.app.http.dashboard import PAGES, SECURITY_HEADERS, Page, snapshot
 from kvroute.app.http.guard import HttpGuard
+from kvroute.app.http.openapi import openapi_document
+from kvroute.app.http.paced_changes import PacedFleetChanges
 from kvroute.app.http.proxy import Proxy, add_proxy_routes
-from kvroute.app.http.request_body import REGISTRATION_MAX_BYTES, read_body
+from kvroute.app.http.request_body import read_body
 from kvroute.app.http.route_asgi import (
     MATCH_PATH,
     ROUTE_PATH,
@@ -68,7 +69,6 @@ from kvroute.app.http.route_asgi import (
 )
 from kvroute.app.loop_lag import LoopLagMonitor
 from kvroute.app.metrics import CONTENT_TYPE
-from kvroute.app.routing.decision_log import DECISIONS_PAGE
 from kvroute.app.service import Service
 
 __all__ = ["allowed_methods", "create_app"]
@@ -142,13 +142,27 @@ def _refreeze_metric(registry: CollectorRegistry) -> Callable[[float, int], None
     return record
 
 
+class Companion(Protocol):
+    """A server beside the HTTP API on the same service (the Endpoint Picker)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
 def create_app(settings: Settings, *, resolver: Resolver | None = None,
-               freeze_fleet: bool = False) -> FastAPI:
+               freeze_fleet: bool = False,
+               companions: Mapping[str, Callable[[Service], Companion]] | None = None
+               ) -> FastAPI:
     """The ASGI app; the Service is built and torn down in its lifespan (`resolver`: how
     fleets' DNS names resolve, default the system's). With `freeze_fleet` (a process
     that serves only this app: `kvroute serve`), the objects the fleet's workers keep are
     left out of the garbage collector's passes, at start-up and as instances join
-    (app.fleet.gc_freeze)."""
+    (app.fleet.gc_freeze).
+
+    `companions` (from the composition root, app.server) are made with the service once it
+    has started, started in order, kept in `app.state.companions` under their names, and
+    stopped in reverse order before the service closes."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -159,8 +173,9 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None,
                      if settings.tokenizer == "instance"
                      else f"locally with {settings.tokenizer}")
         app.state.service = service
-        app.state.epp = app.state.freezer = None
-        proxy = epp = freezing = None
+        app.state.freezer = None
+        app.state.companions = started = {}
+        proxy = freezing = None
         lag = LoopLagMonitor(service.metrics.registry)
         try:
             lag.start()
@@ -174,20 +189,17 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None,
                 app.state.freezer = freezing
             # The proxy's HTTP client lives as long as the service it forwards for.
             proxy = app.state.proxy = Proxy(service) if settings.proxy else None
-            if settings.epp_port is not None:
-                # Imported here: gRPC and Envoy's messages load only when the EPP is on.
-                from kvroute.app.epp.server import EppServer
-
-                epp = EppServer(service, STATUS_OF)
-                await epp.start()
-                app.state.epp = epp
+            for name, make in (companions or {}).items():
+                companion = make(service)
+                await companion.start()
+                started[name] = companion
             yield
         finally:
             await lag.stop()
             if freezing is not None:
                 await freezing.stop()
-            if epp is not None:
-                await epp.stop()
+            for companion in reversed(started.values()):
+                await companion.stop()
             if proxy is not None:
                 await proxy.close()
             await service.close()
@@ -198,7 +210,7 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None,
                   summary="KV-cache-aware routing index for vLLM fleets",
                   openapi_url="/openapi.json" if docs else None,
                   docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None)
-    # Registrations and removals run in the fleet's turns (app.fleet.paced_changes): innermost,
+    # Registrations and removals run in the fleet's turns (app.http.paced_changes): innermost,
     # so the guard's refusals and the route fast path never wait for one.
     app.add_middleware(PacedFleetChanges, guard=admin_guard(settings))
     # POST /v1/route and /v1/match are answered below the guard, past FastAPI's layers

@@ -300,7 +300,7 @@ async def _disconnected(request: Request) -> None:
 
 def add_proxy_routes(app: FastAPI, dependencies: Sequence[Any]) -> None:
     """The proxy's routes, on `app` itself (an included router is a nested object that
-    app.http.app's 405 answer and app.api.openapi would have to look into). They forward through
+    app.http.app's 405 answer and app.http.openapi would have to look into). They forward through
     ``app.state.proxy``, which the app's lifespan creates after the service has started and
     closes before it stops."""
 

@@ -9,10 +9,7 @@ from fastapi import Request
 
 from kvroute.app.errors import TimedOut, TooLarge, UnsupportedMediaType
 
-__all__ = ["REGISTRATION_MAX_BYTES", "read_body"]
-
-# A registration is a few hundred bytes; this bounds what one can make kvroute hold.
-REGISTRATION_MAX_BYTES = 64 * 1024
+__all__ = ["read_body"]
 
 
 async def read_body(request: Request, limit: int, *, timeout: float) -> bytes:

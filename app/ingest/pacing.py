@@ -23,7 +23,7 @@ Invariants:
   to about 1 / (1 + rest) of the process's time; `routing_rest` instead while routes are
   being asked (`routing`: the service says whether one was decided lately), so a change
   made while routes are asked takes longer and leaves their answers their usual time.
-  (`app.fleet.paced_changes` makes API registrations and removals wait for a turn as well.) A
+  (`app.http.paced_changes` makes API registrations and removals wait for a turn as well.) A
   pass wakes about as many waiters as the last one let through, so a waiter is seldom
   woken only to wait again.
 - The replay channels kept open between requests are bounded fleet-wide

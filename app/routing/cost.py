@@ -113,6 +113,7 @@ from operator import itemgetter
 from xxhash import xxh3_64_intdigest, xxh3_128_digest
 
 from kvroute.app.api.answers import CostTerms, LoadReadings, MediumCounts, WorkerScore
+from kvroute.app.config import CostWeights
 from kvroute.app.workers import WorkerKey
 from kvroute.index import Match
 
@@ -126,25 +127,6 @@ DEFAULT_BLOCK_SIZE = 16
 # A tied worker that lately received more than this many times the prompt tokens of the
 # least demanded one (and more than one prompt's worth above it) is left out of the tie.
 DEMAND_SLACK = 1.25
-
-
-@dataclass(frozen=True, slots=True)
-class CostWeights:
-    miss_token: float = 1.0
-    cpu_hit_token: float = 0.25
-    storage_hit_token: float = 0.5
-    # One token of prefill queued ahead, relative to a token of this prompt to compute.
-    queued_prefill_token: float = 0.25
-    # Decode pressure of one running request, in prefill tokens.
-    running_request: float = 32.0
-    # A token to compute here that another eligible worker holds: on top of its miss, the
-    # cache space the second copy takes from other prefixes (see the module docstring).
-    copied_token: float = 1.0
-    # A token to compute on a worker that must hold more other prefixes than the least
-    # crowded loaded worker, times the share of its demand above that one's.
-    crowded_token: float = 2.0
-    overload_waiting: int = 64
-    overload_kv_usage: float = 0.98
 
 
 # WorkerView and Score are values, never changed once made, but not frozen: a route makes

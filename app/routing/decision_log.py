@@ -25,14 +25,11 @@ from collections import deque
 from itertools import islice
 
 from kvroute.app.api.answers import LoggedChoice, LoggedDecision, LoggedScore
+from kvroute.app.config import MAX_DECISION_LOG
 from kvroute.app.routing.cost import Score
 
-__all__ = ["DECISIONS_PAGE", "LOGGED_SCORES", "MAX_DECISION_LOG", "DecisionLog"]
+__all__ = ["LOGGED_SCORES", "DecisionLog"]
 
-# The largest log a setting may ask for (app.config bounds `decision_log` by it).
-MAX_DECISION_LOG = 1_000_000
-# The most entries one GET /v1/decisions answers: page on with `since`.
-DECISIONS_PAGE = 10_000
 # The most weighed workers one entry keeps (the chosen one is always named in `chosen`).
 LOGGED_SCORES = 8
 
