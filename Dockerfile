@@ -42,7 +42,7 @@ RUN pip install --no-cache-dir /wheels/kvroute-*.whl \
     && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin kvroute \
     && install -d -o 10001 -g 10001 -m 0750 /var/lib/kvroute
 
-# Saved state (README, Saved state): the index is saved here every state_save_interval
+# Saved state (docs/saved-state.md): the index is saved here every state_save_interval
 # seconds and on a graceful stop, and loaded on start, so a restart does not route blind
 # while the instances replay. A volume, so a read-only root filesystem still works; mount
 # a named volume or host directory (owned by uid 10001) to keep it across containers.

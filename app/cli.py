@@ -79,7 +79,7 @@ def _add_openapi(subparsers: argparse._SubParsersAction) -> None:
                     "serves at /openapi.json (the KVROUTE_* environment applies too).")
     openapi.add_argument("--config", metavar="FILE", help="TOML configuration file")
     openapi.add_argument("--markdown", action="store_true",
-                         help="print the README's table of operations instead")
+                         help="print docs/api.md's table of operations instead")
 
 
 def _openapi(args: argparse.Namespace) -> int:

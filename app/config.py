@@ -320,7 +320,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
     unconfirmed_ttl: Seconds = _PUBLISHER_BOUNDS.unconfirmed_ttl
     # The Endpoint Picker (app.epp.stream): Envoy's ext_proc gRPC service on this port, on `host`;
     # None: off. Gateways of the Gateway API Inference Extension ask it where each request
-    # goes (README, "kvroute as an Endpoint Picker").
+    # goes (docs/endpoint-picker.md).
     epp_port: Port | None = None
     # TLS on the EPP port, as gateways expect; they usually do not verify the certificate.
     epp_tls: bool = True

@@ -427,7 +427,7 @@ def check_fallbacks(setup: Setup, lb: Balancer) -> str:
         require(reason and "x-kvroute-instance" not in answer.headers,
                 f"{what}: not marked as a fallback: {dict(answer.headers)}")
         # HAProxy sets the rank header before its redispatch picks another server; with
-        # instances of equal data-parallel size the rank exists there too (README).
+        # instances of equal data-parallel size the rank exists there too (docs/load-balancers.md).
         redispatched = isinstance(reply.body, dict) and reply.body.get("instance") == "dead"
         if not (lb.kind == "haproxy" and redispatched):
             require(record.header("x-data-parallel-rank") is None,

@@ -95,7 +95,7 @@ def test_serves_on_every_interface_at_the_exposed_port() -> None:
 
 
 def test_exposes_the_endpoint_pickers_usual_port_too() -> None:
-    # The Helm chart's epp.port default and the README's `--epp-port 9002`.
+    # The Helm chart's epp.port default and docs/endpoint-picker.md's `--epp-port 9002`.
     assert "9002" in only("EXPOSE").split()
 
 

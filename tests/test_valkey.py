@@ -232,13 +232,13 @@ def test_publishing_never_waits_and_drops_what_cannot_be_sent(valkey: RedisServe
     run_async(scenario)
 
 
-def test_every_peers_metric_is_listed_in_the_readme() -> None:
+def test_every_peers_metric_is_listed_on_the_metrics_page() -> None:
     from pathlib import Path
 
     from kvroute.app.state.valkey import DROP_REASONS, PeersCollector
 
     peers = make_peers("unix:///nowhere.sock", PrefixIndex())  # never started: no I/O
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text()
     metrics = readme.split("## Metrics")[1].split("\n## ")[0]
     names = [f"{family.name}_total" if family.type == "counter" else family.name
              for family in PeersCollector(peers).collect()]

@@ -184,7 +184,7 @@ def render(document: Mapping[str, Any]) -> str:
 
 
 def markdown_table(document: Mapping[str, Any]) -> str:
-    """The README's table of operations: what each does and every status it answers."""
+    """docs/api.md's table of operations: what each does and every status it answers."""
     rows = ["| method and path | what it does | statuses |", "|---|---|---|"]
     for path, methods in document["paths"].items():
         for method, operation in methods.items():
