@@ -143,8 +143,10 @@ class InstanceConfig(msgspec.Struct, forbid_unknown_fields=True):
     # union for a string (openapi-python-client sent events "[]").
     events: documented(Endpoints | None, "each data-parallel rank's KV-event endpoint, "
                                          "tcp://HOST:PORT (skips discovery)") = None
-    replay: documented(Endpoints | None, "each rank's replay endpoint, one per `events` "
-                                         "entry") = None
+    replay: documented(Endpoints | None, "each rank's replay endpoint: a list, one per "
+                                         "`events` entry, or one endpoint, rank 0's, with "
+                                         "rank r's at its port + r (as vLLM numbers them)"
+                       ) = None
     topic: documented(str, "the ZeroMQ topic of its events (default: all)") = ""
     block_size: documented(Positive | None, "tokens per KV block (default: discovered)"
                            ) = None
@@ -160,7 +162,9 @@ class InstanceConfig(msgspec.Struct, forbid_unknown_fields=True):
         # Errors start with the field's name; _explain prefixes the instance's path.
         if not isinstance(self.events, tuple):
             self.events = () if self.events is None else (self.events,)
-        if not isinstance(self.replay, tuple):
+        if isinstance(self.replay, str) and len(self.events) > 1:
+            self.replay = _numbered(self.replay, len(self.events))
+        elif not isinstance(self.replay, tuple):
             self.replay = () if self.replay is None else (self.replay,)
         if self.url is not None:
             self.url = _origin(self.url)
@@ -389,6 +393,18 @@ def _origin(url: str) -> str:
     assert parts.hostname is not None
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     return f"{parts.scheme}://{host}" + (f":{parts.port}" if parts.port is not None else "")
+
+
+def _numbered(endpoint: str, ranks: int) -> tuple[str, ...]:
+    """Rank r's endpoint for each of `ranks` ranks: `endpoint`'s port + r, as vLLM numbers
+    a data-parallel engine's publisher and replay ports."""
+    _check_zmq_endpoint(endpoint, "replay")
+    base, _, port = endpoint.rpartition(":")
+    first = int(port)
+    if first + ranks - 1 > 65535:
+        raise ValueError(f"replay: {endpoint!r} numbers {ranks} ranks past port 65535; "
+                         "give one endpoint per `events` entry")
+    return tuple(f"{base}:{first + rank}" for rank in range(ranks))
 
 
 def _check_zmq_endpoint(endpoint: str, name: str) -> None:

@@ -80,6 +80,8 @@ replay = ["tcp://10.0.0.1:6557", "tcp://10.0.0.1:6558"]
          "instances[0].bogus: unknown setting; known: url, id"),
         ("[[instances]]\nevents = ['tcp://h:1']\nreplay = ['tcp://h:2', 'tcp://h:3']",
          "one per data-parallel rank"),
+        ("[[instances]]\nevents = ['tcp://h:1', 'tcp://h:2']\nreplay = 'tcp://h:65535'",
+         "replay: 'tcp://h:65535' numbers 2 ranks past port 65535"),
         ("[[instances]]\nurl = 'http://h:1'\nblock_size = 0",
          "instances[0].block_size: expected `int` >= 1, got 0"),
     ],
@@ -89,6 +91,17 @@ def test_bad_file_values_are_named(tmp_path, text, needle):
         load_settings(write(tmp_path, text), environ={})
     assert needle in str(info.value)
     assert "config file" in str(info.value)
+
+
+def test_one_replay_endpoint_numbers_the_ranks_as_vllm_does(tmp_path):
+    """Rank r of a data-parallel engine replays on the first rank's port + r."""
+    settings = load_settings(write(tmp_path, "[[instances]]\nevents = ['tcp://h:5557', "
+                                             "'tcp://h:5558', 'tcp://[fd00::1]:6000']\n"
+                                             "replay = 'tcp://h:5560'"), environ={})
+    assert settings.instances[0].replay == ("tcp://h:5560", "tcp://h:5561", "tcp://h:5562")
+    one = load_settings(write(tmp_path, "[[instances]]\nevents = 'tcp://h:5557'\n"
+                                        "replay = 'tcp://h:5560'"), environ={})
+    assert one.instances[0].replay == ("tcp://h:5560",)
 
 
 def test_bad_environment_is_named():

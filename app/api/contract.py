@@ -225,7 +225,8 @@ ADD_INSTANCE = Operation(
     description=(
         "`url` alone is enough: discovery asks the instance for its event endpoints, "
         "models and block size. Explicit `events` (and `replay`) endpoints, one per "
-        "data-parallel rank, skip discovery. `api_key` is the instance's vLLM `--api-key` "
+        "data-parallel rank (or one `replay` endpoint, rank 0's, with rank r's at its port "
+        "+ r), skip discovery. `api_key` is the instance's vLLM `--api-key` "
         "and is never shown back. `endpoint` is the `IP:PORT` the Endpoint Picker gives "
         "gateways for it. Only while `manage_instances` is on."),
     tag="instances",
@@ -248,7 +249,8 @@ ADD_INSTANCE = Operation(
          409: _why("an instance is registered under this id already",
                    "`max_instances` are registered already",
                    "the instance does not serve the registration's `model`"),
-         422: _why("`replay` does not list one endpoint per `events` entry",
+         422: _why("`replay` is a list of another length than `events`, or one endpoint "
+                   "whose port + the last rank passes 65535",
                    "an endpoint names a bind address (`0.0.0.0`, `[::]`) instead of a host"),
          502: _why("discovery failed: the instance at `url` did not answer as vLLM does")}),
 )
