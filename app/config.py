@@ -115,12 +115,16 @@ class ConfigError(ValueError):
 
 Endpoint = described(str, ZMQ_ENDPOINT)
 Endpoints = Endpoint | tuple[Endpoint, ...]
-# InstanceConfig's "`url` or `events`" as JSON Schema (the check is its __post_init__).
-URL_OR_EVENTS: dict[str, Any] = {"anyOf": [
-    {"required": ["url"], "properties": {"url": {"type": "string"}}},
-    {"required": ["events"], "properties": {"events": {
+# InstanceConfig's rules across fields as JSON Schema (the checks are its __post_init__):
+# `url` or `events`, and `replay` only beside `events`.
+_SOME_EVENTS: dict[str, Any] = {"required": ["events"], "properties": {"events": {
+    "anyOf": [{"type": "string"}, {"type": "array", "minItems": 1}]}}}
+INSTANCE_RULES: dict[str, Any] = {
+    "anyOf": [{"required": ["url"], "properties": {"url": {"type": "string"}}}, _SOME_EVENTS],
+    "if": {"required": ["replay"], "properties": {"replay": {
         "anyOf": [{"type": "string"}, {"type": "array", "minItems": 1}]}}},
-]}
+    "then": _SOME_EVENTS,
+}
 
 
 class InstanceConfig(msgspec.Struct, forbid_unknown_fields=True):

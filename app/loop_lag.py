@@ -5,7 +5,7 @@ A late wake-up is a stretch in which the loop ran something else without yieldin
 batch, a big decode, a slow scrape): every HTTP answer waiting meanwhile was that late too.
 Exported as the histogram ``kvroute_event_loop_lag_seconds`` and the gauge
 ``kvroute_event_loop_lag_worst_seconds`` (the worst since start). The cost is one wake-up
-per ``interval`` (100 a second by default): well under 1% of a core.
+per ``interval`` (100 a second by default): too little to matter beside the loop's work.
 
 Invariant: a lag is measured only between two wake-ups of the monitor itself, so what it
 reports is a lower bound of the longest stretch the loop did not yield (a stretch that

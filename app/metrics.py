@@ -29,8 +29,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 
-# Workers whose series are written between two yields to the event loop: about 2 ms of
-# work (26 series each), so a scrape of thousands of workers never holds routes up long.
+# Workers whose series are written between two yields to the event loop (26 series each):
+# a short piece of work, so a scrape of thousands of workers never holds routes up long.
 WORKERS_PER_SLICE = 128
 # Seconds, for a route's own time; a body's arrival also gets a 5 s bucket (slow clients).
 _ROUTE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
@@ -47,7 +47,7 @@ class _WorkerSeries:
     """The per-worker series, written as Prometheus text a slice of workers at a time.
 
     prometheus_client built and wrote them in one call: at 1,824 workers (49k series) that
-    held the event loop 160-280 ms on every scrape, every route waiting. The text is the
+    held the event loop for all of them on every scrape, every route waiting. The text is the
     same, byte for byte, as prometheus_client writes (tests/test_metrics_text.py); each
     worker's values are read at one moment, workers of later slices a little later."""
 

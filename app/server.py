@@ -228,7 +228,7 @@ def _bind(host: str, port: int) -> socket.socket:
     """A listening socket on (host, port); port 0 lets the OS choose a free one."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto must say TCP: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on sockets
-    # that do, and with it on every small response waits ~40 ms for a delayed ACK.
+    # that do, and with it on every small response waits for the client's delayed ACK.
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

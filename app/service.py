@@ -96,7 +96,8 @@ TOP_SCORES = 4
 # Instances asked in turn to tokenize a text prompt before the request fails.
 TOKENIZE_ATTEMPTS = 3
 # Instances answered for between two turns of the event loop (`Service.instance_slices`):
-# some 15-20 us each in a listing, 35 us in the dashboard's snapshot, on a busy machine.
+# few enough that a slice, in a listing or in the dashboard's costlier snapshot, is a short
+# wait for the routes behind it, whatever the fleet's size.
 INSTANCES_PER_SLICE = 16
 # Seconds after a route during which fleet changes run at the routing pace (`_routing_lately`).
 ROUTING_LATELY = 1.0
@@ -693,10 +694,9 @@ class Service:
     async def instance_slices(self) -> AsyncIterator[list[Instance]]:
         """The registered instances, `INSTANCES_PER_SLICE` at a time, with a turn of the
         event loop before each slice but the first: what answers about every instance (a
-        listing, the dashboard) never holds the loop for the whole fleet (228 instances
-        summarized in one go held it 3-5 ms, the dashboard's snapshot 7-10 ms). The
-        instances are those registered as the first slice began, less those removed
-        before their slice came."""
+        listing, the dashboard) never holds the loop for the whole fleet, a stall that would
+        grow with it, every route waiting. The instances are those registered as the first
+        slice began, less those removed before their slice came."""
         instances = list(self.registry)
         for start in range(0, len(instances), INSTANCES_PER_SLICE):
             if start:

@@ -144,10 +144,10 @@ class SubscriberOptions:
     # batch it applies, not their sum: app/ingest/_live_drain.pyx.)
     chunk_events: int = 256
     # Blocks of index work between two yields to the loop (a block of more than
-    # wire.SLICE_TOKENS_PER_BLOCK tokens counts as one per that many): about 0.5 ms of
+    # wire.SLICE_TOKENS_PER_BLOCK tokens counts as one per that many): a short piece of
     # PrefixIndex work. An HTTP answer takes 6 to 10 turns of the loop, and a busy
-    # subscriber may take one slice in each: so a flood adds a few ms to an answer, where
-    # one 65,536-block store applied whole held the loop ~35 ms (4096 blocks: ~20 ms).
+    # subscriber may take one slice in each: so a flood adds a few slices' work to an answer, where
+    # one huge store applied whole would hold the loop for the whole store.
     slice_blocks: int = 1024
     # Live messages ZMQ may hold for kvroute while the subscriber is busy (a replay, a big
     # batch). Bounded so that a publisher cannot grow kvroute's memory: at most rcvhwm
@@ -157,9 +157,8 @@ class SubscriberOptions:
     # waits in the publisher's send queue (vLLM's holds 100,000 messages), and what the
     # publisher drops past that becomes sequence gaps, which replay recovers. Not smaller:
     # ZMQ's reader hands credit back to its I/O thread every rcvhwm/2 messages, a wake-up
-    # of that thread each time; measured on benchmarks/peer_bench.py (32 workers, alone, 4
-    # interleaved pairs), 64 took 22% less CPU per block than 16 on root chains, 18% on
-    # deep ones.
+    # of that thread each time, so a smaller bound wakes it more often, at a cost in CPU
+    # per block applied.
     rcvhwm: int = 64
     # Bounds against a hostile or broken publisher (Settings' max_event_message_bytes,
     # max_blocks_per_event, max_blocks_per_worker).

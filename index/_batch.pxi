@@ -21,7 +21,7 @@ DEF _REMOVAL = 2
 DEF _MAX_DEPTH = 32  # nesting a skipped value may have
 # A longer list is checked in the reading but left in the payload, and decoded a piece at a
 # time (``PlainBatch.piece``): copying a 300,000-block store's lists in one call faulted in
-# 21 MB of fresh memory, 35-95 ms on a busy machine. No run takes such an event (its work
+# 21 MB of fresh memory, a long stall. No run takes such an event (its work
 # is far over a run's bound anyway).
 DEF _COPIED_ITEMS = 1 << 16
 DEF _SCRATCH_TOKENS = 4096

@@ -6,7 +6,7 @@ Every function here takes the index's own dicts and Python ints (node values, ho
 and changes them exactly as the pure loop it replaces would, operation for operation and
 in the same order; anything off the common path is handed back to ``PrefixIndex``'s own
 methods mid-loop, so the layout invariants (``PrefixIndex._check``) are the pure path's.
-``KVROUTE_PURE_INDEX=1`` selects the pure loops, which stay the reference: the tests run
+``KVROUTE_PURE=1`` selects the pure loops, which stay the reference: the tests run
 both and check they agree on random event streams.
 
 What the compiled loops save: per block, a content key is ``xxh3_128(parent key || block
@@ -379,8 +379,8 @@ def extent(NodeMap nodes, list keys, object bit, object guessed, object unconfir
     many of ``keys`` from the first it really holds, is ``guessed`` to hold or holds
     ``unconfirmed`` (both containers of keys). The caller knows the worker really holds
     the first ``held`` keys (its match): they are counted, not looked up. The rest are
-    looked up in C; a Python call per key made this ~0.25 µs a block (0.5 ms for a
-    32k-token prompt, for each worker with a guess)."""
+    looked up in C; a Python call per key, for every worker with a guess, added up on a
+    long prompt."""
     if not 0 < bit < _WORD:
         raise ValueError("a holder bit below bit 64")
     if not 0 <= held <= len(keys):

@@ -103,10 +103,12 @@ except ImportError:  # not built (no compiler, or a source tree without the buil
 #: Whether the compiled loops are importable (built for this interpreter).
 COMPILED_AVAILABLE = _compiled is not None
 #: What a ``PrefixIndex()`` uses by default: "compiled", or "pure" when the compiled loops
-#: are missing or ``KVROUTE_PURE_INDEX`` is set to anything but "" or "0" (the pure loops
-#: are the reference; both keep the same containers and give the same answers).
+#: are missing or ``KVROUTE_PURE`` is set to anything but "" or "0" (the pure loops
+#: are the reference; both keep the same containers and give the same answers). The
+#: service's other compiled paths (the route body's token reader, the live drain) follow
+#: this choice, so ``KVROUTE_PURE=1`` runs all of kvroute on its pure references.
 IMPLEMENTATION = ("compiled" if COMPILED_AVAILABLE
-                  and os.environ.get("KVROUTE_PURE_INDEX", "") in ("", "0") else "pure")
+                  and os.environ.get("KVROUTE_PURE", "") in ("", "0") else "pure")
 
 
 def _fingerprint_bits(parent: bytes) -> int:
@@ -677,8 +679,8 @@ class PrefixIndex:
 
     def capture(self, worker: WorkerKey) -> HoldingsCapture | None:
         """What ``worker`` really holds now, to be saved (None: a worker the index does
-        not know). Costs C-level copies of its tables, no Python loop per block: about
-        25 ms for a million blocks. Its unconfirmed blocks are not included."""
+        not know). Costs C-level copies of its tables, no Python loop per block. Its
+        unconfirmed blocks are not included."""
         w = self._workers.get(worker)
         if w is None:
             return None
@@ -988,7 +990,7 @@ class PrefixIndex:
         tokens, root = token_bytes(token_ids), root_key(w.block_size, lora_name)
         keys = self._chain_keys(tokens, w.block_size, root)
         # The blocks it holds from the first: a walk of its bit alone (in C, for the
-        # compiled index; a loop over the keys here cost ~0.5 ms for 32k tokens).
+        # compiled index; a loop over the keys here would be a Python step per block).
         ((_, held),), _ = self._walk_tokens(root, tokens, w.block_size, w.bit)
         self.placements.place(worker, keys[held:], expires)
         return len(keys) - held
@@ -1006,8 +1008,8 @@ class PrefixIndex:
 
     def _chain_keys(self, tokens: bytes, block_size: int, parent: bytes) -> list[bytes]:
         """``placement.chain_keys`` of token bytes under ``parent``, made by the compiled
-        index's C hashing when it has it (one xxh3 call from Python per block otherwise:
-        ~0.5 ms for a 32k-token prompt, made twice by a route that leaves a guess)."""
+        index's C hashing when it has it (one xxh3 call from Python per block otherwise,
+        and a route that leaves a guess makes the keys twice)."""
         if self._fast is not None:
             return self._fast.chain_keys(tokens, block_size, parent)  # type: ignore[no-any-return]
         return chain_keys(tokens, block_size, parent=parent)
@@ -1262,7 +1264,7 @@ class PrefixIndex:
             v for entry in islice(self._tiered.values(), 32) for v in entry))
         key_size = sys.getsizeof(b"\0" * 16)
         # Entry sizes from a sample of the workers' tables (entries are alike across
-        # workers): sampling each worker's held a /metrics scrape 16 ms at 1,824 workers.
+        # workers): sampling each worker's would make a /metrics scrape grow with the fleet.
         sample = list(islice(self._workers.values(), 64))
         handle_size = _mean_size(
             (h for w in sample for h in islice(_as_objects(w.handles).keys(), 8)), 512)

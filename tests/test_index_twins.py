@@ -124,7 +124,7 @@ def test_kvroute_pure_index_selects_the_pure_loops() -> None:
             "print(prefix_index.IMPLEMENTATION, PrefixIndex().implementation)")
     answers = {}
     for value in ("1", "0", ""):
-        env = {**os.environ, "KVROUTE_PURE_INDEX": value}
+        env = {**os.environ, "KVROUTE_PURE": value}
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                 env=env, timeout=120)
         assert result.returncode == 0, result.stderr[-2000:]

@@ -41,7 +41,7 @@ from kvroute.app.api.route_request import (
     match_request_type,
     route_request_type,
 )
-from kvroute.app.config import URL_OR_EVENTS, InstanceConfig, Settings
+from kvroute.app.config import INSTANCE_RULES, InstanceConfig, Settings
 
 __all__ = ["CONTRACT", "DECISIONS_PAGE", "JSON", "REGISTRATION_MAX_BYTES", "Answer", "Operation",
            "Relayed"]
@@ -232,7 +232,7 @@ ADD_INSTANCE = Operation(
     tag="instances",
     guard="admin",
     body=lambda settings: Annotated[InstanceConfig, msgspec.Meta(
-        extra_json_schema=URL_OR_EVENTS,
+        extra_json_schema=INSTANCE_RULES,
         examples=[{"url": "http://10.0.0.5:8000"},
                   {"id": "gpu-b", "url": "http://10.0.0.6:8000", "model": "llama-3-8b",
                    "events": ["tcp://10.0.0.6:5557"], "replay": ["tcp://10.0.0.6:5558"]}])],

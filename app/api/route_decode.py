@@ -25,13 +25,13 @@ to the reference decoder:
   and a key spelled with an escape could hide a duplicate. A body whose `token_ids` ends
   up null or absent takes the fast reader only if it never spells the key and holds no
   `\\u` escape (the only escape that can spell a letter of it).
-`KVROUTE_PURE_INDEX=1` (the reference switch of the compiled index) selects the reference
-here too, and so does an install without the compiled reader.
+The reader is compiled with the index and used where the index runs compiled
+(``kvroute.index.IMPLEMENTATION``): ``KVROUTE_PURE=1`` selects the reference here too, and so
+does an install without the compiled reader.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from functools import cache
 from typing import TypeVar
@@ -41,6 +41,7 @@ import msgspec
 from kvroute.app.api.json_body import decode_json
 from kvroute.app.api.route_request import MatchRequest, route_request_type
 from kvroute.app.config import Settings
+from kvroute.index.prefix_index import IMPLEMENTATION
 
 try:  # compiled at install time when a C compiler is there (like index/_fast.pyx)
     from kvroute.app.api._token_scan import decoded_at, scan, scan_key
@@ -64,7 +65,7 @@ def route_decoder(settings: Settings, *, compiled: bool | None = None,
     if kind is None:
         kind = route_request_type(settings)
     if compiled is None:
-        compiled = COMPILED_AVAILABLE and os.environ.get("KVROUTE_PURE_INDEX", "") in ("", "0")
+        compiled = COMPILED_AVAILABLE and IMPLEMENTATION == "compiled"
     if not compiled or scan is None or scan_key is None or decoded_at is None:
         return lambda body: decode_json(body, kind)
     raw_kind = _raw_tokens(kind)

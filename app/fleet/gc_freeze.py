@@ -4,7 +4,7 @@ A worker keeps a few hundred objects alive for as long as it is followed (its su
 sockets, tasks, replay state). Every object the collector tracks and has not frozen is
 scanned by each of its full passes, and a full pass comes once enough objects have
 survived into its oldest generation: while a hundred instances (800 workers) registered at
-once connect and replay, passes over their objects held the event loop for 40-140 ms each,
+once connect and replay, each full pass scanned all their objects with the event loop held,
 and every route waited. Frozen (`gc.freeze`), objects are never scanned again; they are
 still freed by reference counting when the last reference goes (a removed instance leaves
 no reference cycles: tests/test_fleet_teardown.py), which is what makes freezing the
@@ -26,9 +26,10 @@ Invariants:
   few dozen objects in cycles) was kept for good: measured at about 190 objects per change
   of eight instances, and some 55,000 after registering 1,024 workers (benchmarks/
   freeze_churn.py), more with every change for as long as the process runs. A full
-  collection before each freeze kept nothing, but took 13-21 ms for the first freeze of
-  each change and 98 ms for the one when the configured 1,024 workers were ready, and
-  every route waited; the two young generations, about 2 ms a freeze (some 40 a change).
+  collection before each freeze kept nothing, but was a long pass at the first freeze of
+  each change, longest at the one when the configured 1,024 workers were ready, and every
+  route waited; the two young generations cost more than the youngest alone, at every
+  freeze (some 40 a change).
 - What a freeze still keeps: garbage old enough to have left the young generations, and
   cycles frozen alive that die later (a request in flight at that moment). Hence the
   re-freeze: once something has been frozen since the last one, when `quiet_seconds` have
@@ -37,7 +38,7 @@ Invariants:
   keep is then bounded by what the changes of one `refreeze_interval` keep, not by the
   process's age; a fleet that never stays quiet for `quiet_seconds` is never re-frozen.
   The re-freeze's collection scans every object the process holds and holds the event
-  loop as long (about 120-170 ms at 1,024 workers on two busy cores; `on_refreeze` is told
+  loop as long (the longer, the more workers are followed; `on_refreeze` is told
   each pause: kvroute_gc_refreeze_seconds), which is why it waits for a quiet fleet and
   comes seldom.
 Made and used on one event loop.

@@ -114,7 +114,7 @@ def replay_channels_room(workers: int, replay_concurrency: int,
     within the soft open-file limit (None: no bound). Not capped at one per worker: a
     worker keeps at most one anyway, and a cap would shrink with every removal and close
     the channels of workers still stopping (a hundred instances removed at once: all their
-    channels at once, in one 30-40 ms step, instead of each in its own subscriber's turn)."""
+    channels at once, in one long step, instead of each in its own subscriber's turn)."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:
         return None

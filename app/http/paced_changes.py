@@ -3,7 +3,7 @@
 A hundred `POST /v1/instances` (or `DELETE /v1/instances/{id}`) sent at once arrive in a few
 passes of the event loop, and each one, from the framework's routing through the registry's
 bookkeeping to its answer, runs without waiting for anything: left alone, a pass ran
-twenty or thirty of them back to back (15-30 ms) while routes waited. Here each such request
+twenty or thirty of them back to back while routes waited. Here each such request
 first waits for a turn of the fleet's pacing (`FleetPacing.turn`, the same turns the
 subscribers open and close their sockets in), so a pass runs only as many of them as its
 budget allows, and routes are answered between the pieces.

@@ -5,7 +5,7 @@ Bounds (``SubscriberOptions``):
 
 - A payload the compiled index reads as plain (``read_plain_batch``: every event a GPU
   store or removal with nothing special about it) is read in one pass, whatever its size
-  (~1 ms per MB; lists of over 65,536 items checked but left in the payload), and applied
+  (lists of over 65,536 items checked but left in the payload), and applied
   from there. One over ``_DECODE_WHOLE_BYTES`` is read on another thread, the loop
   running meanwhile (the index checks long lists without the GIL). An event of it that no
   run takes is rebuilt a slice at a time (``app.ingest.plain_slices``) instead of decoding the
@@ -96,15 +96,16 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # A payload up to this size is decoded in one call (every real vLLM batch is far smaller):
-# ~10 ms at worst, for one full of malformed events, which decode one by one (~40 ms per
-# MiB). A bigger one is decoded chunk_events events at a time, with the loop running
-# between chunks; only its envelope is one call (~25 ms for 16 MiB of tiny events).
+# a short call even for one full of malformed events, which decode one by one. A bigger one
+# is decoded chunk_events events at a time, with the loop running between chunks; only its
+# envelope is one call, which grows with the number of events.
 _DECODE_WHOLE_BYTES = 256 * 1024
 # Decoding cannot be cut into bounded pieces: one event, or one envelope, is one call (a
-# 65,536-block store: ~30-50 ms). After such a call took _LONG_DECODE or more, the applier
-# lets the loop run about as long (at most _MAX_PAUSE), because an HTTP answer needs
-# several turns of the loop and a flood of big frames would otherwise put one long stretch
-# in front of each of them. Real batches decode in well under a millisecond.
+# store of 65,536 blocks, the most an event may carry by default, too). After such a call
+# took _LONG_DECODE or more, the applier lets the loop run about as long (at most
+# _MAX_PAUSE), because an HTTP answer needs several turns of the loop and a flood of big
+# frames would otherwise put one long stretch in front of each of them. Real batches decode
+# in far less than _LONG_DECODE.
 _LONG_DECODE = 0.005
 _MAX_PAUSE = 0.05
 
@@ -292,11 +293,10 @@ class BatchApplier:
             await self.yield_to_loop()
         lazily = len(payload) > _DECODE_WHOLE_BYTES
         # The index's reading, when it takes the payload: one pass with no object per hash
-        # or token (~1 ms per MB), where decoding a big payload lazily (below) is several
-        # passes and a call per slice. A big payload's is done on another thread: the index
-        # checks a long list without the GIL (most of a huge event's reading, 10-25 ms), so
-        # the loop answers routes meanwhile. This batch waits for it; the worker's next
-        # batches wait behind this one.
+        # or token, where decoding a big payload lazily (below) is several passes and a call
+        # per slice. A big payload's is done on another thread: the index checks a long list
+        # without the GIL (most of a huge event's reading), so the loop answers routes
+        # meanwhile. This batch waits for it; the worker's next batches wait behind this one.
         started = time.perf_counter()
         plain = None
         if pending is not NOT_PLAIN and self._read_plain is not None:

@@ -1,9 +1,9 @@
 """A BlockStored too big to decode in one call: its hashes and token ids decoded a slice at
 a time, then applied as slices, so the event loop never waits for the whole event.
 
-One call of msgspec over a 300,000-block store (4.8M token ids) holds the loop for
-hundreds of ms, and a pass over its tokens (``wire.slices``' range check) for ~150 ms
-more. Here the event is decoded with both lists left encoded (``msgspec.Raw``); then
+One call of msgspec over a 300,000-block store (4.8M token ids) holds the loop for the
+whole decode, and a pass over its tokens (``wire.slices``' range check) for another long
+stretch. Here the event is decoded with both lists left encoded (``msgspec.Raw``); then
 ``decode_steps`` turns them into lists of at most one slice each, a bounded piece of
 work per step (msgpack's streaming unpacker reads a list a piece at a time: msgspec
 has no such reader), and ``slices`` yields the events to apply (their token ids as uint32
@@ -116,7 +116,7 @@ class HugeStore:
             self._hash_pieces.append(hashes)
             # Kept as uint32 arrays until applied: the collector never scans an array's
             # items, while every pass over the young objects walked all 4.8M ints of a
-            # 300,000-block store held as lists (10-15 ms each, several per such store).
+            # 300,000-block store held as lists (several passes per such store).
             self._token_pieces.append(array(TOKEN_TYPECODE, tokens) if tokens and self.valid
                                       else [])
             yield
@@ -145,7 +145,7 @@ _READ_BYTES = 1 << 16
 
 class _Chunks:
     """``raw`` as a file the unpacker reads a piece at a time: fed the whole list at once,
-    it copied it in one call (12 ms for the token ids of a 300,000-block store)."""
+    it copied it in one call, the loop waiting for the whole list."""
 
     __slots__ = ("_view", "_at")
 

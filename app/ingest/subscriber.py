@@ -37,7 +37,7 @@ Sequence tracking (docs/decisions.md; each seq is classified by ``sequence.class
   while the worker still takes live batches; a batch heard or a stop asked for meanwhile
   gives the place up. (A worker waiting for its place used to stop taking batches, and a
   stop waited for it: after a hundred instances were added, their settle checks queued for
-  some 16 s and removing them took 14 s.)
+  their places, the workers taking no batch meanwhile, and removing them waited for those.)
 - ``degraded`` means the worker's entry may under-report what the engine holds (history
   lost, a gap that could not be filled, a store skipped for a cap). It ends when the state
   is known to be exact again: an ``AllBlocksCleared`` was applied after the last skip, or a
@@ -179,7 +179,7 @@ class Subscriber(SubscriberReplays):
         # The parts it owns call it back through weak references: a removed worker's
         # subscriber and sockets are freed by reference counting as its task ends, not left
         # in cycles for the garbage collector, whose passes over a hundred instances'
-        # leftovers stalled every route (tens of milliseconds each).
+        # leftovers stalled every route.
         self._applier = BatchApplier(index, self.worker, self.options,
                                      check=_weakly(self._check_connection),
                                      refused=_weakly(self._store_refused))

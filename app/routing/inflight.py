@@ -18,7 +18,7 @@ Ownership and invariants:
   request itself), until the engine's recent mean request time has passed (it has most
   likely ended), or until `max_age`, whichever comes first; its prefill counts as queued
   until the engine's recent mean time to first token has passed. Without those means,
-  answers to engines that finish a request in 30 ms counted for a whole scrape interval:
+  answers counted for a whole scrape interval on engines that finish a request in far less:
   at one client, 16 answers each on two workers that each ran one request. It also keeps, per
   worker, a moving mean of the uncached prefill its answers named (`typical_prefill`):
   what a request the metrics show waiting there is likely to cost. At most

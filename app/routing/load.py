@@ -37,11 +37,11 @@ Invariants:
   up to `FAILED_SCRAPE_BACKOFF` seconds, and at the interval again once one succeeds: a
   fleet whose instances serve no /metrics (or are down) costs a request each per half a
   minute, not each per interval.
-- A page is parsed on a worker thread: at the size cap a hostile page takes ~0.2 s of
-  parsing, a stall of every route if it ran on the event loop. On the thread, no single
+- A page is parsed on a worker thread: at the size cap a hostile page takes long to
+  parse, a stall of every route if it ran on the event loop. On the thread, no single
   C call (a `str.find` over the page, one regex over one line of bounded length) holds
-  the GIL for more than about a millisecond, so the loop waits at most the GIL's switch
-  interval (5 ms) at a time; measured so with every hostile page shape at the cap.
+  the GIL for more than a small part of its switch interval (5 ms), so the loop waits at
+  most about that interval at a time; measured so with every hostile page shape at the cap.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ _MAX_SAMPLE_LINE = 16 * 1024
 # timestamp. Label values are quoted strings in which \\, \" and \n are escaped. The
 # possessive `*+` never gives back what the labels matched (a shorter match could not be
 # followed by "}" anyway): without it, a line with no closing "}" backtracks through
-# every character, ~3 s for one 4 MiB line.
+# every character, and a long one holds the GIL far longer than a route can wait.
 _SAMPLE = re.compile(r'([^{\s]+)(?:\{((?:[^"}]|"(?:[^"\\]|\\.)*+")*+)\})?\s+(\S+)(?:\s+\S+)?\s*')
 _LABEL = re.compile(r'([a-zA-Z_]\w*)\s*=\s*"((?:[^"\\]|\\.)*)"')
 
@@ -141,9 +141,9 @@ def parse_load(text: str, read_at: float) -> dict[int, Load]:
     """Readings per data-parallel rank from a /metrics page (rank 0 when unlabelled).
 
     Only the few samples above are read, by their names at the start of a line: a full
-    parse of vLLM's page (about 50 KB of histograms) costs ~10 ms per instance and scrape,
-    this ~0.2 ms. Lines that do not parse, or are longer than `_MAX_SAMPLE_LINE`, are
-    skipped."""
+    parse of vLLM's page (about 50 KB of histograms) would build every sample on it, per
+    instance and scrape, to read a few. Lines that do not parse, or are longer than
+    `_MAX_SAMPLE_LINE`, are skipped."""
     values: dict[int, dict[str, float]] = {}
     for line in _lines_starting(text, "vllm:", _MAX_SAMPLE_LINE):
         if not line.startswith(_PREFIXES):

@@ -40,7 +40,7 @@ __all__ = [
 
 MAGIC = "kvroute-state"
 VERSION = 1
-PIECE_BLOCKS = 8192  # ~1.5 ms to make and encode one piece
+PIECE_BLOCKS = 8192  # few enough that making and encoding one piece holds the loop briefly
 _LENGTH = struct.Struct(">I")
 _FOOTER_BYTES = 8
 

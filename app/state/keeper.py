@@ -12,7 +12,7 @@ Ownership and invariants:
   capturing its holdings in the same step of the loop, so every worker's holdings are
   exactly those of its saved seq. Making and encoding pieces yields to the loop between
   pieces, and the write runs on a thread or over the network: a save holds the loop for
-  one worker's capture (C-level table copies, ~25 ms per million blocks) at most.
+  one worker's capture (C-level table copies, no Python loop per block) at most.
 - Saves never overlap: a periodic save waits for the one before; the final save at
   shutdown runs before the registry stops any subscriber.
 """
