@@ -24,8 +24,11 @@ $(REDIS_SERVER):
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server \
 		|| { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server; }
 
+# The suite twice: with the compiled paths, then on their pure references alone
+# (KVROUTE_PURE=1: what an install without a C compiler runs).
 test: $(STAMP) $(REDIS_SERVER)
 	$(BIN)/python -m pytest -q
+	KVROUTE_PURE=1 $(BIN)/python -m pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check app index sim tests benchmarks e2e

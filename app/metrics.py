@@ -48,7 +48,7 @@ class _WorkerSeries:
 
     prometheus_client built and wrote them in one call: at 1,824 workers (49k series) that
     held the event loop for all of them on every scrape, every route waiting. The text is the
-    same, byte for byte, as prometheus_client writes (tests/test_metrics_text.py); each
+    same, byte for byte, as prometheus_client writes (tests/app/test_metrics_text.py); each
     worker's values are read at one moment, workers of later slices a little later."""
 
     def __init__(self, registry: Registry) -> None:

@@ -1,6 +1,6 @@
 """The pure parts of ``benchmarks.real_hitrate``: workloads, the client driver, metric
 deltas, statistics, the table. Nothing here starts a process or talks to a network, so the
-unit tests (tests/test_real_hitrate_parts.py) run them without vLLM.
+unit tests (benchmarks/tests/test_real_hitrate_parts.py) run them without vLLM.
 
 Workloads are token-id prompts (the engines run with ``--skip-tokenizer-init``), seeded so
 every run and every router sends exactly the same requests in the same order.

@@ -23,7 +23,9 @@ import httpx
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 
 from e2e.checks import CheckResult, Cluster, Step, _mismatches
-from e2e.envoy_client import (
+from e2e.ports import free_port
+from e2e.workloads import Prompt, random_tokens, shared_prefix_workload
+from tests.support.envoy_client import (
     LB_NAMESPACE,
     SUBSET_KEY,
     SUBSET_NAMESPACE,
@@ -33,8 +35,6 @@ from e2e.envoy_client import (
     metadata,
     pick,
 )
-from e2e.ports import free_port
-from e2e.workloads import Prompt, random_tokens, shared_prefix_workload
 
 STREAM_TIMEOUT = 60.0
 DESTINATION = "x-gateway-destination-endpoint"

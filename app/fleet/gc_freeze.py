@@ -7,7 +7,7 @@ survived into its oldest generation: while a hundred instances (800 workers) reg
 once connect and replay, each full pass scanned all their objects with the event loop held,
 and every route waited. Frozen (`gc.freeze`), objects are never scanned again; they are
 still freed by reference counting when the last reference goes (a removed instance leaves
-no reference cycles: tests/test_fleet_teardown.py), which is what makes freezing the
+no reference cycles: tests/fleet/test_teardown.py), which is what makes freezing the
 workers of instances that may later be removed safe.
 
 Invariants:

@@ -1,6 +1,6 @@
 """Shared machinery of the Endpoint Picker tests (tests/test_epp*.py): a kvroute with its
 EPP on in front of simulated vLLM, the one event loop the gRPC clients run on, and what the
-protocol says the picker's answers are (see tests/test_epp.py for the protocol's rules)."""
+protocol says the picker's answers are (see tests/epp/test_protocol.py for the protocol's rules)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from google.protobuf import struct_pb2
 
-from e2e.envoy_client import LB_NAMESPACE, EnvoyStream, channel
 from kvroute.app.config import Settings
 from kvroute.app.server import BackgroundServer
 from kvroute.sim.cluster import SimCluster
-from tests.conftest import HTTP_TIMEOUT, scaled, wait_for
+from tests.support.envoy_client import LB_NAMESPACE, EnvoyStream, channel
+from tests.support.waiting import HTTP_TIMEOUT, scaled, wait_for
 
 BLOCK = 16
 DESTINATION = "x-gateway-destination-endpoint"

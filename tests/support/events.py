@@ -23,7 +23,7 @@ from kvroute.app.ingest.wire import BlockRemoved, BlockStored, Event, EventBatch
 from kvroute.app.workers import SubscriberOptions, WorkerEndpoint
 from kvroute.index import PrefixIndex
 from kvroute.sim.publisher import EventPublisher
-from tests.conftest import run_async, scaled, wait_until
+from tests.support.waiting import run_async, scaled, wait_until
 
 # Subscriber options for tests: quick reconnects, and a replay timeout a loaded event loop
 # meets with room to spare. A test that needs a replay to fail quickly sets its own.

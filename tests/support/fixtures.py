@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import base64
 import json
-from pathlib import Path
 
-VLLM_SESSION = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32.0-cpu-session.jsonl"
+from tests.support.paths import FIXTURES
+
+VLLM_SESSION = FIXTURES / "vllm-0.32.0-cpu-session.jsonl"
 END_SEQ = b"\xff" * 8
 
 

@@ -1,4 +1,4 @@
-"""schemathesis hooks for tests/test_openapi_fuzz.py (loaded through SCHEMATHESIS_HOOKS).
+"""schemathesis hooks for tests/api/test_openapi_fuzz.py (loaded through SCHEMATHESIS_HOOKS).
 
 Registrations the fuzzer draws name random hosts; tests must not reach the network, and an
 instance that cannot be discovered is a 502 by design. So, in `POST /v1/instances` cases:

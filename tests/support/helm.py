@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import yaml
 
-CHART = Path(__file__).resolve().parent.parent.parent / "helm" / "kvroute"
+from tests.support.paths import REPO
+
+CHART = REPO / "helm" / "kvroute"
 TEMPLATES = sorted((CHART / "templates").glob("*"))
 ACTION = re.compile(r"\{\{-?\s*(.*?)\s*-?\}\}", re.S)
 OPENERS = ("if ", "range ", "with ", "define ")

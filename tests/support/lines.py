@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import threading
 
-from tests.conftest import scaled
+from tests.support.waiting import scaled
 
 __all__ = ["Lines"]
 

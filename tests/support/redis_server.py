@@ -18,7 +18,7 @@ from pathlib import Path
 
 import redis
 
-from tests.conftest import scaled
+from tests.support.waiting import scaled
 
 REDIS_SERVER = "/usr/bin/redis-server"
 
