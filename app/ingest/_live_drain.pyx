@@ -18,6 +18,8 @@ from libc.stdint cimport uint64_t
 
 import zmq
 
+from kvroute.app.ingest.sequence import is_next
+
 cdef extern from "<dlfcn.h>" nogil:
     void* dlopen(const char* filename, int flags)
     void* dlsym(void* handle, const char* symbol)
@@ -255,7 +257,7 @@ def drain(Py_ssize_t socket_address, index, worker, object last_seq, object last
         seq = 0
         for i in range(_SEQ_BYTES):
             seq = (seq << 8) | p[i]
-        if seq != done.seq + 1 or (last_live is not None and seq <= last_live):
+        if not is_next(seq, done.seq, last_live):
             done.frames = frames
             break
         plain = read(payload)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from kvroute.app.ingest.apply import Abandoned, BatchApplier
 from kvroute.app.ingest.pacing import FleetPacing
 from kvroute.app.ingest.replay_request import ReplayChannel, ReplayRequest
-from kvroute.app.ingest.sequence import Kind, classify
+from kvroute.app.ingest.sequence import Kind, classify, next_seq
 from kvroute.app.ingest.wire import Payload, WireError, decode_replay_frame
 from kvroute.app.state.format import SavedWorker, payload_fingerprint
 from kvroute.app.workers import SubscriberOptions, WorkerEndpoint, WorkerState, WorkerStatus
@@ -199,7 +199,7 @@ class SubscriberReplays:
             outcome = await self._replay_once(start)
             if outcome != "hole":
                 return outcome == "complete"
-            start = 0 if self.status.last_seq is None else self.status.last_seq + 1
+            start = next_seq(self.status.last_seq)
         return False
 
     async def _replay_once(self, start: int) -> str:
@@ -248,7 +248,7 @@ class SubscriberReplays:
         last = self.status.last_seq
         if self._resuming is not None or last is None or last < start:
             return start  # nothing of this answer applied yet
-        return last + 1
+        return next_seq(last)
 
     async def _consume_replay(self, request: ReplayRequest) -> str:
         start = request.start
@@ -296,8 +296,7 @@ class SubscriberReplays:
         batch after the last one received (the one such a frame held) cannot be had. Like a
         gap nothing can fill it clears the worker (the batch may have removed blocks: holding
         them would over-report); the replay is then asked again from the batch after it."""
-        last = self.status.last_seq
-        lost = start if last is None else max(start, last + 1)
+        lost = max(start, next_seq(self.status.last_seq))
         self._count("unreceivable")
         self._give_up(f"replayed batch {lost} could not be received: the replay connection "
                       "dropped (ZMQ drops one that sends a frame over max_message_bytes="

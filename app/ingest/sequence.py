@@ -1,8 +1,10 @@
 """Where a batch's seq stands relative to what was already applied: the one place that decides.
 
-Shared by the subscriber (which keeps the index) and ``kvroute tail`` (which prints), so the
-two cannot drift apart on what counts as a gap, a duplicate or an engine restart. What to do
-about a verdict (replay, rebuild, print) stays with each caller.
+Shared by the subscriber and its replay (which keep the index), the compiled drain of live
+messages and ``kvroute tail`` (which prints), so none can drift from the others on what
+counts as the next batch, a gap, a duplicate or an engine restart. ``is_next`` is
+``classify``'s IN_ORDER without the verdict, for the path every live batch takes. What to
+do about a verdict (replay, rebuild, print) stays with each caller.
 """
 
 from __future__ import annotations
@@ -22,6 +24,17 @@ class Kind(Enum):
 class Verdict:
     kind: Kind
     missing: range = range(0)  # GAP only: the seqs between the last applied one and this one
+
+
+def next_seq(last_applied: int | None) -> int:
+    """The seq that comes after ``last_applied`` on a stream that begins at 0."""
+    return 0 if last_applied is None else last_applied + 1
+
+
+def is_next(seq: int, last_applied: int | None, last_live: int | None = None) -> bool:
+    """Whether ``seq`` is the next batch in order: ``classify``'s IN_ORDER on a stream that
+    begins at 0, without making a verdict."""
+    return seq == next_seq(last_applied) and (last_live is None or seq > last_live)
 
 
 def classify(seq: int, *, last_applied: int | None, last_live: int | None = None,
@@ -49,10 +62,7 @@ def classify(seq: int, *, last_applied: int | None, last_live: int | None = None
         raise ValueError(f"seq {seq} is negative")
     if last_live is not None and seq <= last_live:
         return Verdict(Kind.RESTART)
-    if last_applied is None:
-        expected = 0 if from_zero else seq
-    else:
-        expected = last_applied + 1
+    expected = seq if last_applied is None and not from_zero else next_seq(last_applied)
     if seq == expected:
         return Verdict(Kind.IN_ORDER)
     if seq < expected:

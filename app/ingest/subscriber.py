@@ -78,7 +78,7 @@ from kvroute.app.ingest.live_connection import LiveConnection
 from kvroute.app.ingest.pacing import FleetPacing
 from kvroute.app.ingest.replay import Disconnected, SubscriberReplays
 from kvroute.app.ingest.replay_request import ReplayChannel
-from kvroute.app.ingest.sequence import Kind, Verdict, classify
+from kvroute.app.ingest.sequence import Kind, Verdict, classify, is_next
 from kvroute.app.ingest.wire import IndexWriter, Payload, WireError, decode_seq
 from kvroute.app.state.format import SavedWorker, payload_fingerprint
 from kvroute.app.tasks import cancel_and_wait
@@ -515,10 +515,7 @@ class Subscriber(SubscriberReplays):
             return None
         previous_live, self._last_live = self._last_live, seq
         payload = frames[2]
-        last = self.status.last_seq
-        if last is not None and seq == last + 1 and (previous_live is None
-                                                     or seq > previous_live):
-            # What classify says IN_ORDER for, without building its verdict.
+        if is_next(seq, self.status.last_seq, previous_live):
             return self._take(seq, payload)
         return self._out_of_order(seq, payload, previous_live)
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroute.app.ingest.sequence import Kind, Verdict, classify
+from kvroute.app.ingest.sequence import Kind, Verdict, classify, is_next
 
 IN_ORDER = Verdict(Kind.IN_ORDER)
 DUPLICATE = Verdict(Kind.DUPLICATE)
@@ -81,6 +81,8 @@ def test_classify_matches_the_model(seq, last_applied, last_live, from_zero, joi
         assert len(verdict.missing) > 0 and verdict.missing.stop == seq
     else:
         assert len(verdict.missing) == 0
+    if from_zero:  # the fast path every live and replayed batch takes is the same rule
+        assert is_next(seq, last_applied, last_live) == (verdict.kind is Kind.IN_ORDER)
 
 
 @settings(max_examples=300, deadline=None)
