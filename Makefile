@@ -6,8 +6,18 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: run test bench bench-full bench-real bench-fleet bench-peer lint e2e e2e-dashboard e2e-lb clean
 
+# The compiled index makes its content keys with xxHash's own header: Debian's
+# libxxhash-dev, installed with apt-get when it is missing (as root; otherwise say how).
+# Without it the index still builds, and makes keys through the xxhash package's Python API.
+XXHASH_H := /usr/include/xxhash.h
+$(XXHASH_H):
+	@if [ "$$(id -u)" = 0 ]; then \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends libxxhash-dev \
+		|| { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends libxxhash-dev; }; \
+	else echo "libxxhash-dev is missing (apt-get install -y libxxhash-dev as root): content keys will be made in Python" >&2; fi
+
 # index/_fast.pyx: the editable install compiles the index's loops; a changed source rebuilds.
-$(STAMP): pyproject.toml index/_fast.pyx index/_keys.pxi index/_tables.pxi index/_batch.pxi app/api/_token_scan.pyx app/ingest/_live_drain.pyx
+$(STAMP): pyproject.toml index/_fast.pyx index/_keys.pxi index/_tables.pxi index/_batch.pxi app/api/_token_scan.pyx app/ingest/_live_drain.pyx | $(XXHASH_H)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'

@@ -1,25 +1,18 @@
 # Included by _fast.pyx: content keys made in C, byte for byte ``index.keys``' keys.
 #
-# A key is ``xxh3_128_digest(parent key || block tokens)`` from the ``xxhash`` package. The
-# package's extension module carries the xxHash library and exports its functions; at import
-# this module looks ``XXH3_128bits`` up in it (dlsym) and keeps it only if it gives the same
-# bytes as ``xxh3_128_digest`` on sample inputs of every length class, and if CPython's
-# ``_Py_HashBytes`` gives ``hash(bytes)`` (a node's parent fingerprint is that hash). If
-# either check fails (another xxhash build, another interpreter), ``_key_into`` calls the
-# Python function instead: slower, never different.
+# A key is ``xxh3_128_digest(parent key || block tokens)`` from the ``xxhash`` package. In C
+# it is made with xxHash's own header (Debian's libxxhash-dev, inlined: XXH_INLINE_ALL, no
+# library to link), and kept at import only if it gives the same bytes as
+# ``xxh3_128_digest`` on sample inputs of every length class. Built without the header, or
+# if the check fails, ``_key_into`` calls the package's Python function instead: slower,
+# never different. A node's parent fingerprint is bits of the parent key itself
+# (``prefix_index._fingerprint_bits``).
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc.stddef cimport size_t
 
-cdef extern from "<dlfcn.h>" nogil:
-    void* dlopen(const char* filename, int flags)
-    void* dlsym(void* handle, const char* symbol)
-    int RTLD_NOW
-    int RTLD_NOLOAD
-
 cdef extern from "Python.h":
     ctypedef Py_ssize_t Py_hash_t
-    Py_hash_t _Py_HashBytes(const void* data, Py_ssize_t length)
 
 cdef extern from *:
     """
@@ -27,6 +20,23 @@ cdef extern from *:
     typedef kvroute_xxh128 (*kvroute_xxh3_128_fn)(const void*, size_t);
     #define kvroute_bswap64(x) __builtin_bswap64(x)
     #define kvroute_prefetch(p) __builtin_prefetch(p)
+    #if defined(__has_include)
+    #  if __has_include(<xxhash.h>)
+    #    define XXH_INLINE_ALL
+    #    include <xxhash.h>
+    #    define KVROUTE_XXH3 1
+    #  endif
+    #endif
+    #ifdef KVROUTE_XXH3
+    static kvroute_xxh128 kvroute_xxh3_128(const void* data, size_t length) {
+        XXH128_hash_t h = XXH3_128bits(data, length);
+        kvroute_xxh128 out = {h.low64, h.high64};
+        return out;
+    }
+    #define KVROUTE_XXH3_FN kvroute_xxh3_128
+    #else
+    #define KVROUTE_XXH3_FN NULL
+    #endif
     """
     ctypedef struct kvroute_xxh128:
         uint64_t low64
@@ -34,9 +44,9 @@ cdef extern from *:
     ctypedef kvroute_xxh128 (*kvroute_xxh3_128_fn)(const void*, size_t) noexcept nogil
     uint64_t kvroute_bswap64(uint64_t x) noexcept nogil
     void kvroute_prefetch(const void* p) noexcept nogil
+    kvroute_xxh3_128_fn KVROUTE_XXH3_FN
 
 cdef kvroute_xxh3_128_fn _xxh3_128 = NULL
-cdef bint _c_fingerprints = False
 
 
 cdef inline void _canonical(uint64_t* out, kvroute_xxh128 h) noexcept nogil:
@@ -59,11 +69,12 @@ cdef int _key_into(uint64_t* out, const uint64_t* parent, const char* block,
     return 0
 
 
-cdef inline Py_hash_t _fingerprint_hash(const uint64_t* key) except? -1:
-    """``hash(key bytes)``, without making the bytes when CPython's function checked out."""
-    if _c_fingerprints:
-        return _Py_HashBytes(key, 16)
-    return hash(PyBytes_FromStringAndSize(<const char*>key, 16))
+cdef inline Py_hash_t _fingerprint_hash(const uint64_t* key) noexcept nogil:
+    """``prefix_index._fingerprint_bits``' bits before the mask: the key's first four bytes,
+    little-endian, on any machine."""
+    cdef const unsigned char* b = <const unsigned char*>key
+    return <Py_hash_t>(<uint64_t>b[0] | (<uint64_t>b[1] << 8) | (<uint64_t>b[2] << 16)
+                       | (<uint64_t>b[3] << 24))
 
 
 cdef inline bytes _key_bytes(const uint64_t* key):
@@ -71,18 +82,13 @@ cdef inline bytes _key_bytes(const uint64_t* key):
 
 
 def _bind_c_hashing():
-    """Look XXH3_128bits up in the xxhash extension and check it, and _Py_HashBytes."""
-    global _xxh3_128, _c_fingerprints
+    """Take xxHash's XXH3_128bits as built, if it was, and check it against the package."""
+    global _xxh3_128
     import random
 
-    import xxhash._xxhash as xxhash_module
     cdef uint64_t out[2]
-    cdef kvroute_xxh3_128_fn found = NULL
+    cdef kvroute_xxh3_128_fn found = KVROUTE_XXH3_FN
     cdef bytes sample
-    path = xxhash_module.__file__.encode()
-    cdef void* handle = dlopen(path, RTLD_NOW | RTLD_NOLOAD)
-    if handle is not NULL:
-        found = <kvroute_xxh3_128_fn>dlsym(handle, b"XXH3_128bits")
     rng = random.Random(0)
     samples = [rng.randbytes(n) for n in (0, 1, 3, 4, 8, 9, 16, 17, 80, 128, 129, 240, 241,
                                           1000, 4112)]
@@ -93,24 +99,18 @@ def _bind_c_hashing():
                 found = NULL
                 break
     _xxh3_128 = found
-    checked = True
-    for sample in samples:
-        if _Py_HashBytes(<const char*>sample, len(sample)) != hash(sample):
-            checked = False
-    _c_fingerprints = checked
 
 
 def c_hashing(on=None):
-    """Whether keys and fingerprints are made in C; ``on`` (tests) turns that off, or back
-    on when the import-time checks passed. Either way the keys are the same bytes."""
-    global _xxh3_128, _c_fingerprints
+    """Whether keys are made in C; ``on`` (tests) turns that off, or back on when the
+    import-time check passed. Either way the keys are the same bytes."""
+    global _xxh3_128
     if on is not None:
         if on:
             _bind_c_hashing()
         else:
             _xxh3_128 = NULL
-            _c_fingerprints = False
-    return _xxh3_128 is not NULL and _c_fingerprints
+    return _xxh3_128 is not NULL
 
 
 _bind_c_hashing()

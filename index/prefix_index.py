@@ -112,9 +112,11 @@ IMPLEMENTATION = ("compiled" if COMPILED_AVAILABLE
 
 
 def _fingerprint_bits(parent: bytes) -> int:
-    """The parent fingerprint as stored in a node value: bits of the parent key's Python
-    hash, which a bytes object computes once and caches (one int operation per block)."""
-    return hash(parent) & FP_FIELD
+    """The parent fingerprint as stored in a node value: bits of the parent key itself (its
+    first four bytes, little-endian). A key is a uniform hash already, and its bytes are the
+    same in every process, so a saved fingerprint still holds after a restart (Python's own
+    hash of bytes is seeded anew in each process)."""
+    return int.from_bytes(parent[:4], "little") & FP_FIELD
 
 
 def _has_negative(block_hashes: Sequence[BlockHash]) -> bool:
@@ -341,7 +343,7 @@ class PrefixIndex:
         for block_hash, (block,) in zip(block_hashes, block_splitter(step)(tokens)):  # noqa: B905
             key = digest(parent_key + block)
             if bind(block_hash, key) is key:
-                fresh = seed | (hash(parent_key) & FP_FIELD)
+                fresh = seed | _fingerprint_bits(parent_key)
                 value = place(key, fresh)  # a new node in one dict operation
                 if value is not fresh:
                     if not value & bit:

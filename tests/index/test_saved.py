@@ -190,3 +190,41 @@ def test_hashes_really_held_are_not_restored_unconfirmed() -> None:
     index._check()
     index.drop_worker(A)
     index._check()
+
+
+_SAVE = """
+import sys, msgspec
+from kvroute.index import PrefixIndex
+index = PrefixIndex()
+index.apply_stored(("a", 0), [1, 2, 3, 4], None, list(range(100, 116)), 4)
+capture = index.capture(("a", 0))
+sys.stdout.buffer.write(msgspec.msgpack.encode(list(capture.pieces(2))))
+"""
+_RESTORE = """
+import sys, msgspec
+from kvroute.index import PrefixIndex
+from kvroute.index.holdings import Holdings
+pieces = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=list[Holdings])
+index = PrefixIndex()
+index.restore(("a", 0), pieces)
+print(index.match_hashes([1, 2, 3, 4])[("a", 0)].blocks)
+"""
+
+
+def test_blocks_saved_by_one_process_match_by_hash_in_another(index_implementation: str) -> None:
+    """A restart restores holdings into a process whose string hashing is seeded anew: the
+    parent fingerprints a match by vLLM block hashes checks must not depend on it."""
+    import os
+    import subprocess
+    import sys
+
+    def run(code: str, seed: str, stdin: bytes | None = None) -> bytes:
+        env = {**os.environ, "PYTHONHASHSEED": seed,
+               "KVROUTE_PURE": "1" if index_implementation == "pure" else "0"}
+        done = subprocess.run([sys.executable, "-c", code], input=stdin, env=env,
+                              capture_output=True, timeout=120)
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+        return done.stdout
+
+    saved = run(_SAVE, "1")
+    assert run(_RESTORE, "2", saved).strip() == b"4"
