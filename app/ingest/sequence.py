@@ -33,8 +33,10 @@ def next_seq(last_applied: int | None) -> int:
 
 def is_next(seq: int, last_applied: int | None, last_live: int | None = None) -> bool:
     """Whether ``seq`` is the next batch in order: ``classify``'s IN_ORDER on a stream that
-    begins at 0, without making a verdict."""
-    return seq == next_seq(last_applied) and (last_live is None or seq > last_live)
+    begins at 0, without making a verdict. (``next_seq`` spelled out: this runs for every
+    live batch.)"""
+    return (seq == (0 if last_applied is None else last_applied + 1)
+            and (last_live is None or seq > last_live))
 
 
 def classify(seq: int, *, last_applied: int | None, last_live: int | None = None,
