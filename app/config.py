@@ -74,7 +74,7 @@ class CostWeights:
     # Decode pressure of one running request, in prefill tokens.
     running_request: float = 32.0
     # A token to compute here that another eligible worker holds: on top of its miss, the
-    # cache space the second copy takes from other prefixes (see the module docstring).
+    # cache space the second copy takes from other prefixes (app.routing.cost says why).
     copied_token: float = 1.0
     # A token to compute on a worker that must hold more other prefixes than the least
     # crowded loaded worker, times the share of its demand above that one's.
