@@ -6,6 +6,9 @@ they are written in the subset where the two engines agree: explicit ASCII chara
 classes instead of `\\s`/`\\S`/`\\d` (whose Unicode meanings differ), no lookaround, no
 inline flags. A pattern is anchored with `^...$`; `matches` uses `fullmatch`, because
 Python's `$` also matches before a final newline and ECMA-262's does not.
+
+`parse_endpoint` and `format_endpoint` are the one spelling of an `IP:PORT` endpoint (what
+a gateway is told to connect to), for configuration and the Endpoint Picker alike.
 """
 
 from __future__ import annotations
