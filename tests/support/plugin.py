@@ -11,7 +11,7 @@ import pytest
 
 # The index tests run against both implementations of the index's loops (compiled, pure).
 from tests.support.index_impl import index_implementation  # noqa: F401
-from tests.support.waiting import _SCALE_ERROR, _SCALE_VARIABLE, TIMEOUT_SCALE, refusing_urls
+from tests.support.waiting import SCALE_ERROR, SCALE_VARIABLE, TIMEOUT_SCALE, refusing_urls
 
 
 @pytest.fixture
@@ -22,12 +22,12 @@ def dead_url() -> Iterator[str]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if _SCALE_ERROR is not None:
-        raise pytest.UsageError(_SCALE_ERROR)
+    if SCALE_ERROR is not None:
+        raise pytest.UsageError(SCALE_ERROR)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    return f"kvroute: deadlines scaled by {TIMEOUT_SCALE:g} ({_SCALE_VARIABLE})"
+    return f"kvroute: deadlines scaled by {TIMEOUT_SCALE:g} ({SCALE_VARIABLE})"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

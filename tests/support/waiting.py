@@ -24,22 +24,22 @@ import pytest
 
 T = TypeVar("T")
 
-_SCALE_VARIABLE = "KVROUTE_TEST_TIMEOUT_SCALE"
+SCALE_VARIABLE = "KVROUTE_TEST_TIMEOUT_SCALE"
 
 
 def _timeout_scale() -> tuple[float, str | None]:
     """The knob's value, or 1 and the reason it is not usable (reported by pytest_configure)."""
-    raw = os.environ.get(_SCALE_VARIABLE, "").strip() or "1"
+    raw = os.environ.get(SCALE_VARIABLE, "").strip() or "1"
     try:
         scale = float(raw)
     except ValueError:
         scale = float("nan")
     if not 1.0 <= scale < float("inf"):
-        return 1.0, f"{_SCALE_VARIABLE} must be a finite number >= 1, got {raw!r}"
+        return 1.0, f"{SCALE_VARIABLE} must be a finite number >= 1, got {raw!r}"
     return scale, None
 
 
-TIMEOUT_SCALE, _SCALE_ERROR = _timeout_scale()
+TIMEOUT_SCALE, SCALE_ERROR = _timeout_scale()
 
 # Long enough for a replay on a loaded 2-core machine; a condition that holds returns at once.
 DEFAULT_WAIT = 30.0
