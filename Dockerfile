@@ -2,8 +2,9 @@
 # Build: docker build -t kvroute .    Run: docker run -p 8080:8080 kvroute
 
 # The wheel, built where a C compiler is: the index's compiled loops (index/_fast.pyx)
-# and the route's token reader (app/api/_token_scan.pyx) ingest two to three times faster
-# than their pure Python references. The image that runs kvroute carries no compiler.
+# the route's token reader (app/api/_token_scan.pyx) and the live drain
+# (app/ingest/_live_drain.pyx, which needs libzmq's header) are the compiled twins of pure
+# Python references. The image that runs kvroute carries no compiler.
 FROM python:3.11-slim AS build
 
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -11,14 +12,14 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev libxxhash-dev \
+    && apt-get install -y --no-install-recommends gcc libc6-dev libxxhash-dev libzmq3-dev \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /src
 
 # Only what the distribution needs: the tests, benchmarks and chart stay out
 # of the image (see .dockerignore).
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY index ./index
 COPY app ./app
 COPY sim ./sim

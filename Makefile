@@ -6,18 +6,22 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: run test bench bench-full bench-real bench-fleet bench-peer lint e2e e2e-dashboard e2e-lb clean
 
-# The compiled index makes its content keys with xxHash's own header: Debian's
-# libxxhash-dev, installed with apt-get when it is missing (as root; otherwise say how).
-# Without it the index still builds, and makes keys through the xxhash package's Python API.
+# Two C headers the compiled modules build against, Debian packages installed with apt-get
+# when missing (as root; otherwise say how). Without xxHash's (libxxhash-dev) the index makes
+# its content keys through the xxhash package's Python API; without libzmq's (libzmq3-dev)
+# the live drain is left out and live messages go by the Python path.
 XXHASH_H := /usr/include/xxhash.h
-$(XXHASH_H):
+ZMQ_H := /usr/include/zmq.h
+$(XXHASH_H): PACKAGE := libxxhash-dev
+$(ZMQ_H): PACKAGE := libzmq3-dev
+$(XXHASH_H) $(ZMQ_H):
 	@if [ "$$(id -u)" = 0 ]; then \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends libxxhash-dev \
-		|| { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends libxxhash-dev; }; \
-	else echo "libxxhash-dev is missing (apt-get install -y libxxhash-dev as root): content keys will be made in Python" >&2; fi
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(PACKAGE) \
+		|| { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(PACKAGE); }; \
+	else echo "$(PACKAGE) is missing (apt-get install -y $(PACKAGE) as root): the build falls back to a Python path" >&2; fi
 
 # index/_fast.pyx: the editable install compiles the index's loops; a changed source rebuilds.
-$(STAMP): pyproject.toml index/_fast.pyx index/_keys.pxi index/_tables.pxi index/_batch.pxi app/api/_token_scan.pyx app/ingest/_live_drain.pyx | $(XXHASH_H)
+$(STAMP): pyproject.toml setup.py index/_fast.pyx index/_keys.pxi index/_tables.pxi index/_batch.pxi app/api/_token_scan.pyx app/ingest/_live_drain.pyx | $(XXHASH_H) $(ZMQ_H)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'

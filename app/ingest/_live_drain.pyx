@@ -2,33 +2,28 @@
 """A subscriber's live messages taken in one call while they are the plain common case: the
 compiled half of ``BatchApplier.drain``.
 
-``drain`` receives from a SUB socket through libzmq's own functions (the library pyzmq
-loaded, looked up by name through pyzmq's extension module, as ``index/_keys.pxi`` finds
-xxHash), and applies each message that is the next batch in order, read whole by the index
+``drain`` receives from a SUB socket through pyzmq's Cython API (``cimport zmq``: the
+``Socket.recv`` its declarations publish for direct Cython calls, and ``Frame.more``), and
+applies each message that is the next batch in order, read whole by the index
 (``read_plain_batch``) and applied whole by one run (``apply_run``), as the subscriber's
 Python path would: the same calls with the same bounds. It stops at the first message that
 is anything else and hands it back, as frames, with what was done to it; the caller goes on
 with it through the Python path. So nothing it takes differs from what that path does, and
 what it does not take reaches that path unchanged.
+
+Building it needs libzmq's header (``zmq.h``, Debian's libzmq3-dev) for the layout of
+pyzmq's ``Frame``; a build without it leaves this module out and every message goes by the
+Python path (``app.ingest.sockets.LoopSocket.recv``, which it mirrors).
 """
 
-from cpython.buffer cimport PyBUF_WRITABLE
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from libc.stdint cimport uint64_t
+from zmq cimport Frame, Socket
 
 import zmq
 
 from kvroute.app.ingest.sequence import is_next
-
-cdef extern from "<dlfcn.h>" nogil:
-    void* dlopen(const char* filename, int flags)
-    void* dlsym(void* handle, const char* symbol)
-    int RTLD_NOW
-    int RTLD_NOLOAD
-
-cdef extern from "<errno.h>" nogil:
-    int EAGAIN
-    int EINTR
 
 cdef extern from "<sys/epoll.h>" nogil:
     cdef struct epoll_event:
@@ -43,93 +38,8 @@ cdef extern from "<time.h>" nogil:
     int clock_gettime(int clock, timespec* ts)
     int CLOCK_MONOTONIC
 
-cdef extern from *:
-    """
-    typedef struct { _Alignas(8) unsigned char bytes[64]; } kvroute_zmq_msg;
-    """
-    ctypedef struct kvroute_zmq_msg:
-        pass
-
-ctypedef int (*_msg_init_fn)(kvroute_zmq_msg*) noexcept nogil
-ctypedef int (*_msg_recv_fn)(kvroute_zmq_msg*, void*, int) noexcept nogil
-ctypedef void* (*_msg_data_fn)(kvroute_zmq_msg*) noexcept nogil
-ctypedef size_t (*_msg_size_fn)(const kvroute_zmq_msg*) noexcept nogil
-ctypedef int (*_msg_more_fn)(const kvroute_zmq_msg*) noexcept nogil
-ctypedef int (*_msg_close_fn)(kvroute_zmq_msg*) noexcept nogil
-ctypedef int (*_msg_move_fn)(kvroute_zmq_msg*, kvroute_zmq_msg*) noexcept nogil
-ctypedef int (*_errno_fn)() noexcept nogil
-
-cdef _msg_init_fn _msg_init = NULL
-cdef _msg_recv_fn _msg_recv = NULL
-cdef _msg_data_fn _msg_data = NULL
-cdef _msg_size_fn _msg_size = NULL
-cdef _msg_more_fn _msg_more = NULL
-cdef _msg_close_fn _msg_close = NULL
-cdef _msg_move_fn _msg_move = NULL
-cdef _errno_fn _zmq_errno = NULL
-
-DEF _DONTWAIT = 1  # ZMQ_DONTWAIT (checked against pyzmq's at import)
+cdef int _DONTWAIT = zmq.DONTWAIT
 DEF _SEQ_BYTES = 8  # app.ingest.wire.decode_seq's frame: an unsigned big-endian int
-
-
-cdef class InPlace:
-    """A received frame over ``big`` bytes, left where libzmq holds it: read-only, and
-    alive as long as a view of it is."""
-
-    cdef kvroute_zmq_msg msg
-
-    def __cinit__(self):
-        if _msg_init is NULL:
-            raise RuntimeError("libzmq's message functions were not found")
-        _msg_init(&self.msg)
-
-    def __dealloc__(self):
-        _msg_close(&self.msg)
-
-    def __getbuffer__(self, Py_buffer* view, int flags):
-        if flags & PyBUF_WRITABLE:
-            raise BufferError("a received frame is read-only")
-        view.buf = _msg_data(&self.msg)
-        view.len = <Py_ssize_t>_msg_size(&self.msg)
-        view.readonly = 1
-        view.itemsize = 1
-        view.format = NULL
-        view.ndim = 1
-        view.shape = NULL
-        view.strides = NULL
-        view.suboffsets = NULL
-        view.internal = NULL
-        view.obj = self
-
-
-def _bind():
-    """Look libzmq's message functions up through pyzmq's extension module; False when
-    any is missing (the caller keeps the Python path)."""
-    global _msg_init, _msg_recv, _msg_data, _msg_size, _msg_more, _msg_close, _msg_move
-    global _zmq_errno
-    import zmq.backend.cython._zmq as backend
-    if zmq.DONTWAIT != _DONTWAIT:
-        return False
-    cdef void* handle = dlopen(backend.__file__.encode(), RTLD_NOW | RTLD_NOLOAD)
-    if handle is NULL:
-        return False
-    _msg_init = <_msg_init_fn>dlsym(handle, b"zmq_msg_init")
-    _msg_recv = <_msg_recv_fn>dlsym(handle, b"zmq_msg_recv")
-    _msg_data = <_msg_data_fn>dlsym(handle, b"zmq_msg_data")
-    _msg_size = <_msg_size_fn>dlsym(handle, b"zmq_msg_size")
-    _msg_more = <_msg_more_fn>dlsym(handle, b"zmq_msg_more")
-    _msg_close = <_msg_close_fn>dlsym(handle, b"zmq_msg_close")
-    _msg_move = <_msg_move_fn>dlsym(handle, b"zmq_msg_move")
-    _zmq_errno = <_errno_fn>dlsym(handle, b"zmq_errno")
-    if (_msg_init is NULL or _msg_recv is NULL or _msg_data is NULL or _msg_size is NULL
-            or _msg_more is NULL or _msg_close is NULL or _msg_move is NULL
-            or _zmq_errno is NULL):
-        _msg_init = NULL  # InPlace refuses to be made; drain is never called (BOUND)
-        return False
-    return True
-
-
-BOUND = _bind()
 
 
 cdef inline double _now() noexcept nogil:
@@ -138,42 +48,35 @@ cdef inline double _now() noexcept nogil:
     return ts.tv_sec + ts.tv_nsec * 1e-9
 
 
-cdef list _receive(void* socket, Py_ssize_t big):
-    """The next message's frames (bytes; a frame over ``big`` bytes as a memoryview of an
-    ``InPlace``), or None when none is queued. A ZeroMQ error other than "nothing queued"
-    raises ``zmq.ZMQError``, as pyzmq's receive does."""
-    cdef list frames = None
-    cdef kvroute_zmq_msg msg
-    cdef InPlace kept
-    cdef int rc, error
-    cdef size_t size
+cdef object _copied(Frame frame):
+    """A small frame's bytes, copied out of ZeroMQ's message."""
+    cdef Py_buffer view
+    PyObject_GetBuffer(frame, &view, PyBUF_SIMPLE)
+    try:
+        return PyBytes_FromStringAndSize(<const char*>view.buf, view.len)
+    finally:
+        PyBuffer_Release(&view)
+
+
+cdef list _receive(Socket socket, Py_ssize_t big):
+    """The next message's frames (bytes; a frame over ``big`` bytes as a read-only
+    memoryview of ZeroMQ's message, as ``LoopSocket.recv`` hands it over), or None when none
+    is queued. A message's frames arrive together, so the rest is there once one is."""
+    cdef list frames
+    cdef Frame frame
+    try:
+        frame = socket.recv(_DONTWAIT, False)
+    except zmq.Again:
+        return None
+    frames = []
     while True:
-        _msg_init(&msg)
-        rc = _msg_recv(&msg, socket, _DONTWAIT)  # never waits: the GIL stays held
-        if rc < 0:
-            error = _zmq_errno()
-            _msg_close(&msg)
-            if error == EINTR:
-                continue
-            if error == EAGAIN and frames is None:
-                return None
-            raise zmq.ZMQError(error)
-        size = _msg_size(&msg)
-        if frames is None:
-            frames = []
-        if <Py_ssize_t>size > big:
-            kept = InPlace.__new__(InPlace)
-            _msg_move(&kept.msg, &msg)  # into the object, which closes it
-            _msg_close(&msg)  # empty now
-            frames.append(memoryview(kept))
-            if not _msg_more(&kept.msg):
-                return frames
+        if len(frame) > big:
+            frames.append(memoryview(frame).toreadonly())
         else:
-            frames.append(PyBytes_FromStringAndSize(<const char*>_msg_data(&msg), size))
-            more = _msg_more(&msg)
-            _msg_close(&msg)
-            if not more:
-                return frames
+            frames.append(_copied(frame))
+        if not frame.more:
+            return frames
+        frame = socket.recv(_DONTWAIT, False)
 
 
 cdef class Drained:
@@ -195,7 +98,7 @@ cdef class Drained:
         self.empty = self.requests_waiting = self.bounded = False
 
 
-def drain(Py_ssize_t socket_address, index, worker, object last_seq, object last_live,
+def drain(Socket socket, index, worker, object last_seq, object last_live,
           object rank, Py_ssize_t limit, double deadline, int arrivals, double look,
           Py_ssize_t unyielded, Py_ssize_t unyielded_work, Py_ssize_t chunk_events,
           Py_ssize_t slice_blocks, Py_ssize_t whole_bytes, Py_ssize_t big, limits):
@@ -216,7 +119,6 @@ def drain(Py_ssize_t socket_address, index, worker, object last_seq, object last
     turn's clock or for a waiting request, and one yield (a pass of the event loop and a
     wake-up of the subscriber's task) cost about as much as applying a small batch."""
     cdef Drained done = Drained()
-    cdef void* socket = <void*>socket_address
     cdef list frames
     cdef bytes seq_frame, payload
     cdef const unsigned char* p

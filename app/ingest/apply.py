@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
+import zmq
 
 from kvroute.app.ingest.budget import LoopBudget, shared_budget
 from kvroute.app.ingest.huge_store import HUGE_EVENT_BYTES, HugeStore
@@ -79,13 +80,12 @@ from kvroute.app.ingest.wire import (
 )
 from kvroute.index.runs import Run, RunLimits
 
-# compiled with the index (app/ingest/_live_drain.pyx); without it every message goes by Python
+# compiled with the index where libzmq's header is found (app/ingest/_live_drain.pyx);
+# without it every message goes by Python
 try:
-    from kvroute.app.ingest._live_drain import BOUND as _DRAIN_BOUND
     from kvroute.app.ingest._live_drain import drain as _compiled_drain
 except ImportError:
     _compiled_drain = None
-    _DRAIN_BOUND = False
 
 if TYPE_CHECKING:
     from kvroute.app.ingest._live_drain import Drained
@@ -200,7 +200,7 @@ class BatchApplier:
                                  max_work=options.slice_blocks)
         # The compiled take of live messages (``drain``): with the compiled index only,
         # whose reading it needs.
-        self._drain = (_compiled_drain if _compiled_drain is not None and _DRAIN_BOUND
+        self._drain = (_compiled_drain if _compiled_drain is not None
                        and self._read_plain is not None
                        and getattr(index, "implementation", None) == "compiled" else None)
 
@@ -239,9 +239,9 @@ class BatchApplier:
         """Whether ``drain`` is there (the compiled take and the compiled index)."""
         return self._drain is not None
 
-    def drain(self, socket_address: int, last_seq: int | None, last_live: int | None,
+    def drain(self, socket: zmq.Socket[bytes], last_seq: int | None, last_live: int | None,
               rank: int, limit: int) -> Drained | None:
-        """``apply_now`` for each queued live message on the socket at ``socket_address``
+        """``apply_now`` for each queued live message on ``socket``
         while it is the next batch in order (after ``last_seq``, above ``last_live``) and one
         run applies its plain payload whole, in one compiled call that receives them too
         (app/ingest/_live_drain.pyx): the same reading and runs as ``apply_now``, within this
@@ -261,7 +261,7 @@ class BatchApplier:
             return None
         deadline, arrivals = window
         options = self.options
-        done = self._drain(socket_address, self.index, self.worker, last_seq, last_live, rank,
+        done = self._drain(socket, self.index, self.worker, last_seq, last_live, rank,
                            limit, deadline, arrivals, budget.look_seconds, self._unyielded,
                            self._unyielded_work, options.chunk_events, options.slice_blocks,
                            _DECODE_WHOLE_BYTES, BIG_FRAME_BYTES, self._limits)

@@ -50,6 +50,8 @@ class LiveConnection:
 
     @property
     def socket(self) -> zmq.Socket[bytes]:
+        """The open SUB socket (also for a compiled receive on the loop's thread:
+        ``BatchApplier.drain``)."""
         assert self._sub is not None, "not open"
         return self._sub.socket
 
@@ -58,12 +60,6 @@ class LiveConnection:
         loop cost one wait per wake-up, not one per message."""
         assert self._sub is not None, "not open"
         return self._sub.recv()
-
-    def socket_address(self) -> int:
-        """The open SUB socket's libzmq handle (``zmq.Socket.underlying``), for a compiled
-        receive on the loop's thread (``BatchApplier.drain``)."""
-        assert self._sub is not None, "not open"
-        return int(self._sub.socket.underlying)
 
     async def wait(self, seconds: float) -> bool:
         """Whether a message is queued within `seconds`; False at once after ``wake()``."""

@@ -477,7 +477,7 @@ class Subscriber(SubscriberReplays):
         began, or a yield to the loop when it took some and stopped at the turn's end or
         for a waiting request; whether nothing more is queued)."""
         status = self.status
-        done = self._applier.drain(self._live.socket_address(), status.last_seq,
+        done = self._applier.drain(self._live.socket, status.last_seq,
                                    self._last_live, self.endpoint.dp_rank, left)
         if done is None:  # this turn's work is used up: _on_live's batch waits for the next
             return left, None, None, False

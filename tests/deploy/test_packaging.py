@@ -22,7 +22,7 @@ def _built_wheel(tmp_path: Path, env: dict[str, str] | None = None) -> list[str]
     folder beside them; an in-place build of the compiled index loops is left out)."""
     source = tmp_path / "source"
     source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(ROOT / name, source / name)
     for folder in ("app", "index", "sim"):
         shutil.copytree(ROOT / folder, source / folder,
