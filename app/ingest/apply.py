@@ -1,41 +1,38 @@
 """Applying one batch of KV events to one worker's index entries, in bounded pieces of work
 with the event loop running between them.
 
-Bounds (``SubscriberOptions``):
+A batch reaches the index by one of two paths:
 
-- A payload the compiled index reads as plain (``read_plain_batch``: every event a GPU
-  store or removal with nothing special about it) is read in one pass, whatever its size
-  (lists of over 65,536 items checked but left in the payload), and applied
-  from there. One over ``_DECODE_WHOLE_BYTES`` is read on another thread, the loop
-  running meanwhile (the index checks long lists without the GIL). An event of it that no
-  run takes is rebuilt a slice at a time (``app.ingest.plain_slices``) instead of decoding the
-  payload.
-- Any other payload up to ``_DECODE_WHOLE_BYTES`` is decoded in one call; a bigger one has
-  its envelope decoded, then ``chunk_events`` events at a time, except that one event over
-  ``huge_store.HUGE_EVENT_BYTES`` (a store of ~40,000 blocks or more) is decoded and
-  applied a slice at a time (``app.ingest.huge_store``: nothing applied before all of it is
-  decoded and checked; meanwhile routes see a prefix of its chain).
-- At most ``chunk_events`` events, or ``slice_blocks`` blocks of index work, are applied
-  between two yields to the loop, counted across batches (a replay of thousands of small
-  batches yields too), except in ``drain``, which looks at the turn's clock before each
-  batch and bounds each one's run so; and all appliers together stop for the turn once the
-  loop's ``LoopBudget`` is used up (``app.ingest.budget``: a burst from many workers at once).
-  An event of more work is applied in slices (``wire.slices``) that
-  leave the index exactly as one call would. A clear is one call whatever it costs
-  (bounded by ``max_blocks_per_worker``).
-- A BlockStored of more than ``max_blocks_per_event`` blocks, or one that would take the
-  worker past ``max_blocks_per_worker`` blocks held, is refused: reported through
-  ``refused`` and skipped. Removals are never refused: a skipped one would over-report.
+- **Plain**: the compiled index reads the payload (``read_plain_batch``: every event a GPU
+  store or removal with nothing special about it; lists of over 65,536 items checked but
+  left in the payload, and a payload over ``_DECODE_WHOLE_BYTES`` read on another thread,
+  the index checking long lists without the GIL) and applies runs of its events in one
+  call each (``index.runs``). An event no run takes (a parent the worker does not hold, a
+  worker not known yet, more work than a run may do, a cap) is rebuilt from the reading a
+  slice at a time (``app.ingest.plain_slices``) and applied as the decoded path applies an
+  event. ``apply_now`` is this path's first run taken at once, with no coroutine;
+  ``drain`` is ``apply_now`` for each queued live message, in one compiled call that also
+  receives them (app/ingest/_live_drain.pyx). Both hand a batch they did not finish
+  (``Begun``) to ``apply``, which goes on from where they stopped.
+- **Decoded**: every other payload (one that is not plain, or any payload when the
+  index has no reader: the pure install). Its envelope is decoded, then ``chunk_events``
+  events at a time (``wire.decode_events``); runs take what they can of each chunk and the
+  rest goes one event at a time, removals next to each other coalesced. An encoded event
+  over ``huge_store.HUGE_EVENT_BYTES`` is decoded and applied a slice at a time
+  (``app.ingest.huge_store``: nothing applied before all of it is decoded and checked;
+  meanwhile routes see a prefix of its chain).
 
-The next batch in order, live or replayed, is mostly taken by ``apply_now``: when the index
-reads its payload as plain and the turn has room, one run applies it in one call, with no
-coroutine and no yield; a batch that run does not finish (a worker the index does not know
-yet, an event a run does not take, the work allowed between two yields used up) goes on
-through ``apply`` from where it stopped, within the same bounds. The live batches queued on
-a subscriber's socket are taken as ``apply_now`` takes them by ``drain``, in one compiled
-call that also receives them (app/ingest/_live_drain.pyx), until one is anything else, the turn is
-over or a request waits: it looks at the turn's clock and for a waiting request before each
-message, so it needs no yield between them.
+Bounds, on both paths (``SubscriberOptions``): at most ``chunk_events`` events, or
+``slice_blocks`` blocks of index work, between two yields to the loop, counted across
+batches (a replay of thousands of small batches yields too), except in ``drain``, which
+looks at the turn's clock before each batch and bounds each one's run so; and all
+appliers together stop for the turn once the loop's ``LoopBudget`` is used up
+(``app.ingest.budget``). An event of more work is applied in slices that leave the index
+exactly as one call would. A clear is one call whatever it costs (bounded by
+``max_blocks_per_worker``). A BlockStored of more than ``max_blocks_per_event`` blocks, or
+one that would take the worker past ``max_blocks_per_worker`` blocks held, is refused:
+reported through ``refused`` and skipped. Removals are never refused: a skipped one would
+over-report.
 
 Ownership: an applier is its subscriber's only way of writing the worker's entries, and runs
 on the event loop. ``check`` is called after every yield; when it raises ``Abandoned`` (the
@@ -72,7 +69,6 @@ from kvroute.app.ingest.wire import (
     WireError,
     apply_event,
     coalesced,
-    decode_batch,
     decode_envelope,
     decode_events,
     slices,
@@ -95,17 +91,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# A payload up to this size is decoded in one call (every real vLLM batch is far smaller):
-# a short call even for one full of malformed events, which decode one by one. A bigger one
-# is decoded chunk_events events at a time, with the loop running between chunks; only its
-# envelope is one call, which grows with the number of events.
+# A plain payload up to this size is read on the loop's thread (``apply_now``, ``drain``);
+# a bigger one on another thread, with the loop running meanwhile. Every real vLLM batch is
+# far smaller.
 _DECODE_WHOLE_BYTES = 256 * 1024
 # Decoding cannot be cut into bounded pieces: one event, or one envelope, is one call (a
-# store of 65,536 blocks, the most an event may carry by default, too). After such a call
-# took _LONG_DECODE or more, the applier lets the loop run about as long (at most
-# _MAX_PAUSE), because an HTTP answer needs several turns of the loop and a flood of big
-# frames would otherwise put one long stretch in front of each of them. Real batches decode
-# in far less than _LONG_DECODE.
+# store of up to huge_store.HUGE_EVENT_BYTES, or an envelope, which grows with the number of
+# events). After such a call took _LONG_DECODE or more, the applier lets the loop run about
+# as long (at most _MAX_PAUSE), because an HTTP answer needs several turns of the loop and a
+# flood of big frames would otherwise put one long stretch in front of each of them. Real
+# batches decode in far less than _LONG_DECODE.
 _LONG_DECODE = 0.005
 _MAX_PAUSE = 0.05
 
@@ -149,28 +144,17 @@ class BatchOutcome:
 
 
 @dataclass(slots=True)
-class Unfinished:
-    """A batch ``BatchApplier.apply_now`` began: its first run (``done``) stopped short
-    of its end, or used up the work allowed between two yields."""
+class Begun:
+    """A batch ``apply_now`` or ``drain`` did not finish, for ``apply`` to go on with:
+    the index's reading of it and the first run made on it (``done``), or, when the
+    payload is not plain, neither (nothing applied; ``apply`` decodes it)."""
 
-    batch: EventBatch
-    outcome: BatchOutcome
-    done: Run
-
-
-class NotPlain:
-    """``apply_now``'s answer for a payload the index does not read as plain: nothing was
-    applied, and ``apply`` need not ask the index again."""
-
-    __slots__ = ()
+    reading: Any = None
+    outcome: BatchOutcome | None = None
+    done: Run | None = None
 
 
-NOT_PLAIN = NotPlain()
-Pending = Unfinished | NotPlain | None
-
-
-def _begun(plain: Any, outcome: BatchOutcome, done: Run) -> Unfinished:
-    return Unfinished(EventBatch(plain.ts, plain, plain.data_parallel_rank), outcome, done)
+NOT_PLAIN = Begun()
 
 
 class BatchApplier:
@@ -191,8 +175,8 @@ class BatchApplier:
         # it has one; None: every event one by one.
         self._runs: Callable[..., Run] | None = getattr(index, "apply_run", None)
         # The index's reader of a whole payload of plain events (no object per event), when
-        # it has one: a payload it refuses is decoded here (app.ingest.wire).
-        self._read_plain: Callable[[bytes], Any] | None = (
+        # it has one: the plain path.
+        self._read_plain: Callable[[Payload], Any] | None = (
             getattr(index, "read_plain_batch", None) if self._runs is not None else None)
         self._limits = RunLimits(stored=(BlockStored, RawStored), removed=BlockRemoved,
                                  max_event_blocks=options.max_blocks_per_event,
@@ -210,29 +194,29 @@ class BatchApplier:
             self._budget = shared_budget()
         return self._budget
 
-    def apply_now(self, payload: Payload) -> BatchOutcome | Pending:
-        """Apply a batch in one call, without the coroutines of ``apply``, when the index
-        reads its payload as plain (``read_plain_batch``: nearly every live batch) and this
-        turn's budget has room: the outcome when one run applied it whole. Otherwise what
-        to hand to ``apply``, which then does the rest: the batch as begun (``Unfinished``:
-        the run stopped short, or used up the work allowed between two yields), or nothing
-        applied (``NOT_PLAIN``, None).
+    def apply_now(self, payload: Payload) -> BatchOutcome | Begun | None:
+        """The plain path's first run, taken at once, without the coroutines of ``apply``,
+        when this turn's budget has room and the payload is small enough to read here: the
+        outcome when that run applied the batch whole; else the batch as ``Begun`` (the run
+        stopped short, or used up the work allowed between two yields; ``NOT_PLAIN``: the
+        payload is not plain), for ``apply`` to go on with; None when nothing was tried.
 
-        It is ``apply``'s own first run, taken early: the same events applied, the same
-        counts, the same bounds of work between two yields."""
+        The same events applied, the same counts, the same bounds of work between two
+        yields as ``apply`` would."""
         read = self._read_plain
         if (read is None or len(payload) > _DECODE_WHOLE_BYTES
                 or self._unyielded + 1 >= self.options.chunk_events or self.budget.exhausted()):
             return None
-        plain = read(payload)
-        if plain is None:
+        reading = read(payload)
+        if reading is None:
             return NOT_PLAIN
         self._unyielded += 1
-        outcome = BatchOutcome(data_parallel_rank=plain.data_parallel_rank, events=len(plain))
-        done = self._run(plain, 0, outcome)
+        outcome = BatchOutcome(data_parallel_rank=reading.data_parallel_rank,
+                               events=len(reading))
+        done = self._run(reading, 0, outcome)
         if done.next >= outcome.events and done.error is None and not done.full:
             return outcome
-        return _begun(plain, outcome, done)
+        return Begun(reading, outcome, done)
 
     @property
     def drains(self) -> bool:
@@ -241,13 +225,13 @@ class BatchApplier:
 
     def drain(self, socket: zmq.Socket[bytes], last_seq: int | None, last_live: int | None,
               rank: int, limit: int) -> Drained | None:
-        """``apply_now`` for each queued live message on ``socket``
-        while it is the next batch in order (after ``last_seq``, above ``last_live``) and one
-        run applies its plain payload whole, in one compiled call that receives them too
-        (app/ingest/_live_drain.pyx): the same reading and runs as ``apply_now``, within this
-        turn's share of the ``LoopBudget``. At most ``limit`` messages. None when the turn's
-        work is used up. The message it stopped at, if any, is in the result: the caller
-        goes on with it (``begun`` when part of it was applied).
+        """``apply_now`` for each queued live message on ``socket`` while it is the next
+        batch in order (after ``last_seq``, above ``last_live``) and one run applies its
+        plain payload whole, in one compiled call that receives them too
+        (app/ingest/_live_drain.pyx), within this turn's share of the ``LoopBudget``. At
+        most ``limit`` messages. None when the turn's work is used up. The message it
+        stopped at, if any, is in the result: the caller goes on with it (``begun`` when
+        part of it was applied).
 
         Unlike ``apply_now``, it does not yield between batches for the events and blocks
         applied since the last yield: it looks at the turn's clock, and for a waiting
@@ -271,78 +255,95 @@ class BatchApplier:
         return done
 
     @staticmethod
-    def begun(done: Drained) -> Unfinished:
+    def begun(done: Drained) -> Begun:
         """The batch a drain stopped in, part of it applied, as ``apply`` takes it."""
         run = done.run
         outcome = BatchOutcome(data_parallel_rank=done.plain.data_parallel_rank,
                                events=len(done.plain), blocks=run.blocks)
-        return _begun(done.plain, outcome, run)
+        return Begun(done.plain, outcome, run)
 
-    async def apply(self, seq: int, payload: Payload, pending: Pending = None) -> BatchOutcome:
+    async def apply(self, seq: int, payload: Payload, begun: Begun | None = None,
+                    ) -> BatchOutcome:
         """Apply one batch, yielding to the loop between bounded pieces of work; or the rest
-        of it, after ``apply_now`` answered ``pending``."""
-        if isinstance(pending, Unfinished):
-            batch, outcome = pending.batch, pending.outcome
-            if not await self._apply_events(seq, batch.events, batch, outcome, payload,
-                                            first=pending.done):
-                return outcome
-            return self._ended(batch, outcome)
+        of it, after ``apply_now`` or ``drain`` left it ``begun``."""
+        if begun is not None and begun.reading is not None:
+            assert begun.outcome is not None
+            await self._apply_reading(seq, begun.reading, begun.outcome, begun.done)
+            return begun.outcome
         outcome = BatchOutcome()
         self._unyielded += 1  # even an empty or garbage batch is work
         if self.budget.exhausted():  # the fleet's work in this turn of the loop is done
             await self.yield_to_loop()
-        lazily = len(payload) > _DECODE_WHOLE_BYTES
-        # The index's reading, when it takes the payload: one pass with no object per hash
-        # or token, where decoding a big payload lazily (below) is several passes and a call
-        # per slice. A big payload's is done on another thread: the index checks a long list
-        # without the GIL (most of a huge event's reading), so the loop answers routes
-        # meanwhile. This batch waits for it; the worker's next batches wait behind this one.
+        reading = None
+        if begun is None and self._read_plain is not None:
+            if len(payload) > _DECODE_WHOLE_BYTES:
+                # The index checks a long list without the GIL (most of a huge event's
+                # reading), so the loop answers routes meanwhile. This batch waits for it;
+                # the worker's next batches wait behind this one.
+                reading = await self._away(asyncio.to_thread(self._read_plain, payload))
+            else:
+                reading = self._read_plain(payload)
+        if reading is None:
+            return await self._apply_decoded(seq, payload, outcome)
+        outcome.data_parallel_rank = reading.data_parallel_rank
+        outcome.events = len(reading)
+        await self._apply_reading(seq, reading, outcome)
+        return outcome
+
+    async def _apply_reading(self, seq: int, reading: Any, outcome: BatchOutcome,
+                             done: Run | None = None) -> None:
+        """The plain path from the run ``done`` (or from event 0): runs, and each event no
+        run takes rebuilt from ``reading`` a slice at a time."""
+        budget = self.budget
+        position, count = 0, len(reading)
+        while done is not None or position < count:
+            if done is None:
+                if self._unyielded >= self.options.chunk_events or budget.exhausted():
+                    await self.yield_to_loop()
+                done = self._run(reading, position, outcome)
+            position, run, done = done.next, done, None
+            if run.error is not None:
+                if not self._failed_at(seq, run.error, outcome):
+                    return
+                continue
+            if run.full:
+                await self.yield_to_loop()
+                continue
+            if position >= count:
+                return
+            if not await self._apply_read(seq, reading, position, outcome):
+                return
+            position += 1
+
+    async def _apply_decoded(self, seq: int, payload: Payload, outcome: BatchOutcome,
+                             ) -> BatchOutcome:
+        """The decoded path: the envelope, then ``chunk_events`` events at a time, the loop
+        running between chunks; an event too big to decode in one call goes through
+        ``app.ingest.huge_store``."""
         started = time.perf_counter()
-        plain = None
-        if pending is not NOT_PLAIN and self._read_plain is not None:
-            if lazily:
-                plain = await self._away(asyncio.to_thread(self._read_plain, payload))
-                started = time.perf_counter()
-            else:
-                plain = self._read_plain(payload)
         try:
-            if plain is not None:  # its events stand in for decoded ones (_apply_events)
-                batch = EventBatch(plain.ts, plain, plain.data_parallel_rank)
-            else:
-                batch = (decode_envelope(payload) if lazily
-                         else decode_batch(payload, raw_tokens=self._runs is not None))
+            batch = decode_envelope(payload)
         except WireError as exc:
             outcome.garbage = str(exc)
-            took = time.perf_counter() - started  # garbage can be a long read, too
-            if took >= _LONG_DECODE:
-                await self.pause(took)
+            await self._paused_if_long(started)  # garbage can be a long read, too
             return outcome
         outcome.data_parallel_rank = batch.data_parallel_rank
-        took = time.perf_counter() - started
-        # Decoded lazily, each chunk's decoding is another stretch: the loop runs first.
-        if lazily and plain is None or took >= _LONG_DECODE:
-            await self.pause(took)
-        if plain is not None or not lazily:
-            if not await self._apply_events(seq, batch.events, batch, outcome, payload):
-                return outcome
-            return self._ended(batch, outcome)
+        await self._paused_if_long(started)
         step = self.options.chunk_events
         for start in range(0, len(batch.events), step):
-            # Decoded a chunk at a time, with the loop running in between; an event too
-            # big for one call goes through app.ingest.huge_store.
             for raws, huge in _split_huge(batch.events[start:start + step]):
                 if huge is not None and await self._apply_huge(seq, huge, outcome):
                     continue
                 started = time.perf_counter()
-                events = decode_events(raws if huge is None else [huge], batch)
-                await self.pause(time.perf_counter() - started)
+                events = decode_events(raws if huge is None else [huge], batch,
+                                       raw_tokens=self._runs is not None)
+                await self._paused_if_long(started)
                 if not await self._apply_events(seq, events, batch, outcome):
-                    return outcome
-        return self._ended(batch, outcome)
-
-    @staticmethod
-    def _ended(batch: EventBatch, outcome: BatchOutcome) -> BatchOutcome:
-        outcome.malformed = batch.malformed
+                    break
+            else:
+                continue
+            break
+        outcome.malformed += batch.malformed
         outcome.unknown = batch.unknown
         return outcome
 
@@ -358,57 +359,31 @@ class BatchApplier:
         outcome.blocks += done.blocks
         return done
 
-    async def _apply_events(self, seq: int, events: Sequence[Any], batch: EventBatch,
-                            outcome: BatchOutcome, payload: Payload = b"", *,
-                            first: Run | None = None) -> bool:
+    async def _apply_events(self, seq: int, events: list[Event], batch: EventBatch,
+                            outcome: BatchOutcome) -> bool:
         """Apply decoded events, counting into ``outcome``; False when a bug stopped it
-        (``outcome.failed`` says which).
-
-        Runs of plain events (``index.runs``: GPU stores and removals with nothing special
-        about them) go to the index in one call each, within the same bounds of work
-        between two yields; every other event goes one by one (removals next to each other
-        coalesced), as before runs existed. ``events`` may be the index's reading of
-        ``payload`` (``read_plain_batch``) instead of decoded events: the first event a
-        run does not take is then where the payload's decoded events take over. ``first``:
-        the run from event 0 already made (``apply_now``), to go on from."""
-        if first is None:
-            outcome.events += len(events)
+        (``outcome.failed`` says which). Runs of plain events (``index.runs``) go to the
+        index in one call each, within the bounds of work between two yields; every other
+        event goes one by one (removals next to each other coalesced)."""
+        outcome.events += len(events)
         if self._runs is None:
             for event in coalesced(events):
-                if not await self._apply_one(seq, event, batch, outcome):
+                if not await self._apply_one(seq, event, outcome):
                     return False
             return True
         budget = self.budget
         position, count = 0, len(events)
-        done = first
-        while done is not None or position < count:
-            if done is None:
-                if self._unyielded >= self.options.chunk_events or budget.exhausted():
-                    await self.yield_to_loop()
-                done = self._run(events, position, outcome)
-            position, run = done.next, done
-            done = None
-            if type(events) is not list and (run.error is not None
-                                             or not run.full and position < count):
-                if len(payload) <= _DECODE_WHOLE_BYTES:
-                    decoded = self._decoded(seq, payload, count, batch, outcome)
-                    if decoded is None:
-                        return False
-                    events = decoded
-                elif run.error is None:  # too big to decode whole: rebuilt from the reading
-                    if not await self._apply_read(seq, events, position, batch, outcome):
-                        return False
-                    position += 1
-                    continue
+        while position < count:
+            if self._unyielded >= self.options.chunk_events or budget.exhausted():
+                await self.yield_to_loop()
+            run = self._run(events, position, outcome)
+            position = run.next
             if run.error is not None:
-                if not self._failed_at(seq, run.error, batch, outcome):
+                if not self._failed_at(seq, run.error, outcome):
                     return False
                 continue
-            if run.full:
-                await self.yield_to_loop()
+            if run.full or position >= count:
                 continue
-            if position >= count:
-                break
             # Not plain: this event, with the removals right after it, the way runs do not.
             end = position + 1
             if isinstance(events[position], BlockRemoved):
@@ -422,31 +397,12 @@ class BatchApplier:
                         outcome.events -= 1
                         continue
                     event = plain_event
-                if not await self._apply_one(seq, event, batch, outcome):
+                if not await self._apply_one(seq, event, outcome):
                     return False
             position = end
         return True
 
-    def _decoded(self, seq: int, payload: Payload, count: int, batch: EventBatch,
-                 outcome: BatchOutcome) -> list[Any] | None:
-        """``payload``'s decoded events, in ``batch`` from now on, for events the index's
-        reading of it stands in for; None (``outcome.failed`` says why) when they are not
-        as many, all kept, as its reading promised: a bug, never bad input."""
-        try:
-            decoded = decode_batch(payload, raw_tokens=True)
-        except WireError:
-            decoded = None
-        if (decoded is None or len(decoded.events) != count or decoded.malformed
-                or decoded.unknown):
-            found = "none" if decoded is None else len(decoded.events)
-            outcome.failed = (f"internal error applying seq {seq}: the index read "
-                              f"{count} events, the decoder {found}")
-            return None
-        batch.events = decoded.events
-        return decoded.events
-
-    async def _apply_one(self, seq: int, event: Event, batch: EventBatch,
-                         outcome: BatchOutcome) -> bool:
+    async def _apply_one(self, seq: int, event: Event, outcome: BatchOutcome) -> bool:
         """Apply one event (caps, slices, yields), counting into ``outcome``; False when a
         bug stopped it."""
         self._unyielded += 1
@@ -461,22 +417,20 @@ class BatchApplier:
         except Abandoned:
             raise
         except Exception as exc:
-            return self._failed_at(seq, exc, batch, outcome)
+            return self._failed_at(seq, exc, outcome)
         if isinstance(event, AllBlocksCleared):
             outcome.exact_again = True
         return True
 
-    async def _apply_read(self, seq: int, plain: Any, k: int, batch: EventBatch,
-                          outcome: BatchOutcome) -> bool:
-        """Event ``k`` of the index's reading of a payload too big to decode in one call,
-        which no run took: applied as ``_apply_one`` applies a decoded event (the caps for
-        the whole event first), from slices rebuilt one at a time (``app.ingest.plain_slices``).
-        False when a bug stopped it."""
-        kind, blocks, _, _ = plain.head(k)
+    async def _apply_read(self, seq: int, reading: Any, k: int, outcome: BatchOutcome) -> bool:
+        """Event ``k`` of the index's reading, which no run took: applied as ``_apply_one``
+        applies a decoded event (the caps for the whole event first), from slices rebuilt
+        one at a time (``app.ingest.plain_slices``). False when a bug stopped it."""
+        kind, blocks, _, _ = reading.head(k)
         if kind == "BlockStored" and self._over_a_cap(seq, blocks, True):
             outcome.exact_again = False
             return True
-        for piece in event_slices(plain, k, self.options.slice_blocks, self._holds):
+        for piece in event_slices(reading, k, self.options.slice_blocks, self._holds):
             self._unyielded += 1
             if self._unyielded >= self.options.chunk_events or self.budget.exhausted():
                 await self.yield_to_loop()
@@ -485,15 +439,14 @@ class BatchApplier:
             except Abandoned:
                 raise
             except Exception as exc:
-                return self._failed_at(seq, exc, batch, outcome)
+                return self._failed_at(seq, exc, outcome)
         return True
 
-    def _failed_at(self, seq: int, exc: BaseException, batch: EventBatch,
-                   outcome: BatchOutcome) -> bool:
+    def _failed_at(self, seq: int, exc: BaseException, outcome: BatchOutcome) -> bool:
         """Count an event the index raised for: a ``ValueError`` rejects that event (the
         batch goes on); anything else is a bug that ends the batch (returns False)."""
         if isinstance(exc, ValueError):
-            batch.malformed += 1
+            outcome.malformed += 1
             outcome.rejected = f"seq {seq}: event rejected by the index: {exc}"
             return True
         log.error("%s: applying seq %d failed", self.worker, seq, exc_info=exc)
@@ -589,10 +542,12 @@ class BatchApplier:
         budget = self.budget
         await self._away(budget.next_turn() if budget.exhausted() else asyncio.sleep(0))
 
-    async def pause(self, took: float) -> None:
-        """``yield_to_loop`` after decoding that took ``took`` seconds in one call: when
-        that was long, the loop gets about as long again (see ``_LONG_DECODE``)."""
-        await self._away(asyncio.sleep(min(took, _MAX_PAUSE) if took >= _LONG_DECODE else 0))
+    async def _paused_if_long(self, started: float) -> None:
+        """After decoding that began at ``started`` (``time.perf_counter``) in one call:
+        when that was long, the loop gets about as long again (see ``_LONG_DECODE``)."""
+        took = time.perf_counter() - started
+        if took >= _LONG_DECODE:
+            await self._away(asyncio.sleep(min(took, _MAX_PAUSE)))
 
     async def _away(self, awaitable: Awaitable[T]) -> T:
         """``awaitable``'s result: the loop runs meanwhile, so the work counted since the

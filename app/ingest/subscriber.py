@@ -73,7 +73,7 @@ from typing import Any, Protocol
 
 import zmq
 
-from kvroute.app.ingest.apply import BatchApplier, BatchOutcome, Pending
+from kvroute.app.ingest.apply import BatchApplier, BatchOutcome, Begun
 from kvroute.app.ingest.live_connection import LiveConnection
 from kvroute.app.ingest.pacing import FleetPacing
 from kvroute.app.ingest.replay import Disconnected, SubscriberReplays
@@ -499,7 +499,7 @@ class Subscriber(SubscriberReplays):
         seq = decode_seq(done.frames[1])
         self._last_live = seq
         return left - 1, None, self._apply(seq, done.frames[2],
-                                           pending=self._applier.begun(done)), False
+                                           begun=self._applier.begun(done)), False
 
     def _on_live(self, frames: list[Payload]) -> Awaitable[None] | None:
         """Take one live message: None when that is done (nearly every batch of a live
@@ -564,21 +564,21 @@ class Subscriber(SubscriberReplays):
         applier took it whole, ``BatchApplier.apply_now``), else the rest, to await."""
         if replayed:
             self._remember_replayed(seq, payload)
-        pending = self._applier.apply_now(payload)
-        if type(pending) is BatchOutcome:
-            self._applied(seq, payload, pending)
+        taken = self._applier.apply_now(payload)
+        if type(taken) is BatchOutcome:
+            self._applied(seq, payload, taken)
             return None
-        return self._apply(seq, payload, pending=pending)
+        return self._apply(seq, payload, begun=taken)
 
     async def _apply(self, seq: int, payload: Payload, *, replayed: bool = False,
-                     pending: Pending = None) -> None:
-        """Apply one batch (the rest of it, after ``apply_now`` answered ``pending``); the
-        seq counts even when the payload is garbage."""
+                     begun: Begun | None = None) -> None:
+        """Apply one batch (the rest of it, after ``apply_now`` or a drain left it
+        ``begun``); the seq counts even when the payload is garbage."""
         self._applying = True
         try:
             if replayed:
                 self._remember_replayed(seq, payload)
-            outcome = await self._applier.apply(seq, payload, pending)
+            outcome = await self._applier.apply(seq, payload, begun)
         finally:
             self._applying = False
         self._applied(seq, payload, outcome)

@@ -211,6 +211,7 @@ _array_event = msgspec.msgpack.Decoder(
     _ArrayBlockStored | _ArrayBlockRemoved | _ArrayAllBlocksCleared
 )
 _map_events = msgspec.msgpack.Decoder(list[BlockStored | BlockRemoved | AllBlocksCleared])
+_raw_tokens_events = msgspec.msgpack.Decoder(list[RawStored | BlockRemoved | AllBlocksCleared])
 _array_events = msgspec.msgpack.Decoder(
     list[_ArrayBlockStored | _ArrayBlockRemoved | _ArrayAllBlocksCleared]
 )
@@ -275,12 +276,14 @@ def decode_envelope(payload: Payload) -> EventBatch:
     return batch
 
 
-def decode_events(raws: Sequence[msgspec.Raw], batch: EventBatch) -> list[Event]:
-    """Some of ``decode_envelope``'s raw events, decoded as ``decode_batch`` decodes them:
-    malformed and unknown ones are counted in ``batch`` and left out. One C call when they
-    all decode in one encoding; event by event otherwise."""
+def decode_events(raws: Sequence[msgspec.Raw], batch: EventBatch, *,
+                  raw_tokens: bool = False) -> list[Event]:
+    """Some of ``decode_envelope``'s raw events, decoded as ``decode_batch`` decodes them
+    (with ``raw_tokens`` as there): malformed and unknown ones are counted in ``batch`` and
+    left out. One C call when they all decode in one encoding; event by event otherwise."""
     joined = _array_header(len(raws)) + b"".join(raws)
-    for decoder in (_map_events, _array_events):
+    for decoder in ((_raw_tokens_events, _array_events) if raw_tokens
+                    else (_map_events, _array_events)):
         try:
             return decoder.decode(joined)  # type: ignore[no-any-return]
         except _DECODE_ERRORS:

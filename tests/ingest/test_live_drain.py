@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from kvroute.app.ingest import apply as batch_apply
-from kvroute.app.ingest.apply import BatchApplier, BatchOutcome, Unfinished
+from kvroute.app.ingest.apply import BatchApplier, BatchOutcome, Begun
 from kvroute.app.ingest.budget import LoopBudget
 from kvroute.app.ingest.subscriber import Subscriber
 from kvroute.app.ingest.wire import BlockRemoved, BlockStored, apply_event, encode_batch, encode_seq
@@ -234,7 +234,7 @@ def test_the_applier_drains_within_the_turn_and_counts_toward_its_yields(pair):
         done = applier.drain(pair.inbox, 0, None, 0, 10)
         assert done.taken == 1 and done.run is not None
         begun = applier.begun(done)
-        assert isinstance(begun, Unfinished) and begun.outcome.blocks == 1
+        assert isinstance(begun, Begun) and begun.outcome.blocks == 1
         outcome = await applier.apply(2, done.frames[2], begun)
         assert isinstance(outcome, BatchOutcome) and outcome.failed is None
         assert index.blocks_held(WORKER) == 3  # the orphan is not held
