@@ -26,6 +26,7 @@ from kvroute.app.server import BackgroundServer
 from kvroute.sim.cluster import SimCluster
 from kvroute.sim.instance import SimInstance
 from kvroute.sim.spec import SimInstanceSpec
+from tests.support.following import following, instance_ids
 from tests.support.scores import inflight_counts
 from tests.support.tokens import unique_tokens
 from tests.support.waiting import HTTP_TIMEOUT, refusing_urls, scaled, wait_for
@@ -42,9 +43,8 @@ def request_id() -> str:
 
 @dataclass
 class Fleet:
-    """A proxying kvroute and the simulated instances registered in it."""
+    """A proxying kvroute (its client) and the simulated instances registered in it."""
 
-    server: BackgroundServer
     http: httpx.Client
     cluster: SimCluster | None = None
     ids: list[str] = field(default_factory=list)
@@ -76,19 +76,13 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
-    with SimCluster(n=2, block_size=BLOCK, num_blocks=256, stream_interval_s=0.02) as cluster:
-        # The tests probe /v1/route without following the answers; placement guesses
-        # assume answers are followed, so they are off here (tested in test_api).
-        settings = Settings(host="127.0.0.1", port=0, log_level="warning",
-                            proxy=True, tokenizer="instance", placement_ttl=0.0)
-        server = BackgroundServer(settings).start()
-        try:
-            with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as http:
-                fleet = Fleet(server, http, cluster)
-                fleet.ids = [fleet.register(url=url) for url in cluster.urls]
-                yield fleet
-        finally:
-            server.stop()
+    # The tests probe /v1/route without following the answers; placement guesses assume
+    # answers are followed, so they are off here (tested in test_api).
+    settings = Settings(host="127.0.0.1", port=0, log_level="warning",
+                        proxy=True, tokenizer="instance", placement_ttl=0.0)
+    with SimCluster(n=2, block_size=BLOCK, num_blocks=256, stream_interval_s=0.02) as cluster, \
+            following(cluster, settings) as http:
+        yield Fleet(http, cluster, instance_ids(cluster, http))
 
 
 def post(fleet: Fleet, path: str, body: dict, **headers: str) -> httpx.Response:
@@ -247,7 +241,7 @@ def test_a_client_that_leaves_before_the_answer_cancels_the_upstream_request():
         settings = Settings(host="127.0.0.1", port=0, log_level="warning", proxy=True)
         with BackgroundServer(settings) as server, \
                 httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as http:
-            fleet = Fleet(server, http)
+            fleet = Fleet(http)
             fleet.register(url=inst.url)
             with pytest.raises(httpx.ReadTimeout):
                 http.post("/v1/completions", json={"prompt": [7] * 40, "max_tokens": 1500},

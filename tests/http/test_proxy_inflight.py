@@ -19,8 +19,8 @@ import pytest
 
 from kvroute.app.config import Settings
 from kvroute.app.http.app import create_app
-from kvroute.app.server import BackgroundServer
 from kvroute.sim.cluster import SimCluster
+from tests.support.following import following
 from tests.support.scores import inflight_counts
 from tests.support.tokens import unique_tokens
 from tests.support.waiting import HTTP_TIMEOUT, run_async, scaled, wait_for, wait_until
@@ -45,11 +45,7 @@ def proxy_settings() -> Settings:
 def test_overlapping_requests_that_end_every_way_are_all_released(cluster: SimCluster):
     """Streamed and non-streamed, complete, abandoned mid-stream and abandoned before the
     answer, 16 at a time: afterwards every worker's count is back at zero."""
-    with BackgroundServer(proxy_settings()) as server, \
-            httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as http:
-        ids = [http.post("/v1/instances", json={"url": url}).json()["id"] for url in cluster.urls]
-        wait_for(lambda: all(http.get(f"/v1/instances/{i}").json()["state"] == "live"
-                             for i in ids), "both instances live")
+    with following(cluster, proxy_settings()) as http:
         rng = random.Random(17)
         outcomes: dict[str, int] = {}
 
@@ -76,7 +72,7 @@ def test_overlapping_requests_that_end_every_way_are_all_released(cluster: SimCl
 
         async def traffic() -> None:
             limits = httpx.Limits(max_connections=16)
-            async with httpx.AsyncClient(base_url=server.url, timeout=HTTP_TIMEOUT,
+            async with httpx.AsyncClient(base_url=http.base_url, timeout=HTTP_TIMEOUT,
                                          limits=limits) as client:
                 gate = asyncio.Semaphore(16)
 

@@ -15,6 +15,7 @@ from kvroute.app.routing.cost import Score
 from kvroute.app.routing.decision_log import LOGGED_SCORES, DecisionLog
 from kvroute.app.server import BackgroundServer
 from kvroute.sim.cluster import SimCluster
+from tests.support.following import following
 from tests.support.tokens import unique_tokens
 from tests.support.waiting import HTTP_TIMEOUT, wait_for
 
@@ -70,59 +71,50 @@ def test_the_log_is_off_by_default():
 
 
 def test_proxied_and_routed_decisions_are_logged_with_what_the_engine_cached():
-    with SimCluster(n=2, block_size=BLOCK, num_blocks=256, stream_interval_s=0.02) as cluster:
-        settings = Settings(host="127.0.0.1", port=0, log_level="warning", proxy=True,
-                            tokenizer="instance", decision_log=50)
-        server = BackgroundServer(settings).start()
-        try:
-            with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as http:
-                for url in cluster.urls:
-                    assert http.post("/v1/instances", json={"url": url}).status_code == 201
-                wait_for(lambda: all(i["state"] == "live"
-                                     for i in http.get("/v1/instances").json()["instances"]),
-                         "both instances live")
-                prompt = unique_tokens(7, 10 * BLOCK + 3)
-                first = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
-                assert first.status_code == 200, first.text
-                # Once the first answer's blocks are indexed, a second one hits them.
-                wait_for(lambda: http.post("/v1/match", json={"token_ids": prompt})
-                         .json()["matches"], "the prompt's blocks indexed")
-                second = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
-                assert second.status_code == 200, second.text
-                routed = http.post("/v1/route", json={"token_ids": prompt})
-                assert routed.status_code == 200, routed.text
-                probed = http.post("/v1/route", json={"token_ids": prompt, "probe": True})
-                assert probed.status_code == 200
+    settings = Settings(host="127.0.0.1", port=0, log_level="warning", proxy=True,
+                        tokenizer="instance", decision_log=50)
+    with SimCluster(n=2, block_size=BLOCK, num_blocks=256, stream_interval_s=0.02) as cluster, \
+            following(cluster, settings) as http:
+        prompt = unique_tokens(7, 10 * BLOCK + 3)
+        first = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        assert first.status_code == 200, first.text
+        # Once the first answer's blocks are indexed, a second one hits them.
+        wait_for(lambda: http.post("/v1/match", json={"token_ids": prompt})
+                 .json()["matches"], "the prompt's blocks indexed")
+        second = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        assert second.status_code == 200, second.text
+        routed = http.post("/v1/route", json={"token_ids": prompt})
+        assert routed.status_code == 200, routed.text
+        probed = http.post("/v1/route", json={"token_ids": prompt, "probe": True})
+        assert probed.status_code == 200
 
-                log = http.get("/v1/decisions").json()
-                assert log["capacity"] == 50
-                entries = log["decisions"]
-                assert [e["mode"] for e in entries] == ["proxy", "proxy", "route"]  # no probe
-                assert [e["id"] for e in entries] == [
-                    int(first.headers["x-kvroute-decision"]),
-                    int(second.headers["x-kvroute-decision"]), entries[2]["id"]]
-                assert entries[0]["cached_tokens"] == 0
-                assert entries[1]["cached_tokens"] == 10 * BLOCK
-                assert entries[1]["chosen"]["instance"] == second.headers["x-kvroute-instance"]
-                assert entries[1]["chosen"]["matched_tokens"] == 10 * BLOCK
-                assert entries[2]["cached_tokens"] is None  # the caller heard the engine
-                assert len({e["prefix"] for e in entries}) == 1  # one prompt, one prefix key
-                for entry in entries:
-                    assert entry["prompt_tokens"] == len(prompt)
-                    assert {s["instance"] for s in entry["scores"]} == {
-                        i["id"] for i in http.get("/v1/instances").json()["instances"]}
-                    assert {"prefill", "copy", "crowding", "queue", "recent_demand"} <= set(
-                        entry["scores"][0])
-                assert [e["id"] for e in http.get(
-                    "/v1/decisions", params={"since": entries[1]["id"]}).json()["decisions"]
-                        ] == [entries[2]["id"]]
-                for bad in ({"since": -1}, {"limit": 0}, {"limit": DECISIONS_PAGE + 1},
-                            {"since": "x"}):
-                    answer = http.get("/v1/decisions", params=bad)
-                    assert answer.status_code == 422, (bad, answer.text)
-                    assert answer.json()["error"]
-        finally:
-            server.stop()
+        log = http.get("/v1/decisions").json()
+        assert log["capacity"] == 50
+        entries = log["decisions"]
+        assert [e["mode"] for e in entries] == ["proxy", "proxy", "route"]  # no probe
+        assert [e["id"] for e in entries] == [
+            int(first.headers["x-kvroute-decision"]),
+            int(second.headers["x-kvroute-decision"]), entries[2]["id"]]
+        assert entries[0]["cached_tokens"] == 0
+        assert entries[1]["cached_tokens"] == 10 * BLOCK
+        assert entries[1]["chosen"]["instance"] == second.headers["x-kvroute-instance"]
+        assert entries[1]["chosen"]["matched_tokens"] == 10 * BLOCK
+        assert entries[2]["cached_tokens"] is None  # the caller heard the engine
+        assert len({e["prefix"] for e in entries}) == 1  # one prompt, one prefix key
+        for entry in entries:
+            assert entry["prompt_tokens"] == len(prompt)
+            assert {s["instance"] for s in entry["scores"]} == {
+                i["id"] for i in http.get("/v1/instances").json()["instances"]}
+            assert {"prefill", "copy", "crowding", "queue", "recent_demand"} <= set(
+                entry["scores"][0])
+        assert [e["id"] for e in http.get(
+            "/v1/decisions", params={"since": entries[1]["id"]}).json()["decisions"]
+                ] == [entries[2]["id"]]
+        for bad in ({"since": -1}, {"limit": 0}, {"limit": DECISIONS_PAGE + 1},
+                    {"since": "x"}):
+            answer = http.get("/v1/decisions", params=bad)
+            assert answer.status_code == 422, (bad, answer.text)
+            assert answer.json()["error"]
 
 
 def test_an_entry_keeps_at_most_a_few_scores_and_paging_follows_the_ids():

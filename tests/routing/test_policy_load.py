@@ -13,8 +13,8 @@ import httpx
 
 from kvroute.app.config import Settings
 from kvroute.app.routing.steady_queue import WINDOW
-from kvroute.app.server import BackgroundServer
 from kvroute.sim.cluster import SimCluster
+from tests.support.following import following, instance_ids
 from tests.support.waiting import HTTP_TIMEOUT, scaled, wait_for
 
 BLOCK = 16
@@ -64,14 +64,11 @@ class Streams:
 
 
 def test_hot_prefix_spreads_when_its_holder_is_busy_and_returns_when_load_falls():
+    settings = Settings(host="127.0.0.1", port=0, log_level="warning",
+                        load_interval=0.1, placement_ttl=0.0)
     with SimCluster(n=2, block_size=BLOCK, num_blocks=40_000, time_scale=1.0) as sim:
-        settings = Settings(host="127.0.0.1", port=0, log_level="warning",
-                            load_interval=0.1, placement_ttl=0.0)
-        with BackgroundServer(settings) as server, httpx.Client(base_url=server.url,
-                                                                timeout=HTTP_TIMEOUT) as client:
-            ids = [client.post("/v1/instances", json={"url": url}).json()["id"]
-                   for url in sim.urls]
-            holder, other = ids
+        with following(sim, settings) as client:
+            holder, other = instance_ids(sim, client)
             hot = [(i * 31) % 20000 + 1 for i in range(20 * BLOCK + 3)]
             sim.complete(0, hot, max_tokens=1)
 
@@ -113,14 +110,11 @@ def test_under_load_new_tokens_pay_for_space_where_other_prefixes_were_sent():
     next new prefix pay `crowding` there (its tokens x 2 x the share of that worker's demand
     above the other's), while the same prompt asked again pays none anywhere: a worker's own
     prefix is not counted against it."""
+    settings = Settings(host="127.0.0.1", port=0, log_level="warning",
+                        load_interval=0.1, placement_ttl=0.0)
     with SimCluster(n=2, block_size=BLOCK, num_blocks=2048, time_scale=1.0) as sim:
-        settings = Settings(host="127.0.0.1", port=0, log_level="warning",
-                            load_interval=0.1, placement_ttl=0.0)
-        with BackgroundServer(settings) as server, httpx.Client(base_url=server.url,
-                                                                timeout=HTTP_TIMEOUT) as client, \
+        with following(sim, settings) as client, \
                 Streams(sim.urls[0], 2, LONG), Streams(sim.urls[1], 2, LONG):
-            for url in sim.urls:
-                client.post("/v1/instances", json={"url": url})
             first = [(i * 37) % 20000 + 1 for i in range(10 * BLOCK)]
             second = [(i * 41) % 20000 + 7 for i in range(6 * BLOCK)]
 

@@ -18,8 +18,8 @@ import httpx
 
 from kvroute.app.config import Settings
 from kvroute.app.routing.steady_queue import FORGOTTEN, SteadyQueue
-from kvroute.app.server import BackgroundServer
 from kvroute.sim.cluster import SimCluster
+from tests.support.following import following, instance_ids
 from tests.support.waiting import HTTP_TIMEOUT, wait_for
 
 BLOCK = 16
@@ -56,20 +56,16 @@ def test_a_worker_that_stopped_carrying_load_averages_down_and_is_forgotten():
 
 
 @contextlib.contextmanager
-def _proxy_fleet() -> Iterator[tuple[SimCluster, BackgroundServer, httpx.Client, str, str]]:
-    """Two simulated instances behind a proxying kvroute, both live: (cluster, server,
-    client, first instance's id, second's). No /metrics scrapes (the proxy's own requests
-    are the load) and no placement guesses (each test places what a prompt left)."""
-    with SimCluster(n=2, block_size=BLOCK, num_blocks=4096, time_scale=1.0) as sim:
-        settings = Settings(host="127.0.0.1", port=0, log_level="warning", proxy=True,
-                            load_interval=0.0, placement_ttl=0.0)
-        with BackgroundServer(settings) as server, httpx.Client(
-                base_url=server.url, timeout=HTTP_TIMEOUT) as client:
-            first, second = [client.post("/v1/instances", json={"url": url}).json()["id"]
-                             for url in sim.urls]
-            wait_for(lambda: all(i["state"] == "live" for i in client.get(
-                "/v1/instances").json()["instances"]), "both instances live")
-            yield sim, server, client, first, second
+def _proxy_fleet() -> Iterator[tuple[SimCluster, str, httpx.Client, str, str]]:
+    """Two simulated instances behind a proxying kvroute, both live: (cluster, kvroute's
+    URL, client, first instance's id, second's). No /metrics scrapes (the proxy's own
+    requests are the load) and no placement guesses (each test places what a prompt left)."""
+    settings = Settings(host="127.0.0.1", port=0, log_level="warning", proxy=True,
+                        load_interval=0.0, placement_ttl=0.0)
+    with SimCluster(n=2, block_size=BLOCK, num_blocks=4096, time_scale=1.0) as sim, \
+            following(sim, settings) as client:
+        first, second = instance_ids(sim, client)
+        yield sim, str(client.base_url).rstrip("/"), client, first, second
 
 
 def _wait_held(client: httpx.Client, prompt: list[int], holder: str) -> None:
@@ -115,11 +111,11 @@ def test_requests_piling_onto_a_prefix_holder_stay_there():
     """22 requests of a held prompt at once, each one weighed with the ones before it in
     flight on the holder: priced as it stood, the holder's queue passed the prefill it saves
     plus the copy around the 20th, and the rest computed the prompt on the other worker."""
-    with _proxy_fleet() as (sim, server, client, holder, _):
+    with _proxy_fleet() as (sim, url, client, holder, _):
         hot = [(i * 31) % 20000 + 1 for i in range(20 * BLOCK + 3)]
         sim.complete(0, hot, max_tokens=1)
         _wait_held(client, hot, holder)
-        served, answer = _route_while_held(server.url, [hot] * 22, hot)
+        served, answer = _route_while_held(url, [hot] * 22, hot)
         assert served == [holder] * 22
         assert answer["instance"] == holder
 
@@ -129,7 +125,7 @@ def test_a_prefix_its_home_evicted_goes_back_home_through_a_swing():
     Both workers carry load, H a little more for the moment: priced as it stood, that
     swing sent the prefix to the other worker, which then held one prefix more than its
     share (a copy once H computed it again for its next request)."""
-    with _proxy_fleet() as (sim, server, client, home, other):
+    with _proxy_fleet() as (sim, url, client, home, other):
         evicted = [(i * 37) % 20000 + 5 for i in range(20 * BLOCK + 3)]
         on_home = [(i * 41) % 20000 + 7 for i in range(10 * BLOCK + 3)]
         on_other = [(i * 43) % 20000 + 9 for i in range(10 * BLOCK + 3)]
@@ -142,7 +138,7 @@ def test_a_prefix_its_home_evicted_goes_back_home_through_a_swing():
         _wait_held(client, on_other, other)
         # Both get busy at once: 10 requests on H, 6 on the other, interleaved.
         prompts = [on_home, on_other] * 6 + [on_home] * 4
-        served, answer = _route_while_held(server.url, prompts, evicted)
+        served, answer = _route_while_held(url, prompts, evicted)
         assert served == [home if p is on_home else other for p in prompts]
         scores = {s["instance"]: s for s in answer["scores"]}
         assert scores[home]["matched_tokens"] == scores[other]["matched_tokens"] == 0
@@ -155,7 +151,7 @@ def test_an_idle_worker_that_holds_more_prefixes_does_not_take_a_busy_homes_pref
     """H's prefix was evicted there under load; the other worker is idle for the moment but
     was sent two prefixes lately against H's one. Without the crowding term for idle
     workers the idle one took the prefix (cheaper by H's queue) and held three."""
-    with _proxy_fleet() as (sim, server, client, home, other):
+    with _proxy_fleet() as (sim, url, client, home, other):
         evicted = [(i * 37) % 20000 + 5 for i in range(20 * BLOCK + 3)]
         on_home = [(i * 41) % 20000 + 7 for i in range(20 * BLOCK + 3)]
         on_other = [[(i * m) % 20000 + 11 for i in range(20 * BLOCK + 3)] for m in (47, 53)]
@@ -165,7 +161,7 @@ def test_an_idle_worker_that_holds_more_prefixes_does_not_take_a_busy_homes_pref
             assert sent.status_code == 200 and sent.json()["instance"] == holder
         sim.complete(0, on_home, max_tokens=1)
         _wait_held(client, on_home, home)
-        served, answer = _route_while_held(server.url, [on_home] * 8, evicted)
+        served, answer = _route_while_held(url, [on_home] * 8, evicted)
         assert served == [home] * 8
         scores = {s["instance"]: s for s in answer["scores"]}
         assert scores[other]["load"]["inflight"] == 0 < scores[home]["load"]["inflight"]
