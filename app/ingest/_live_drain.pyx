@@ -98,88 +98,105 @@ cdef class Drained:
         self.empty = self.requests_waiting = self.bounded = False
 
 
-def drain(Socket socket, index, worker, object last_seq, object last_live,
-          object rank, Py_ssize_t limit, double deadline, int arrivals, double look,
-          Py_ssize_t unyielded, Py_ssize_t unyielded_work, Py_ssize_t chunk_events,
-          Py_ssize_t slice_blocks, Py_ssize_t whole_bytes, Py_ssize_t big, limits):
-    """Apply queued live messages while each is the next batch (``last_seq + 1``, above
-    ``last_live``), its payload (at most ``whole_bytes``) reads as plain with the
-    endpoint's ``rank`` (or none), and one run applies it whole within ``chunk_events``
-    events and ``slice_blocks`` blocks of work since the last look at the clock (for the
-    first message, the caller's ``unyielded`` events and ``unyielded_work`` blocks count).
-    Takes at most ``limit``. Before each message it looks at the clock: it stops at
-    ``deadline`` (``time.perf_counter``'s clock) or when the epoll descriptor ``arrivals``
-    (-1: none) is ready, looked at every ``look`` seconds (a request waits:
-    ``app.ingest.budget``), or when the caller's work left no room for an event; these are
-    ``bounded``. It stops too when nothing is queued (``empty``), or at a message that is
-    anything else: that one is handed back in ``Drained``.
+cdef class LiveTake:
+    """One worker's compiled take of live messages: its index and worker, the bounds of a
+    run (``limits``; ``chunk_events`` events and ``slice_blocks`` blocks of work), the
+    largest payload it reads (``whole_bytes``) and the frame size over which a frame is
+    left in place (``big``). Made once per ``BatchApplier``."""
 
-    So the events and blocks bound each message's run, not the sum since the last yield as
-    on the Python path (``BatchApplier.apply``): the drain needs no yield to look at the
-    turn's clock or for a waiting request, and one yield (a pass of the event loop and a
-    wake-up of the subscriber's task) cost about as much as applying a small batch."""
-    cdef Drained done = Drained()
-    cdef list frames
-    cdef bytes seq_frame, payload
-    cdef const unsigned char* p
-    cdef uint64_t seq
-    cdef Py_ssize_t count, i
-    cdef double now, next_look = 0.0
-    cdef epoll_event ready
-    done.unyielded = unyielded
-    done.unyielded_work = unyielded_work
-    done.seq = last_seq
-    if last_seq is None:
-        return done
-    read = index.read_plain_batch
-    apply_run = index.apply_run
-    while done.taken < limit:
-        now = _now()
-        if now >= deadline or unyielded + 1 >= chunk_events:
-            done.bounded = True
-            break
-        if arrivals >= 0 and now >= next_look:
-            next_look = now + look
-            if epoll_wait(arrivals, &ready, 1, 0) > 0:
-                done.requests_waiting = done.bounded = True
+    cdef object index, worker, limits
+    cdef Py_ssize_t chunk_events, slice_blocks, whole_bytes, big
+
+    def __init__(self, index, worker, limits, Py_ssize_t chunk_events,
+                 Py_ssize_t slice_blocks, Py_ssize_t whole_bytes, Py_ssize_t big):
+        self.index, self.worker, self.limits = index, worker, limits
+        self.chunk_events, self.slice_blocks = chunk_events, slice_blocks
+        self.whole_bytes, self.big = whole_bytes, big
+
+    def drain(self, Socket socket, object last_seq, object last_live, object rank,
+              Py_ssize_t limit, double deadline, int arrivals, double look,
+              Py_ssize_t unyielded, Py_ssize_t unyielded_work):
+        """Apply queued live messages while each is the next batch (``last_seq + 1``, above
+        ``last_live``), its payload (at most ``whole_bytes``) reads as plain with the
+        endpoint's ``rank`` (or none), and one run applies it whole within ``chunk_events``
+        events and ``slice_blocks`` blocks of work since the last look at the clock (for the
+        first message, the caller's ``unyielded`` events and ``unyielded_work`` blocks count).
+        Takes at most ``limit``. Before each message it looks at the clock: it stops at
+        ``deadline`` (``time.perf_counter``'s clock) or when the epoll descriptor ``arrivals``
+        (-1: none) is ready, looked at every ``look`` seconds (a request waits:
+        ``app.ingest.budget``), or when the caller's work left no room for an event; these are
+        ``bounded``. It stops too when nothing is queued (``empty``), or at a message that is
+        anything else: that one is handed back in ``Drained``.
+
+        So the events and blocks bound each message's run, not the sum since the last yield as
+        on the Python path (``BatchApplier.apply``): the drain needs no yield to look at the
+        turn's clock or for a waiting request, and one yield (a pass of the event loop and a
+        wake-up of the subscriber's task) cost about as much as applying a small batch."""
+        cdef Drained done = Drained()
+        cdef list frames
+        cdef bytes seq_frame, payload
+        cdef const unsigned char* p
+        cdef uint64_t seq
+        cdef Py_ssize_t count, i
+        cdef double now, next_look = 0.0
+        cdef epoll_event ready
+        cdef Py_ssize_t chunk_events = self.chunk_events, slice_blocks = self.slice_blocks
+        cdef Py_ssize_t whole_bytes = self.whole_bytes, big = self.big
+        done.unyielded = unyielded
+        done.unyielded_work = unyielded_work
+        done.seq = last_seq
+        if last_seq is None:
+            return done
+        worker, limits = self.worker, self.limits
+        read = self.index.read_plain_batch
+        apply_run = self.index.apply_run
+        while done.taken < limit:
+            now = _now()
+            if now >= deadline or unyielded + 1 >= chunk_events:
+                done.bounded = True
                 break
-        frames = _receive(socket, big)
-        if frames is None:
-            done.empty = True
-            break
-        if len(frames) != 3 or type(frames[1]) is not bytes or type(frames[2]) is not bytes:
-            done.frames = frames
-            break
-        seq_frame = frames[1]
-        payload = frames[2]
-        if PyBytes_GET_SIZE(seq_frame) != _SEQ_BYTES or PyBytes_GET_SIZE(payload) > whole_bytes:
-            done.frames = frames
-            break
-        p = <const unsigned char*>PyBytes_AS_STRING(seq_frame)
-        seq = 0
-        for i in range(_SEQ_BYTES):
-            seq = (seq << 8) | p[i]
-        if not is_next(seq, done.seq, last_live):
-            done.frames = frames
-            break
-        plain = read(payload)
-        if plain is None or (plain.data_parallel_rank is not None
-                             and plain.data_parallel_rank != rank):
-            done.frames = frames
-            break
-        count = len(plain)
-        run = apply_run(worker, plain, 0, slice_blocks - unyielded_work,
-                        chunk_events - unyielded - 1, limits)
-        done.unyielded = unyielded + 1 + run.next
-        done.unyielded_work = unyielded_work + run.work
-        if run.next < count or run.error is not None or run.full:
-            done.frames, done.plain, done.run = frames, plain, run
-            break
-        done.taken += 1
-        done.events += count
-        done.blocks += run.blocks
-        done.seq = seq
-        last_live = seq
-        done.payload = payload
-        unyielded = unyielded_work = 0  # the clock is looked at before the next one
-    return done
+            if arrivals >= 0 and now >= next_look:
+                next_look = now + look
+                if epoll_wait(arrivals, &ready, 1, 0) > 0:
+                    done.requests_waiting = done.bounded = True
+                    break
+            frames = _receive(socket, big)
+            if frames is None:
+                done.empty = True
+                break
+            if len(frames) != 3 or type(frames[1]) is not bytes or type(frames[2]) is not bytes:
+                done.frames = frames
+                break
+            seq_frame = frames[1]
+            payload = frames[2]
+            if PyBytes_GET_SIZE(seq_frame) != _SEQ_BYTES or PyBytes_GET_SIZE(payload) > whole_bytes:
+                done.frames = frames
+                break
+            p = <const unsigned char*>PyBytes_AS_STRING(seq_frame)
+            seq = 0
+            for i in range(_SEQ_BYTES):
+                seq = (seq << 8) | p[i]
+            if not is_next(seq, done.seq, last_live):
+                done.frames = frames
+                break
+            plain = read(payload)
+            if plain is None or (plain.data_parallel_rank is not None
+                                 and plain.data_parallel_rank != rank):
+                done.frames = frames
+                break
+            count = len(plain)
+            run = apply_run(worker, plain, 0, slice_blocks - unyielded_work,
+                            chunk_events - unyielded - 1, limits)
+            done.unyielded = unyielded + 1 + run.next
+            done.unyielded_work = unyielded_work + run.work
+            if run.next < count or run.error is not None or run.full:
+                done.frames, done.plain, done.run = frames, plain, run
+                break
+            done.taken += 1
+            done.events += count
+            done.blocks += run.blocks
+            done.seq = seq
+            last_live = seq
+            done.payload = payload
+            unyielded = unyielded_work = 0  # the clock is looked at before the next one
+        return done

@@ -79,13 +79,13 @@ from kvroute.index.runs import Run, RunLimits
 # compiled with the index where libzmq's header is found (app/ingest/_live_drain.pyx);
 # without it every message goes by Python
 try:
-    from kvroute.app.ingest._live_drain import drain as _compiled_drain
+    from kvroute.app.ingest._live_drain import LiveTake
 except ImportError:
-    _compiled_drain = None
+    LiveTake = None
 
 if TYPE_CHECKING:
     from kvroute.app.ingest._live_drain import Drained
-    from kvroute.app.ingest.subscriber import SubscriberIndex
+    from kvroute.app.ingest.ledger import SubscriberIndex
     from kvroute.app.workers import SubscriberOptions
 
 log = logging.getLogger(__name__)
@@ -184,9 +184,10 @@ class BatchApplier:
                                  max_work=options.slice_blocks)
         # The compiled take of live messages (``drain``): with the compiled index only,
         # whose reading it needs.
-        self._drain = (_compiled_drain if _compiled_drain is not None
-                       and self._read_plain is not None
-                       and getattr(index, "implementation", None) == "compiled" else None)
+        self._take = (LiveTake(index, worker, self._limits, options.chunk_events,
+                               options.slice_blocks, _DECODE_WHOLE_BYTES, BIG_FRAME_BYTES)
+                      if LiveTake is not None and self._read_plain is not None
+                      and getattr(index, "implementation", None) == "compiled" else None)
 
     @property
     def budget(self) -> LoopBudget:
@@ -221,7 +222,7 @@ class BatchApplier:
     @property
     def drains(self) -> bool:
         """Whether ``drain`` is there (the compiled take and the compiled index)."""
-        return self._drain is not None
+        return self._take is not None
 
     def drain(self, socket: zmq.Socket[bytes], last_seq: int | None, last_live: int | None,
               rank: int, limit: int) -> Drained | None:
@@ -238,17 +239,14 @@ class BatchApplier:
         request, before each message, and ``chunk_events`` and ``slice_blocks`` bound each
         message's run (the first one's with the work counted since the last yield). The
         work counted toward the next yield is then that since its last look."""
-        assert self._drain is not None
+        assert self._take is not None
         budget = self.budget
         window = budget.stretch()
         if window is None:
             return None
         deadline, arrivals = window
-        options = self.options
-        done = self._drain(socket, self.index, self.worker, last_seq, last_live, rank,
-                           limit, deadline, arrivals, budget.look_seconds, self._unyielded,
-                           self._unyielded_work, options.chunk_events, options.slice_blocks,
-                           _DECODE_WHOLE_BYTES, BIG_FRAME_BYTES, self._limits)
+        done = self._take.drain(socket, last_seq, last_live, rank, limit, deadline, arrivals,
+                                budget.look_seconds, self._unyielded, self._unyielded_work)
         self._unyielded, self._unyielded_work = done.unyielded, done.unyielded_work
         if done.requests_waiting:
             budget.look_now()

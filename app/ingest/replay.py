@@ -20,8 +20,10 @@ fills of gaps and idle checks (the part of ``app.ingest.subscriber`` that asks f
   worker rebuilds from what is buffered, degraded. Without any answer (no replay endpoint,
   timeouts) it rebuilds as above, and the holdings are kept unconfirmed too.
 
-``SubscriberReplays`` is a base of ``Subscriber`` and only that: it uses the subscriber's
-state and its bookkeeping methods, declared below, and runs on its task.
+Ownership: a ``Replayer`` belongs to one ``Subscriber``, runs on its task, and applies what
+it learns through the worker's ledger (``app.ingest.ledger``), which it shares with the
+subscriber. It owns the replay channel (the DEALER sockets to the publisher's ROUTER), the
+saved holdings not yet resumed from, and whether the last rebuild's replay finished.
 """
 
 from __future__ import annotations
@@ -29,22 +31,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
-from kvroute.app.ingest.apply import Abandoned, BatchApplier
+import zmq
+
+from kvroute.app.ingest.apply import Abandoned
+from kvroute.app.ingest.ledger import WorkerLedger
 from kvroute.app.ingest.pacing import FleetPacing
 from kvroute.app.ingest.replay_request import ReplayChannel, ReplayRequest
 from kvroute.app.ingest.sequence import Kind, classify, next_seq
 from kvroute.app.ingest.wire import Payload, WireError, decode_replay_frame
 from kvroute.app.state.format import SavedWorker, payload_fingerprint
-from kvroute.app.workers import SubscriberOptions, WorkerEndpoint, WorkerState, WorkerStatus
+from kvroute.app.workers import WorkerState
 from kvroute.index.holdings import Holdings
 
-if TYPE_CHECKING:
-    from kvroute.app.ingest.subscriber import SubscriberIndex
-
-__all__ = ["Disconnected", "SubscriberReplays"]
+__all__ = ["Disconnected", "Replayer"]
 
 log = logging.getLogger("kvroute.app.ingest.subscriber")
 
@@ -54,62 +55,88 @@ class Disconnected(Abandoned):
     worker was cleared and will be rebuilt)."""
 
 
-class SubscriberReplays:
+class Replayer:
     """Replays of one worker's history; see the module docstring."""
 
-    # The subscriber's state this part reads and writes (set by Subscriber.__init__).
-    endpoint: WorkerEndpoint
-    worker: Any
-    index: SubscriberIndex
-    options: SubscriberOptions
-    status: WorkerStatus
-    _pacing: FleetPacing
-    _replay_channel: ReplayChannel | None
-    _applier: BatchApplier
-    _stopping: asyncio.Event
-    _saved: SavedWorker | None
-    _resuming: SavedWorker | None
-    _refused: str | None
-    _degraded: bool
-    _unfinished_rebuild: bool
-    _last_payload: Payload | None
+    def __init__(self, ledger: WorkerLedger, ctx: zmq.Context, pacing: FleetPacing, *,
+                 saved: SavedWorker | None, stopping: asyncio.Event,
+                 check: Callable[[], None]) -> None:
+        self._ledger = ledger
+        self.endpoint = ledger.endpoint
+        self.worker = ledger.worker
+        self.options = options = ledger.options
+        self._pacing = pacing
+        self.channel = (
+            None if self.endpoint.replay_endpoint is None else
+            ReplayChannel(ctx, self.endpoint.replay_endpoint,
+                          max_message_bytes=options.max_message_bytes,
+                          kept=pacing.replay_channels))
+        self._stopping = stopping
+        # The subscriber's: called after every await, a disconnect meanwhile voids the step.
+        self._check = check
+        # Degraded only because the rebuild's replay did not finish: idle checks retry it.
+        self.unfinished_rebuild = False
+        # Saved holdings to resume from on the first connection (taken by _resume), and,
+        # while its replay runs, the one whose first batch decides what they are worth.
+        self._saved = saved
+        self._resuming: SavedWorker | None = None
+        # Why a resume's saved holdings were refused: "other engine" or "unusable".
+        self._refused: str | None = None
 
-    if TYPE_CHECKING:  # the subscriber's bookkeeping it uses (defined by Subscriber)
-        def _clear_worker(self) -> None: ...
-        def _set_state(self, state: WorkerState) -> None: ...
-        def _mark_degraded(self) -> None: ...
-        def _settle(self) -> None: ...
-        def _count(self, name: str, n: int = 1) -> None: ...
-        def _malformed(self, reason: str) -> None: ...
-        def _give_up(self, reason: str) -> None: ...
-        def _check_connection(self) -> None: ...
-        def _remember_replayed(self, seq: int, payload: Payload) -> None: ...
-        async def _apply(self, seq: int, payload: Payload, *, replayed: bool = False) -> None: ...
-        def _take(self, seq: int, payload: Payload, *,
-                  replayed: bool = False) -> Awaitable[None] | None: ...
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
 
-    async def _rebuild(self) -> None:
+    async def start_over(self) -> None:
+        """On a (re)connection: resume from the saved holdings if there are any not yet
+        tried, else rebuild."""
+        saved, self._saved = self._saved, None
+        if saved is not None:
+            await self._resume(saved)
+        else:
+            await self.rebuild()
+
+    async def idle_check(self) -> bool:
+        """Pick up dropped tail batches; after a rebuild whose replay did not finish, this
+        is the rebuild's retry: when the rest of the history arrives whole (and nothing
+        else turned the worker degraded meanwhile), the worker is exact again.
+
+        Returns whether it found anything (the subscriber spaces its checks by it)."""
+        ledger = self._ledger
+        status = ledger.status
+        last, batches = status.last_seq, status.batches
+        unfinished, marks = self.unfinished_rebuild, status.degraded_count
+        complete = await self.fill_from(0 if last is None else last + 1)
+        if unfinished and complete and status.degraded_count == marks:
+            self.unfinished_rebuild = False
+            ledger.degraded = False
+            ledger.settle()
+            log.info("%s: the replay finished on a retry; exact again", self.worker)
+            return True
+        return status.batches != batches or status.last_seq != last
+
+    async def rebuild(self) -> None:
         """Clear the worker and learn everything the publisher still buffers."""
-        self._clear_worker()
-        self._degraded = False
-        self._unfinished_rebuild = False
-        self._set_state(WorkerState.REPLAYING)
+        self._ledger.clear()
+        self._ledger.degraded = False
+        self.unfinished_rebuild = False
+        self._ledger.set_state(WorkerState.REPLAYING)
         if self.endpoint.replay_endpoint is not None:
-            if not await self._fill_from(0):
-                self._mark_degraded()  # the engine may hold blocks we could not learn
-                self._unfinished_rebuild = True
-        self._settle()
+            if not await self.fill_from(0):
+                self._ledger.mark_degraded()  # the engine may hold blocks we could not learn
+                self.unfinished_rebuild = True
+        self._ledger.settle()
 
     async def _resume(self, saved: SavedWorker) -> None:
         """Learn the engine's state from saved holdings and a replay from the saved seq
         (see the module docstring for what its first batch decides)."""
-        self._clear_worker()
-        self._degraded = False
-        self._set_state(WorkerState.REPLAYING)
+        self._ledger.clear()
+        self._ledger.degraded = False
+        self._ledger.set_state(WorkerState.REPLAYING)
         self._resuming = saved
         self._refused = None
         try:
-            complete = await self._fill_from(saved.head.seq)
+            complete = await self.fill_from(saved.head.seq)
         except Disconnected:
             if self._resuming is not None:  # not judged yet: try on the next connection
                 self._saved = self._resuming
@@ -118,19 +145,19 @@ class SubscriberReplays:
             unjudged, self._resuming = self._resuming, None
         if self._refused is not None:
             log.warning("%s: saved state not used: %s; rebuilding", self.worker,
-                        self.status.last_error)
+                        self._ledger.status.last_error)
             if self._refused == "other engine":
-                self._count("restarts")
-            await self._rebuild()
+                self._ledger.count("restarts")
+            await self.rebuild()
             return
         if unjudged is not None:  # no batch said anything about the saved holdings
-            await self._rebuild()
+            await self.rebuild()
             self._restore_unconfirmed(*self._all_unconfirmed(unjudged))
-            self._mark_degraded()  # what is really held may under-report the engine
+            self._ledger.mark_degraded()  # what is really held may under-report the engine
             return
         if not complete:
-            self._mark_degraded()
-        self._settle()
+            self._ledger.mark_degraded()
+        self._ledger.settle()
 
     async def _judge_saved(self, start: int, seq: int | None, payload: Payload) -> bool:
         """The first reply of a resume's replay (``seq`` None: the end marker): restore the
@@ -140,30 +167,31 @@ class SubscriberReplays:
         fingerprint = saved.head.fingerprint
         if seq is None or (seq == start and fingerprint is not None
                            and payload_fingerprint(payload) != fingerprint):
-            self.status.last_error = (
+            self._ledger.status.last_error = (
                 f"no batch at or after the saved seq {start} in the replay" if seq is None
                 else f"the batch at the saved seq {start} differs from the saved one")
             self._refused = "other engine"
             return False
         if seq == start and fingerprint is not None:
+            ledger = self._ledger
             try:
                 for piece in saved.pieces:  # a piece at a time, with the loop running between
-                    self._count("restored_blocks", self.index.restore(self.worker, [piece]))
-                    await self._applier.yield_to_loop()
+                    ledger.count("restored_blocks", ledger.index.restore(self.worker, [piece]))
+                    await ledger.applier.yield_to_loop()
             except ValueError as exc:  # a sound blob of unsound holdings: a bug somewhere
-                self.status.last_error = f"saved holdings rejected by the index: {exc}"
+                self._ledger.status.last_error = f"saved holdings rejected by the index: {exc}"
                 self._refused = "unusable"
                 return False
-            self.status.last_seq = start
-            self._last_payload = payload
-            self._remember_replayed(start, payload)
+            self._ledger.status.last_seq = start
+            self._ledger.last_payload = payload
+            self._ledger.remember_replayed(start, payload)
             if saved.unconfirmed:  # still unconfirmed, for the time they had left
                 self._restore_unconfirmed(saved.unconfirmed,
                                           saved.unconfirmed_left(time.time()))
             if saved.head.degraded:
-                self._mark_degraded()
+                self._ledger.mark_degraded()
             log.info("%s: resumed %d saved blocks at seq %d", self.worker,
-                     self.status.restored_blocks, start)
+                     self._ledger.status.restored_blocks, start)
             return True
         self._lost_history(start, seq)
         self._restore_unconfirmed(*self._all_unconfirmed(saved))
@@ -182,15 +210,15 @@ class SubscriberReplays:
             return
         expires = time.monotonic() + lasting
         try:
-            kept = self.index.restore_unconfirmed(self.worker, pieces, expires)
+            kept = self._ledger.index.restore_unconfirmed(self.worker, pieces, expires)
         except ValueError as exc:
             log.warning("%s: saved holdings rejected by the index: %s", self.worker, exc)
             return
-        self._count("restored_unconfirmed", kept)
+        self._ledger.count("restored_unconfirmed", kept)
         log.warning("%s: %d saved blocks could not be confirmed by a replay; they count "
                     "as guesses for %.0f s", self.worker, kept, lasting)
 
-    async def _fill_from(self, start: int) -> bool:
+    async def fill_from(self, start: int) -> bool:
         """Apply replayed batches from ``start`` on, re-asking from each hole (bounded).
         Returns whether the replay reached its end marker without a hole left."""
         if self.endpoint.replay_endpoint is None:
@@ -199,7 +227,7 @@ class SubscriberReplays:
             outcome = await self._replay_once(start)
             if outcome != "hole":
                 return outcome == "complete"
-            start = next_seq(self.status.last_seq)
+            start = next_seq(self._ledger.status.last_seq)
         return False
 
     async def _replay_once(self, start: int) -> str:
@@ -207,9 +235,9 @@ class SubscriberReplays:
         last_seq + 1) or "failed"."""
         endpoint = self.endpoint.replay_endpoint
         assert endpoint is not None
-        self._count("replays")
+        self._ledger.count("replays")
         delay = self.options.retry_backoff
-        channel = self._replay_channel
+        channel = self.channel
         assert channel is not None
         for attempt in range(self.options.replay_retries):
             deadline = self.options.replay_deadline
@@ -229,23 +257,23 @@ class SubscriberReplays:
             except TimeoutError:
                 how = (f"did not finish within {deadline:g} s"
                        if time.monotonic() - asked_at >= deadline else "timed out")
-                self.status.last_error = (f"replay from {endpoint} {how} "
+                self._ledger.status.last_error = (f"replay from {endpoint} {how} "
                                           f"(attempt {attempt + 1}/{self.options.replay_retries})")
             if self._stopping.is_set():
                 break
             await asyncio.sleep(delay)
-            self._check_connection()
+            self._check()
             delay *= 2
             start = self._resume_point(start)
-        self._count("replay_failures")
-        log.warning("%s: %s", self.worker, self.status.last_error)
+        self._ledger.count("replay_failures")
+        log.warning("%s: %s", self.worker, self._ledger.status.last_error)
         return "failed"
 
     def _resume_point(self, start: int) -> int:
         """Where a retry after a timeout asks from: after what the timed-out answer already
         applied. Asking from ``start`` again would re-send all of it, and once the buffer has
         moved past ``start`` (a long replay of a busy engine) would read as history lost."""
-        last = self.status.last_seq
+        last = self._ledger.status.last_seq
         if self._resuming is not None or last is None or last < start:
             return start  # nothing of this answer applied yet
         return next_seq(last)
@@ -255,13 +283,13 @@ class SubscriberReplays:
         first = True
         while True:
             frames = await request.next_frames()
-            self._check_connection()
+            self._check()
             if frames is None:
                 return self._replay_cut(start)
             try:
                 reply = decode_replay_frame(frames)
             except WireError as exc:
-                self._malformed(f"replay: {exc}")
+                self._ledger.malformed(f"replay: {exc}")
                 return "hole"
             if reply.seq is None:
                 request.finished()  # the answer is whole: its socket can serve the next
@@ -269,9 +297,9 @@ class SubscriberReplays:
                 first = False
                 if not await self._judge_saved(start, reply.seq, reply.payload):
                     return "failed"  # refused (the end marker first always is)
-                if self.status.last_seq == reply.seq:
+                if self._ledger.status.last_seq == reply.seq:
                     continue  # restored: the saved holdings end with this batch
-                await self._apply(reply.seq, reply.payload, replayed=True)
+                await self._ledger.apply(reply.seq, reply.payload, replayed=True)
                 continue
             if reply.seq is None:
                 return "complete"
@@ -279,14 +307,14 @@ class SubscriberReplays:
                 first = False
                 if reply.seq > start:
                     self._lost_history(start, reply.seq)
-                    await self._apply(reply.seq, reply.payload, replayed=True)
+                    await self._ledger.apply(reply.seq, reply.payload, replayed=True)
                     continue
-            verdict = classify(reply.seq, last_applied=self.status.last_seq)
+            verdict = classify(reply.seq, last_applied=self._ledger.status.last_seq)
             if verdict.kind is Kind.DUPLICATE:
                 continue  # already applied (a replay overlapping live batches)
             if verdict.kind is Kind.GAP:
                 return "hole"  # the ROUTER dropped frames (its HWM): ask again from here
-            rest = self._take(reply.seq, reply.payload, replayed=True)
+            rest = self._ledger.take(reply.seq, reply.payload, replayed=True)
             if rest is not None:
                 await rest
 
@@ -296,21 +324,21 @@ class SubscriberReplays:
         batch after the last one received (the one such a frame held) cannot be had. Like a
         gap nothing can fill it clears the worker (the batch may have removed blocks: holding
         them would over-report); the replay is then asked again from the batch after it."""
-        lost = max(start, next_seq(self.status.last_seq))
-        self._count("unreceivable")
-        self._give_up(f"replayed batch {lost} could not be received: the replay connection "
+        lost = max(start, next_seq(self._ledger.status.last_seq))
+        self._ledger.count("unreceivable")
+        self._ledger.give_up(f"replayed batch {lost} could not be received: the replay connection "
                       "dropped (ZMQ drops one that sends a frame over max_message_bytes="
                       f"{self.options.max_message_bytes})")
-        self.status.last_seq = lost
-        self._last_payload = None
+        self._ledger.status.last_seq = lost
+        self._ledger.last_payload = None
         return "hole"
 
     def _lost_history(self, asked: int, got: int) -> None:
         log.warning("%s: replay asked from %d starts at %d: history lost, rebuilding degraded",
                     self.worker, asked, got)
-        self.status.last_error = (
+        self._ledger.status.last_error = (
             f"replay history lost: asked from seq {asked}, buffer starts at {got}"
         )
-        self._clear_worker()
-        self._mark_degraded()
+        self._ledger.clear()
+        self._ledger.mark_degraded()
 

@@ -55,9 +55,11 @@ Bounds against a hostile or broken publisher (``SubscriberOptions``):
 - Applying a batch holds the event loop for bounded pieces of work, and a store over a cap
   is skipped (``app.ingest.apply``); a skipped store turns the worker degraded.
 
-Ownership: the subscriber is the only writer of its worker's entries in the index, through
-its ``BatchApplier``, on the event loop. A disconnect while the loop runs between two pieces
-of work abandons the batch (the worker was cleared, and will be rebuilt).
+Ownership: the subscriber owns the worker's live connection, its ``WorkerLedger`` (status,
+and the one way batches reach the worker's entries: ``app.ingest.ledger``) and its
+``Replayer`` (``app.ingest.replay``), which shares the ledger; all three run on the
+subscriber's task. A disconnect while the loop runs between two pieces of work abandons the
+batch (the worker was cleared, and will be rebuilt).
 """
 
 from __future__ import annotations
@@ -67,20 +69,18 @@ import contextlib
 import errno
 import logging
 import time
-import weakref
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, Protocol
+from collections.abc import Awaitable
+from typing import Any
 
 import zmq
 
-from kvroute.app.ingest.apply import BatchApplier, BatchOutcome, Begun
+from kvroute.app.ingest.ledger import SubscriberIndex, WorkerLedger, weakly
 from kvroute.app.ingest.live_connection import LiveConnection
 from kvroute.app.ingest.pacing import FleetPacing
-from kvroute.app.ingest.replay import Disconnected, SubscriberReplays
-from kvroute.app.ingest.replay_request import ReplayChannel
+from kvroute.app.ingest.replay import Disconnected, Replayer
 from kvroute.app.ingest.sequence import Kind, Verdict, classify, is_next
-from kvroute.app.ingest.wire import IndexWriter, Payload, WireError, decode_seq
-from kvroute.app.state.format import SavedWorker, payload_fingerprint
+from kvroute.app.ingest.wire import Payload, WireError, decode_seq
+from kvroute.app.state.format import SavedWorker
 from kvroute.app.tasks import cancel_and_wait
 from kvroute.app.workers import (
     SubscriberHooks,
@@ -89,22 +89,10 @@ from kvroute.app.workers import (
     WorkerState,
     WorkerStatus,
 )
-from kvroute.index.holdings import Holdings
+
+__all__ = ["IDLE_CHECK_BACKOFF", "SUBSCRIBE_SETTLE", "Subscriber", "SubscriberIndex"]
 
 log = logging.getLogger(__name__)
-
-
-class SubscriberIndex(IndexWriter, Protocol):
-    """What a subscriber needs of its index besides applying events (``PrefixIndex``)."""
-
-    def blocks_held(self, worker: Any) -> int: ...
-
-    def holds_hash(self, worker: Any, block_hash: Any) -> bool: ...
-
-    def restore(self, worker: Any, pieces: Iterable[Holdings]) -> int: ...
-
-    def restore_unconfirmed(self, worker: Any, pieces: Iterable[Holdings],
-                            expires: float) -> int: ...
 
 
 _POLL_MS = 100
@@ -117,7 +105,6 @@ IDLE_CHECK_BACKOFF = 8
 # Seconds from the end of a rebuild to its check for batches the subscription missed on its
 # way to the publisher (module docstring): well past that trip even on a loaded machine.
 SUBSCRIBE_SETTLE = 1.0
-_MAX_REPLAYED_FINGERPRINTS = 20_000
 # Seconds a worker waiting for its check's place sleeps at most: the place's coming wakes
 # it (a thousand workers queued at start-up once woke every second or so for nothing).
 _LONGEST_WAIT = 60.0
@@ -130,25 +117,7 @@ def _give_up(check: asyncio.Future[None] | None) -> None:
         check.cancel()
 
 
-def _weakly(method: Callable[..., None]) -> Callable[..., None]:
-    """`method` (bound), called only while its object lives: a callback that does not keep
-    its owner alive, so owner and part make no reference cycle."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args: object) -> None:
-        bound = ref()
-        if bound is not None:
-            bound(*args)
-
-    return call
-
-
-def _fingerprint(payload: Payload) -> int:
-    # Payloads carry the step's timestamp, so two engines' batches never share bytes.
-    return hash(payload)
-
-
-class Subscriber(SubscriberReplays):
+class Subscriber:
     """Keeps ``index``'s entries for one worker equal to what that worker's engine holds."""
 
     def __init__(
@@ -165,54 +134,38 @@ class Subscriber(SubscriberReplays):
         self.endpoint = endpoint
         self.worker = endpoint.worker
         self.index = index
-        self.hooks = hooks or SubscriberHooks()
-        self.options = options or SubscriberOptions()
-        self.status = WorkerStatus()
+        self.options = options = options or SubscriberOptions()
         self._ctx = ctx or zmq.Context.instance()
         # Shared with the fleet's other subscribers (replay slots, idle-check rate).
         self._pacing = pacing or FleetPacing()
-        self._replay_channel = (
-            None if endpoint.replay_endpoint is None else
-            ReplayChannel(self._ctx, endpoint.replay_endpoint,
-                          max_message_bytes=self.options.max_message_bytes,
-                          kept=self._pacing.replay_channels))
-        # The parts it owns call it back through weak references: a removed worker's
-        # subscriber and sockets are freed by reference counting as its task ends, not left
-        # in cycles for the garbage collector, whose passes over a hundred instances'
-        # leftovers stalled every route.
-        self._applier = BatchApplier(index, self.worker, self.options,
-                                     check=_weakly(self._check_connection),
-                                     refused=_weakly(self._store_refused))
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()
+        # The parts it owns call it back through weak references (``ledger.weakly``).
+        check = weakly(self._check_connection)
+        self._ledger = WorkerLedger(endpoint, index, options, hooks or SubscriberHooks(),
+                                    check=check)
+        self._replayer = Replayer(self._ledger, self._ctx, self._pacing, saved=saved,
+                                  stopping=self._stopping, check=check)
         self._live = LiveConnection(
-            self._ctx, endpoint.endpoint, endpoint.topic, rcvhwm=self.options.rcvhwm,
-            max_message_bytes=self.options.max_message_bytes,
-            reconnect_ivl_ms=self.options.reconnect_ivl_ms,
-            reconnect_ivl_max_ms=self.options.reconnect_ivl_max_ms,
-            went_down=_weakly(self._went_down))
+            self._ctx, endpoint.endpoint, endpoint.topic, rcvhwm=options.rcvhwm,
+            max_message_bytes=options.max_message_bytes,
+            reconnect_ivl_ms=options.reconnect_ivl_ms,
+            reconnect_ivl_max_ms=options.reconnect_ivl_max_ms,
+            went_down=weakly(self._went_down))
         self._needs_rebuild = True      # first connection: learn what is already cached
-        # Degraded only because the rebuild's replay did not finish: idle checks retry it.
-        self._unfinished_rebuild = False
         self._generation = 0            # bumped on every disconnect
         self._working_generation = 0    # the generation the current step started in
         self._last_live: int | None = None
-        self._degraded = False
-        self._warned_rank = False
         self._task: asyncio.Task[None] | None = None
-        # seq -> payload fingerprint of batches applied from a replay: tells a live duplicate
-        # of one of them from a restarted engine's batch with the same seq.
-        self._replayed: dict[int, int] = {}
-        # Saved holdings to resume from on the first connection (taken by _resume), and,
-        # while its replay runs, the one whose first batch decides what they are worth.
-        self._saved = saved
-        self._resuming: SavedWorker | None = None
-        # Why a resume's saved holdings were refused: "other engine" or "unusable".
-        self._refused: str | None = None
-        # The payload of the batch at last_seq (None when unknown) and whether a batch is
-        # being applied: the index matches last_seq only between batches (save_point).
-        self._last_payload: Payload | None = None
-        self._applying = False
+
+    @property
+    def status(self) -> WorkerStatus:
+        """The worker's state and counters (its ledger's)."""
+        return self._ledger.status
+
+    def save_point(self) -> tuple[int, int | None, bool] | None:
+        """``WorkerLedger.save_point``: where the index matches the stream exactly."""
+        return self._ledger.save_point()
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -230,8 +183,7 @@ class Subscriber(SubscriberReplays):
                 await self._pacing.turn()
             finally:
                 self._live.close()
-                if self._replay_channel is not None:
-                    self._replay_channel.close()
+                self._replayer.close()
                 self._stopped.set()
 
     async def _open_live(self) -> bool:
@@ -250,7 +202,7 @@ class Subscriber(SubscriberReplays):
             except zmq.ZMQError as exc:
                 self._live.close()  # whatever part of it opened
                 self.status.last_error = f"ZeroMQ refuses {self.endpoint.endpoint}: {exc}"
-                self._set_state(WorkerState.DOWN)
+                self._ledger.set_state(WorkerState.DOWN)
                 if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
                     # An endpoint ZeroMQ will not even try (registration checks the form
                     # it accepts, so this is a last line): down for good, said once.
@@ -285,17 +237,18 @@ class Subscriber(SubscriberReplays):
 
     def _went_down(self, was_connected: bool) -> None:
         """The live connection dropped, or could not be made: hold nothing until rebuilt."""
+        ledger = self._ledger
         if was_connected:
-            self._count("disconnects")
+            ledger.count("disconnects")
         if self.status.state != WorkerState.DOWN:
             self.status.last_error = (
                 f"disconnected from {self.endpoint.endpoint}" if was_connected
                 else f"cannot connect to {self.endpoint.endpoint}"
             )
         self._generation += 1
-        self._clear_worker()
+        ledger.clear()
         self._needs_rebuild = True
-        self._set_state(WorkerState.DOWN)
+        ledger.set_state(WorkerState.DOWN)
         self._wake()  # a quiet wait would otherwise last until the next idle check
 
     async def _main_loop(self) -> None:
@@ -323,11 +276,7 @@ class Subscriber(SubscriberReplays):
                             continue
                         self._needs_rebuild = False
                         self._drain()
-                        saved, self._saved = self._saved, None
-                        if saved is not None:
-                            await self._resume(saved)
-                        else:
-                            await self._rebuild()
+                        await self._replayer.start_over()
                         idle_since = time.monotonic()
                         backoff, subscribing = 1, True
                         quiet_for = self._pacing.idle_after(
@@ -335,7 +284,7 @@ class Subscriber(SubscriberReplays):
                     elif check is not None and check.done():
                         check = None
                         self._check_connection()
-                        found = await self._idle_check()
+                        found = await self._replayer.idle_check()
                         subscribing = False
                         backoff = 1 if found else min(2 * backoff, IDLE_CHECK_BACKOFF)
                         quiet_for = self._pacing.idle_after(self.options.idle_check * backoff)
@@ -358,7 +307,7 @@ class Subscriber(SubscriberReplays):
                         # calls when the applier has them; each other one goes by _on_live.
                         left = _MESSAGES_PER_WAKEUP
                         while left > 0:
-                            if frames is None and self._applier.drains:
+                            if frames is None and self._ledger.applier.drains:
                                 self._check_connection()
                                 left, frames, rest, empty = self._drain_live(left)
                                 if rest is not None:
@@ -376,7 +325,7 @@ class Subscriber(SubscriberReplays):
                                 await rest
                             frames = None
                     elif check is None and time.monotonic() - idle_since >= quiet_for:
-                        if (self.status.last_seq is not None or self._unfinished_rebuild
+                        if (self.status.last_seq is not None or self._replayer.unfinished_rebuild
                                 or subscribing):
                             # Live batches are still taken while it waits for its place.
                             check = self._pacing.ask_check()
@@ -424,26 +373,6 @@ class Subscriber(SubscriberReplays):
         """End a quiet wait now (it then returns False), so the loop looks at its state."""
         self._live.wake()
 
-    async def _idle_check(self) -> bool:
-        """Pick up dropped tail batches; after a rebuild whose replay did not finish, this
-        is the rebuild's retry: when the rest of the history arrives whole (and nothing
-        else turned the worker degraded meanwhile), the worker is exact again.
-
-        Returns whether it found anything: a check that found nothing doubles the quiet
-        spell before the next one (up to IDLE_CHECK_BACKOFF times `idle_check`) until a
-        live batch arrives. Tail batches are lost at the end of a burst, so right after
-        traffic a worker is checked at the set pace, and an idle fleet is seldom asked."""
-        last, batches = self.status.last_seq, self.status.batches
-        unfinished, marks = self._unfinished_rebuild, self.status.degraded_count
-        complete = await self._fill_from(0 if last is None else last + 1)
-        if unfinished and complete and self.status.degraded_count == marks:
-            self._unfinished_rebuild = False
-            self._degraded = False
-            self._settle()
-            log.info("%s: the replay finished on a retry; exact again", self.worker)
-            return True
-        return self.status.batches != batches or self.status.last_seq != last
-
     def _reopen_if_given_up(self) -> None:
         if self._live.reopen_if_given_up():
             self.status.last_error = (
@@ -472,217 +401,80 @@ class Subscriber(SubscriberReplays):
     def _drain_live(self, left: int) -> tuple[int, list[Payload] | None,
                                               Awaitable[None] | None, bool]:
         """Live messages taken by the applier's compiled drain (``BatchApplier.drain``), at
-        most ``left``, recorded as ``_record`` records each: (what is left of the bound,
+        most ``left``, recorded as the ledger records each: (what is left of the bound,
         the message it stopped at for ``_on_live``, or what to await: the rest of a batch it
         began, or a yield to the loop when it took some and stopped at the turn's end or
         for a waiting request; whether nothing more is queued)."""
         status = self.status
-        done = self._applier.drain(self._live.socket, status.last_seq,
+        ledger = self._ledger
+        done = ledger.applier.drain(self._live.socket, status.last_seq,
                                    self._last_live, self.endpoint.dp_rank, left)
         if done is None:  # this turn's work is used up: _on_live's batch waits for the next
             return left, None, None, False
         if done.taken:
             self._last_live = status.last_seq = done.seq
-            self._last_payload = done.payload
-            self._count_applied(done.taken, done.events, done.blocks)
+            ledger.last_payload = done.payload
+            ledger.count_applied(done.taken, done.events, done.blocks)
             if status.state.serving:
-                self._settle()
+                ledger.settle()
         left -= done.taken
         if done.bounded and done.taken:
             # The turn is over, or a request waits: drain on after a yield. (Nothing taken:
             # _on_live's batch is applied after the yield whatever waits, so each turn takes
             # one at least.)
-            return left, None, self._applier.yield_to_loop(), False
+            return left, None, ledger.applier.yield_to_loop(), False
         if done.run is None:
             return left, done.frames, None, done.empty
         # The next batch in order, part of it applied: _on_live's _take would have begun it.
         seq = decode_seq(done.frames[1])
         self._last_live = seq
-        return left - 1, None, self._apply(seq, done.frames[2],
-                                           begun=self._applier.begun(done)), False
+        return left - 1, None, ledger.apply(seq, done.frames[2],
+                                            begun=ledger.applier.begun(done)), False
 
     def _on_live(self, frames: list[Payload]) -> Awaitable[None] | None:
         """Take one live message: None when that is done (nearly every batch of a live
         stream: the next in order, applied whole at once by ``BatchApplier.apply_now``),
         else the rest of the work, to await."""
         if len(frames) != 3:
-            self._malformed(f"live message with {len(frames)} frames, expected 3")
+            self._ledger.malformed(f"live message with {len(frames)} frames, expected 3")
             return None
         try:
             seq = decode_seq(frames[1])
         except WireError as exc:
-            self._malformed(str(exc))
+            self._ledger.malformed(str(exc))
             return None
         previous_live, self._last_live = self._last_live, seq
         payload = frames[2]
         if is_next(seq, self.status.last_seq, previous_live):
-            return self._take(seq, payload)
+            return self._ledger.take(seq, payload)
         return self._out_of_order(seq, payload, previous_live)
 
     async def _out_of_order(self, seq: int, payload: Payload, previous_live: int | None) -> None:
         """A live batch other than the next one in order: a duplicate, a restart or a gap."""
         verdict = classify(seq, last_applied=self.status.last_seq, last_live=previous_live)
+        ledger = self._ledger
         if verdict.kind is Kind.DUPLICATE:
-            known = self._replayed.get(seq)
-            if known is None or known == _fingerprint(payload):
-                self._count("duplicates")
+            if ledger.replayed_as(seq, payload) is not False:
+                ledger.count("duplicates")
                 return
             # Same seq, other content: a new engine counting from 0 again, caught before its
             # live seq went back (right after a replay there is no previous live seq).
             verdict = Verdict(Kind.RESTART)
         if verdict.kind is Kind.RESTART:
             log.warning("%s: seq went back to %d: the engine restarted", self.worker, seq)
-            self._count("restarts")
-            await self._rebuild()
+            ledger.count("restarts")
+            await self._replayer.rebuild()
             # Not live-vs-live any more: the rebuild may have applied this seq, or left a gap.
             verdict = classify(seq, last_applied=self.status.last_seq)
             if verdict.kind is Kind.DUPLICATE:
                 return
         if verdict.kind is Kind.GAP:
-            self._count("gaps")
-            await self._fill_from(verdict.missing.start)
+            ledger.count("gaps")
+            await self._replayer.fill_from(verdict.missing.start)
             verdict = classify(seq, last_applied=self.status.last_seq)
             if verdict.kind is Kind.DUPLICATE:
                 return
             if verdict.kind is Kind.GAP:
                 missing = verdict.missing
-                self._give_up(f"batches {missing[0]}..{missing[-1]} could not be recovered")
-        await self._apply(seq, payload)
-
-    def _give_up(self, reason: str) -> None:
-        """A gap nothing can fill: hold nothing rather than something possibly stale."""
-        log.warning("%s: %s; clearing the worker and going on degraded", self.worker, reason)
-        self.status.last_error = reason
-        self._clear_worker()
-        self._mark_degraded()
-
-    # --- applying -----------------------------------------------------------------------------
-
-    def _take(self, seq: int, payload: Payload, *, replayed: bool = False,
-              ) -> Awaitable[None] | None:
-        """Apply batch ``seq``, the next in order: None when that is done at once (the
-        applier took it whole, ``BatchApplier.apply_now``), else the rest, to await."""
-        if replayed:
-            self._remember_replayed(seq, payload)
-        taken = self._applier.apply_now(payload)
-        if type(taken) is BatchOutcome:
-            self._applied(seq, payload, taken)
-            return None
-        return self._apply(seq, payload, begun=taken)
-
-    async def _apply(self, seq: int, payload: Payload, *, replayed: bool = False,
-                     begun: Begun | None = None) -> None:
-        """Apply one batch (the rest of it, after ``apply_now`` or a drain left it
-        ``begun``); the seq counts even when the payload is garbage."""
-        self._applying = True
-        try:
-            if replayed:
-                self._remember_replayed(seq, payload)
-            outcome = await self._applier.apply(seq, payload, begun)
-        finally:
-            self._applying = False
-        self._applied(seq, payload, outcome)
-
-    def _applied(self, seq: int, payload: Payload, outcome: BatchOutcome) -> None:
-        """What applying batch ``seq`` did, into the worker's status and state."""
-        self._record(seq, outcome)
-        if self.status.last_seq == seq:
-            self._last_payload = payload
-
-    def _record(self, seq: int, outcome: BatchOutcome) -> None:
-        """Batch ``seq`` applied (or found garbage, or failed): its counts and its effect on
-        the worker's state."""
-        status = self.status
-        status.last_seq = seq
-        if outcome.garbage is not None:
-            self._malformed(outcome.garbage)
-            return
-        if outcome.failed is not None:
-            # A bug, not bad input: the worker's entries may be half-updated. Hold nothing
-            # rather than something wrong, and carry on with the stream.
-            self._give_up(outcome.failed)
-            status.last_seq = seq
-            return
-        rank = outcome.data_parallel_rank
-        if rank is not None and rank != self.endpoint.dp_rank:
-            self._count("rank_mismatches")
-            if not self._warned_rank:
-                self._warned_rank = True
-                log.warning("%s: payload says data-parallel rank %s; keeping the endpoint's",
-                            self.worker, rank)
-        if outcome.rejected is not None:
-            status.last_error = outcome.rejected
-        self._count_applied(1, outcome.events, outcome.blocks)
-        if outcome.malformed:
-            status.malformed += outcome.malformed
-        if outcome.unknown:
-            status.unknown += outcome.unknown
-        if outcome.exact_again and self._degraded:
-            self._degraded = False
-        if status.state.serving:
-            self._settle()
-
-    def _count_applied(self, batches: int, events: int, blocks: int) -> None:
-        """Batches applied, into the COUNTERS every batch adds to (without _count's lookups
-        by name), and the time of the last one."""
-        status = self.status
-        status.last_event_time = time.time()
-        status.batches += batches
-        status.events += events
-        status.blocks += blocks
-
-    def _store_refused(self, counter: str, reason: str) -> None:
-        """A store the applier refused for a cap: the worker may now under-report."""
-        self._count(counter)
-        self.status.last_error = f"{reason}; skipped"
-        if not self._degraded:  # logged once per spell, however many stores follow
-            log.warning("%s: %s; skipped, the worker is degraded", self.worker, reason)
-            self._mark_degraded()
-
-    # --- saving -------------------------------------------------------------------------------
-
-    def save_point(self) -> tuple[int, int | None, bool] | None:
-        """(last applied seq, fingerprint of its payload, degraded) when the index holds
-        exactly what the batches up to that seq say and answers may use it; None in the
-        middle of a batch, or while connecting, replaying or down. Capture the worker's
-        holdings in the same step of the loop as this call."""
-        if self._applying or not self.status.state.serving or self.status.last_seq is None:
-            return None
-        payload = self._last_payload
-        return (self.status.last_seq, None if payload is None else payload_fingerprint(payload),
-                self._degraded)
-
-    # --- bookkeeping --------------------------------------------------------------------------
-
-    def _remember_replayed(self, seq: int, payload: Payload) -> None:
-        if len(self._replayed) >= _MAX_REPLAYED_FINGERPRINTS:
-            del self._replayed[next(iter(self._replayed))]  # the oldest
-        self._replayed[seq] = _fingerprint(payload)
-
-    def _clear_worker(self) -> None:
-        self.index.clear_worker(self.worker)
-        self.status.last_seq = None
-        self._last_payload = None
-        self._replayed.clear()
-
-    def _mark_degraded(self) -> None:
-        self._degraded = True
-        self._count("degraded_count")
-        if self.status.state.serving:
-            self._set_state(WorkerState.DEGRADED)
-
-    def _settle(self) -> None:
-        self._set_state(WorkerState.DEGRADED if self._degraded else WorkerState.LIVE)
-
-    def _malformed(self, reason: str) -> None:
-        self.status.last_error = reason
-        self._count("malformed")
-
-    def _set_state(self, state: WorkerState) -> None:
-        if self.status.state != state:
-            self.status.state = state
-            self.hooks.state_changed(self.worker, state)
-
-    def _count(self, name: str, n: int = 1) -> None:
-        """Add to one of the ``COUNTERS`` in this worker's status."""
-        setattr(self.status, name, getattr(self.status, name) + n)
+                ledger.give_up(f"batches {missing[0]}..{missing[-1]} could not be recovered")
+        await ledger.apply(seq, payload)

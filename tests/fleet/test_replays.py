@@ -115,8 +115,8 @@ def test_idle_checks_reuse_one_socket_and_find_dropped_tail_batches():
             async with Running(sub):
                 await wait_until(lambda: caught_up(sub, ledger, SERVING), "the first batch")
                 await wait_until(lambda: pub.replays_served >= 5, "several idle checks")
-                assert sub._replay_channel is not None
-                assert sub._replay_channel.opened == 1
+                assert sub._replayer.channel is not None
+                assert sub._replayer.channel.opened == 1
                 pub.drop_live([pub.next_seq])  # a tail batch sent only to the buffer
                 ledger.publish(source.batch())
                 await wait_until(lambda: caught_up(sub, ledger, ("live",)),

@@ -46,7 +46,7 @@ def test_a_removed_instance_is_freed_without_the_garbage_collector():
                     assert all(w.subscriber.status.last_seq == ledger.last for w in workers)
                     kept = [weakref.ref(part) for w in workers
                             for part in (w.subscriber, w.task, w.subscriber._live,
-                                         w.subscriber._replay_channel)]
+                                         w.subscriber._replayer.channel)]
                     del workers
                     gc.collect()
                     gc.disable()

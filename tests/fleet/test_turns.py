@@ -134,9 +134,9 @@ def test_a_subscriber_opens_and_closes_its_sockets_in_turns_and_reuses_its_chann
                 # One turn to open the live connection, one to start the rebuild once it
                 # is up, one to open the replay channel.
                 assert pacing.turns == 3
-                assert sub._replay_channel is not None and sub._replay_channel.is_open
+                assert sub._replayer.channel is not None and sub._replayer.channel.is_open
             assert pacing.turns == 4  # and one to close them
-            assert not sub._replay_channel.is_open
+            assert not sub._replayer.channel.is_open
     run(scenario)
 
 

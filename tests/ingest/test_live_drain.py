@@ -71,9 +71,10 @@ class Pair:
               limit: int = 100, deadline: float = FAR, arrivals: int = -1,
               unyielded: int = 0, unyielded_work: int = 0, chunk_events: int = 256,
               slice_blocks: int = 1024, big: int = 1 << 20):
-        return live_drain.drain(self.inbox, index, WORKER, last_seq, last_live, 0,
-                                limit, deadline, arrivals, 0.0, unyielded, unyielded_work,
-                                chunk_events, slice_blocks, 256 * 1024, big, LIMITS)
+        take = live_drain.LiveTake(index, WORKER, LIMITS, chunk_events, slice_blocks,
+                                   256 * 1024, big)
+        return take.drain(self.inbox, last_seq, last_live, 0, limit, deadline, arrivals, 0.0,
+                          unyielded, unyielded_work)
 
     def close(self) -> None:
         self.inbox.close(0)
@@ -258,7 +259,7 @@ def short_turns() -> LoopBudget:
 def test_a_subscriber_drains_live_batches_as_its_python_path_takes_them(monkeypatch):
     """The same live stream, with drops, into a subscriber with the drain and one without:
     both indexes answer as the truth does, and the counts of the in-order stretch agree."""
-    compiled = batch_apply._compiled_drain
+    compiled = batch_apply.LiveTake
     taken: list[int] = []
     begun: list[bool] = []
     bounded: list[bool] = []
@@ -266,21 +267,28 @@ def test_a_subscriber_drains_live_batches_as_its_python_path_takes_them(monkeypa
     monkeypatch.setattr(batch_apply, "shared_budget", short_turns)
     options = TEST_OPTIONS
 
-    def counting(*args):
-        # Every other call begins with the events allowed between two yields nearly used
-        # up, so it stops after its first message (a bounded stop) however fast the
-        # machine: the way out that turns of 0.1 ms reach only when messages pile up.
-        args = list(args)
-        if len(taken) % 2:
-            args[10] = max(args[10], args[12] - 2)  # unyielded, against chunk_events
-        done = compiled(*args)
-        taken.append(done.taken)
-        begun.append(done.run is not None)
-        bounded.append(done.bounded)
-        return done
+    class Counting:
+        """The compiled take, with what each of its calls did recorded."""
 
-    def stream(drain) -> tuple[int, int, int]:
-        monkeypatch.setattr(batch_apply, "_compiled_drain", drain)
+        def __init__(self, index, worker, limits, chunk_events, *rest) -> None:
+            self.take = compiled(index, worker, limits, chunk_events, *rest)
+            self.chunk_events = chunk_events
+
+        def drain(self, *args):
+            # Every other call begins with the events allowed between two yields nearly
+            # used up, so it stops after its first message (a bounded stop) however fast
+            # the machine: the way out that turns of 0.1 ms reach only when messages pile up.
+            args = list(args)
+            if len(taken) % 2:
+                args[8] = max(args[8], self.chunk_events - 2)  # unyielded
+            done = self.take.drain(*args)
+            taken.append(done.taken)
+            begun.append(done.run is not None)
+            bounded.append(done.bounded)
+            return done
+
+    def stream(take) -> tuple[int, int, int]:
+        monkeypatch.setattr(batch_apply, "LiveTake", take)
         counts = []
 
         async def scenario(ctx):
@@ -313,7 +321,7 @@ def test_a_subscriber_drains_live_batches_as_its_python_path_takes_them(monkeypa
     # is the machine's timing, so the stream runs again (three times at most) until each
     # was seen; every run must agree with the Python path's.
     for _ in range(3):
-        assert stream(counting) == without
+        assert stream(Counting) == without
         if sum(taken) > 0 and any(begun) and any(bounded):
             break
     assert sum(taken) > 0 and any(begun) and any(bounded)

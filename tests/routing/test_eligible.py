@@ -181,12 +181,12 @@ def test_the_kept_eligible_set_follows_the_registry():
                 assert not service.eligible.get("other").served
                 # A worker going down leaves the kept set at once, in place, and comes back.
                 kept = service.eligible.get(None)
-                added.workers[0].subscriber._set_state(WorkerState.DOWN)
+                added.workers[0].subscriber._ledger.set_state(WorkerState.DOWN)
                 assert service.eligible.get(None) is kept
                 assert ("i2", 0) not in kept and same_as_fresh(kept)
-                added.workers[0].subscriber._set_state(WorkerState.LIVE)
+                added.workers[0].subscriber._ledger.set_state(WorkerState.LIVE)
                 assert ("i2", 0) in kept and same_as_fresh(kept)
-                added.workers[0].subscriber._set_state(WorkerState.DOWN)
+                added.workers[0].subscriber._ledger.set_state(WorkerState.DOWN)
                 assert same_as_fresh(service.eligible.get("m"))
                 await service.registry.remove("i0")
                 assert set(service.eligible.get(None).workers) == {("i1", 0)} == fresh()
