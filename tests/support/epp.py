@@ -23,6 +23,7 @@ from kvroute.app.config import Settings
 from kvroute.app.server import BackgroundServer
 from kvroute.sim.cluster import SimCluster
 from tests.support.envoy_client import LB_NAMESPACE, EnvoyStream, channel
+from tests.support.following import instance_ids, registered
 from tests.support.waiting import HTTP_TIMEOUT, scaled, wait_for
 
 BLOCK = 16
@@ -270,15 +271,9 @@ def header_values(message: ext_proc.ProcessingResponse) -> dict[str, str]:
 
 def epp_fleet() -> Iterator[Fleet]:
     """A kvroute with its EPP on, following two simulated instances of two ranks each."""
-    with SimCluster(n=2, block_size=BLOCK, num_blocks=256, dp_size=2) as cluster:
-        server = BackgroundServer(epp_settings()).start()
-        try:
-            with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as http:
-                fleet = Fleet(server, http, cluster)
-                fleet.ids = [fleet.register(url) for url in cluster.urls]
-                yield fleet
-        finally:
-            server.stop()
+    with SimCluster(n=2, block_size=BLOCK, num_blocks=256, dp_size=2) as cluster, \
+            BackgroundServer(epp_settings()) as server, registered(server, cluster) as http:
+        yield Fleet(server, http, cluster, instance_ids(cluster, http))
 
 
 def client_loop() -> Iterator[None]:

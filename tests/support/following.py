@@ -21,8 +21,16 @@ def following(fleet: SimCluster, settings: Settings,
     registered each of `fleet`'s instances and sees every one live; stopped on exit.
     `headers` (a token) go with the registrations and the wait only, not with the client's
     other requests."""
-    with BackgroundServer(settings) as server, httpx.Client(base_url=server.url,
-                                                          timeout=HTTP_TIMEOUT) as http:
+    with BackgroundServer(settings) as server, registered(server, fleet, headers) as http:
+        yield http
+
+
+@contextmanager
+def registered(server: BackgroundServer, fleet: SimCluster,
+               headers: dict[str, str] | None = None) -> Iterator[httpx.Client]:
+    """`following` for a server the caller runs (and needs: its Endpoint Picker, say): a
+    client of it once each of `fleet`'s instances is registered and live."""
+    with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as http:
         for url in fleet.urls:
             added = http.post("/v1/instances", json={"url": url}, headers=headers)
             assert added.status_code == 201, added.text
