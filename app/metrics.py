@@ -112,7 +112,9 @@ class _FleetCollector(Collector):
                                   "removals of blocks the worker did not hold",
                                   value=float(stats.unknown_removals))
         yield CounterMetricFamily("kvroute_ignored_blocks",
-                                  "blocks of KV-cache groups that are not full attention",
+                                  "blocks stored in KV-cache groups that hold no full "
+                                  "prefix, or held elsewhere (a locality other than "
+                                  "LOCAL): not indexed",
                                   value=float(stats.ignored_blocks))
         yield GaugeMetricFamily("kvroute_instances", "registered instances",
                                 value=float(len(self._registry)))

@@ -124,6 +124,7 @@ class Lookup:
     hashes: list[int | bytes] | None
     prompt_bytes: bytes | None
     lora_name: str | None
+    cache_salt: str | None
     matches: dict[WorkerKey, Match]
 
 
@@ -131,8 +132,8 @@ class Lookup:
 class Decision:
     """The chosen worker, the scores an answer shows, and the prompt's tokens (None
     for a block-hash query). `guess_expires` is when the placement guess the decision left
-    on the chosen worker runs out (None: it left none), `lora_name` the adapter it was
-    matched and guessed under."""
+    on the chosen worker runs out (None: it left none), `lora_name` and `cache_salt` the
+    adapter and the tenant it was matched and guessed under."""
 
     kind: str
     worker: Worker
@@ -140,6 +141,7 @@ class Decision:
     scores: list[Score]  # the chosen worker and the cheapest others (all with all_scores)
     tokens: list[int] | None
     lora_name: str | None = None
+    cache_salt: str | None = None
     guess_expires: float | None = None
     eligible: int = 0  # workers weighed, shown in `scores` or not
     logged: int | None = None  # its id in the decision log (None: not logged)
@@ -364,7 +366,7 @@ class Service:
             matches = self.index.match_hashes(
                 hashes, workers=[key for key in eligible.workers if key not in exclude])
             return Lookup(given[0], eligible, exclude, count, None, hashes, None, lora_name,
-                          matches)
+                          request.cache_salt, matches)
         tokens = await self._tokens(request, eligible.urls(exclude))
         if self.registry.version != eligible.version:
             # Tokenizing awaited: instances may have come, gone or changed state.
@@ -386,9 +388,11 @@ class Service:
         # prefix-cache hit is capped at the full blocks of all tokens but the last: a
         # prompt that ends on a block boundary reuses one block less than it holds.
         matches = self.index.match(prompt_bytes[:-TOKEN_BYTES], lora_name=lora_name,
-                                   now=time.monotonic(), matched_only=True)
+                                   cache_salt=request.cache_salt,
+                                   following=prompt_bytes[-TOKEN_BYTES:], now=time.monotonic(),
+                                   matched_only=True)
         return Lookup(given[0], eligible, exclude, count, tokens, None, prompt_bytes, lora_name,
-                      matches)
+                      request.cache_salt, matches)
 
     async def decide(self, request: RouteRequest,
                      exclude: frozenset[WorkerKey] = frozenset(), *,
@@ -455,8 +459,8 @@ class Service:
             # Until its events arrive, the chosen worker counts as holding this prompt, so
             # a burst sharing a new prefix follows the first request instead of spreading.
             guess_expires = time.monotonic() + self.settings.placement_ttl
-            self._guess(worker, tokens, lora_name, guess_expires, self.settings.placement_ttl,
-                        prompt=prompt_bytes)
+            self._guess(worker, tokens, lora_name, asked.cache_salt, guess_expires,
+                        self.settings.placement_ttl, prompt=prompt_bytes)
         if tokens:
             self.metrics.match_ratio.observe(best.matched_tokens / len(tokens))
         self.activity.decided(worker.key, time.perf_counter() - started, request.probe)
@@ -466,7 +470,8 @@ class Service:
                 at=now - self.started_at, mode=mode, prefix=prefix,
                 prompt_tokens=prompt_tokens, chosen=best, scores=shown, eligible=count)
         return Decision(kind=asked.kind, worker=worker, best=best, scores=shown, tokens=tokens,
-                        lora_name=lora_name, guess_expires=guess_expires,
+                        lora_name=lora_name, cache_salt=asked.cache_salt,
+                        guess_expires=guess_expires,
                         eligible=count, logged=logged)
 
     def _steady(self, scores: list[Score], eligible: Eligible,
@@ -501,24 +506,26 @@ class Service:
         expires = decision.guess_expires
         if expires is None or decision.tokens is None:
             return
-        self.index.withdraw(decision.worker.key, decision.tokens,
-                            lora_name=decision.lora_name, expires=expires)
+        self.index.withdraw(decision.worker.key, decision.tokens, lora_name=decision.lora_name,
+                            cache_salt=decision.cache_salt, expires=expires)
         left = expires - time.monotonic()
         if served is None or left <= 0:
             return
-        self._guess(served, decision.tokens, decision.lora_name, expires, left)
+        self._guess(served, decision.tokens, decision.lora_name, decision.cache_salt, expires,
+                    left)
 
     def _guess(self, worker: Worker, tokens: list[int], lora_name: str | None,
-               expires: float, ttl: float, *, prompt: bytes | None = None) -> None:
+               cache_salt: str | None, expires: float, ttl: float, *,
+               prompt: bytes | None = None) -> None:
         """Place the guess that `worker` will hold `tokens` until `expires` (`ttl` seconds
         from now), here and, through Valkey, on the other replicas. `prompt`: the tokens'
         `token_bytes`, when the caller has them already."""
         self.index.place(worker.key, tokens if prompt is None else prompt,
                          block_size=worker.instance.block_size,
-                         lora_name=lora_name, expires=expires)
+                         lora_name=lora_name, cache_salt=cache_salt, expires=expires)
         if self.peers is not None:
             self.peers.publish_guess(worker.key, tokens, block_size=worker.instance.block_size,
-                                     lora_name=lora_name, ttl=ttl)
+                                     lora_name=lora_name, cache_salt=cache_salt, ttl=ttl)
 
     def _busy(self) -> set[WorkerKey]:
         """A superset of the workers whose load adds to their cost or overloads them."""

@@ -355,7 +355,8 @@ cdef bint _skip_sized(_Reader* r, unsigned char b):
 cdef tuple _FIELD_NAMES = (
     b"type", b"block_hashes", b"parent_block_hash", b"token_ids", b"block_size", b"lora_id",
     b"medium", b"lora_name", b"extra_keys", b"group_idx", b"kv_cache_spec_kind",
-    b"kv_cache_spec_sliding_window", b"locality", b"ownership", b"session_id")
+    b"kv_cache_spec_sliding_window", b"locality", b"ownership", b"session_id",
+    b"lookahead_token_ids")
 # A removal's fields, in its array positions.
 cdef int[5] _REMOVAL_FIELDS = [1, 6, 9, 12, 13]
 cdef int _REMOVAL_MASK = (1 << 1) | (1 << 6) | (1 << 9) | (1 << 12) | (1 << 13)
@@ -471,7 +472,7 @@ cdef bint _read_event(PlainBatch batch, _Reader* r, _PlainEvent* e) except -1:
     if not _str(r, &s, &length):
         return False
     if _is(s, length, b"BlockStored"):
-        e.kind, allowed = _STORE, 0x7FFE
+        e.kind, allowed = _STORE, 0xFFFE
     elif _is(s, length, b"BlockRemoved"):
         e.kind, allowed = _REMOVAL, _REMOVAL_MASK
     else:

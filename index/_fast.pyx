@@ -453,13 +453,13 @@ cdef object _UINT32_END = 2**32
 
 
 cdef inline bint _gpu_group_zero(object event):
-    """Whether a store or removal names the GPU tier (or none) and KV-cache group 0 (or
-    none): the only place a run applies (`index.runs.on_gpu_group_zero`)."""
+    """Whether a store or removal names the GPU tier (or none), KV-cache group 0 (or none)
+    and no locality: the only place a run applies (`index.runs.on_gpu_group_zero`)."""
     medium = event.medium
     if medium is not None and medium != "GPU":
         return False
     group = event.group_idx
-    return group is None or group == 0
+    return (group is None or group == 0) and getattr(event, "locality", None) is None
 
 
 cdef inline bint _plain_hashes(object hashes):
@@ -652,7 +652,8 @@ def apply_run(index, worker, object events, Py_ssize_t start, Py_ssize_t work_le
                 if not _gpu_group_zero(event):
                     break
                 if (event.kv_cache_spec_kind not in PLAIN_KINDS or event.lora_name is not None
-                        or event.lora_id is not None):
+                        or event.lora_id is not None
+                        or getattr(event, "lookahead_token_ids", None) is not None):
                     break
                 hashes = event.block_hashes
                 tokens = event.token_ids
@@ -695,7 +696,7 @@ def apply_run(index, worker, object events, Py_ssize_t start, Py_ssize_t work_le
                 break
         if is_store:
             # index.runs.plain_store's checks against the limits and the worker's state
-            if blocks > max_event_blocks:
+            if blocks > max_event_blocks or w.lookahead:
                 break
             work = max(blocks, ntokens // TOKENS_PER_WORK)
             if work > max_work or len(handles) + blocks > max_worker_blocks:

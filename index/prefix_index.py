@@ -62,7 +62,15 @@ from typing import Any
 from xxhash import xxh3_128_digest
 
 from kvroute.index.holdings import Holdings
-from kvroute.index.keys import TOKEN_BYTES, block_splitter, extra_suffix, root_key, token_bytes
+from kvroute.index.keys import (
+    TOKEN_BYTES,
+    block_splitter,
+    extra_suffix,
+    lookahead_suffix,
+    root_key,
+    salt_of,
+    token_bytes,
+)
 from kvroute.index.mediums import (
     CPU,
     FIELD_MASK,
@@ -93,7 +101,16 @@ POSITION = FIRST | FP_FIELD  # the bits a node's key decides alone (what a save 
 SLOT_SHIFT = FP_SHIFT + FP_BITS
 HOLDERS_MIN = 1 << SLOT_SHIFT  # a node value below this has no holder left
 UINT64_MASK = (1 << 64) - 1
-INDEXED_KINDS = frozenset({None, "full_attention", "mla_attention"})
+INDEXED_KINDS = frozenset({None, "full_attention", "mla_attention", "sink_full_attention"})
+
+
+def held_here(locality: Any) -> bool:
+    """Whether an event with this ``locality`` is about the publishing worker's own cache:
+    none given, or "LOCAL". A block held "REMOTE" relative to the publisher is another
+    tier's, and one of a locality this index does not know may be too: neither is ever
+    counted as the worker's own (a false hit costs a request its whole prefill), and a
+    removal of either leaves the worker's own copy of the hash alone."""
+    return locality is None or locality == "LOCAL"
 
 try:  # the compiled loops (index/_fast.pyx), built at install time when a C compiler is there
     from kvroute.index import _fast as _compiled
@@ -132,6 +149,24 @@ def _normalized_hashes(block_hashes: Sequence[BlockHash]) -> list[BlockHash]:
     return [_normalized_hash(h) for h in block_hashes]
 
 
+def _lookahead_of(lookahead_token_ids: Any, blocks: int) -> int:
+    """L, the tokens after each block that a store's lookahead lists give (0: none).
+    Raises ``ValueError`` unless there is one list of L >= 1 token ids per block."""
+    if lookahead_token_ids is None:
+        return 0
+    if (not isinstance(lookahead_token_ids, list | tuple)
+            or len(lookahead_token_ids) != blocks or not blocks):
+        raise ValueError(f"lookahead_token_ids must hold one list per block ({blocks})")
+    first = lookahead_token_ids[0]
+    lookahead = len(first) if isinstance(first, list | tuple) else 0
+    if not lookahead or any(not isinstance(ahead, list | tuple) or len(ahead) != lookahead
+                            for ahead in lookahead_token_ids):
+        raise ValueError("lookahead_token_ids must be lists of one length, at least 1")
+    for ahead in lookahead_token_ids:
+        token_bytes(ahead)  # ints in [0, 2**32), or ValueError
+    return lookahead
+
+
 def _normalized_hash(block_hash: BlockHash) -> BlockHash:
     if type(block_hash) is int:
         return block_hash & UINT64_MASK if block_hash < 0 else block_hash
@@ -156,6 +191,7 @@ class _Worker:
         "groups",
         "unconfirmed",
         "unconfirmed_keys",
+        "lookahead",
     )
 
     def __init__(self, worker: WorkerKey, slot: int, handles: dict[BlockHash, bytes]) -> None:
@@ -173,6 +209,9 @@ class _Worker:
         # and how many of those hashes name each key.
         self.unconfirmed: dict[BlockHash, bytes] = {}
         self.unconfirmed_keys: dict[bytes, int] = {}
+        # Tokens after a block that its engine hashes with it (vLLM 0.33's lookahead); 0:
+        # none. Learned from the worker's stores; a change means another engine.
+        self.lookahead = 0
 
 
 class PrefixIndex:
@@ -212,6 +251,10 @@ class PrefixIndex:
         # block size -> the bits of the workers of that size: a match walks each size's
         # workers at once without visiting the fleet (``_set_block_size`` keeps it).
         self._sized: dict[int, int] = {}
+        # The workers whose engines hash lookahead tokens (few: speculative decoding with
+        # block drop); a query walks them apart, each by its own lookahead.
+        self._lookers: dict[WorkerKey, _Worker] = {}
+        self._lookers_mask = 0
         self._orphaned_blocks = 0
         self._unknown_removals = 0
         self._ignored_blocks = 0
@@ -242,6 +285,8 @@ class PrefixIndex:
         medium: str | None = None,
         group_idx: int = 0,
         kv_cache_spec_kind: str | None = None,
+        locality: Any = None,
+        lookahead_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> None:
         """Apply one BlockStored event: a chain of blocks hanging off ``parent_block_hash``.
 
@@ -249,10 +294,18 @@ class PrefixIndex:
         hash this worker does not hold is counted as orphaned and not placed. A store with
         no tokens (CPU offload: ``block_size`` 0) adds the medium to hashes the worker
         already holds; hashes it does not hold are counted as orphaned.
+        A store of a group that does not hold a full prefix (``INDEXED_KINDS``) is counted
+        and skipped, and so is one with a ``locality`` other than "LOCAL" (``held_here``).
+        ``lookahead_token_ids`` (one list of L tokens per block) are hashed into each
+        block's key; a worker whose L changes is another engine, and its holdings are
+        cleared first.
         Raises ``ValueError`` (before changing anything) for a malformed event.
         """
         if kv_cache_spec_kind not in INDEXED_KINDS:
             self._worker(worker).groups[group_idx] = False
+            self._ignored_blocks += len(block_hashes)
+            return
+        if not held_here(locality):
             self._ignored_blocks += len(block_hashes)
             return
         try:
@@ -279,21 +332,34 @@ class PrefixIndex:
             )
         if extra_keys is not None and len(extra_keys) != blocks:
             raise ValueError(f"{len(extra_keys)} extra_keys entries for {blocks} blocks")
+        lookahead = _lookahead_of(lookahead_token_ids, blocks)
         tokens = token_bytes(token_ids)
+        parent_hash = None if parent_block_hash is None else _normalized_hash(parent_block_hash)
         suffixes = None
+        salt = None
         if extra_keys is not None and extra_keys.count(None) != blocks:
             suffixes = [extra_suffix(extra, lora_name) for extra in extra_keys]
+            if parent_hash is None and blocks:
+                salt = salt_of(extra_keys[0], lora_name)
+                if salt is not None:  # the salt is the root's (index.keys)
+                    suffixes[0] = b""
             if not any(suffixes):
                 suffixes = None
-        parent_hash = None if parent_block_hash is None else _normalized_hash(parent_block_hash)
+        if lookahead:
+            if suffixes is None:
+                suffixes = [b""] * blocks
+            suffixes = [suffix + lookahead_suffix(ahead)
+                        for suffix, ahead in zip(suffixes, lookahead_token_ids, strict=True)]
         w = self._workers.get(worker)
         if w is None:
             w = self._worker(worker)
+        if w.lookahead != lookahead:
+            self._set_lookahead(w, lookahead)
         w.groups[group_idx] = True
         if w.block_size != block_size:
             self._set_block_size(w, block_size)
         if parent_hash is None:
-            parent_key = root_key(block_size, lora_name)
+            parent_key = root_key(block_size, lora_name, salt)
             flag = FIRST
         else:
             found = w.handles.get(parent_hash)
@@ -468,13 +534,18 @@ class PrefixIndex:
         *,
         medium: str | None = None,
         group_idx: int = 0,
+        locality: Any = None,
     ) -> None:
-        """Apply one BlockRemoved event: drop one reference per hash in ``medium``.
+        """Apply one BlockRemoved event: each hash is no longer held in ``medium``, however
+        many stores of it there were (``_release``: reuse reports).
 
         Removals of hashes (in that medium) the worker does not hold are counted, not
-        fatal; removals in a group whose stores announced a non-full-attention kind are
-        ignored (and counted).
+        fatal; removals in a group whose stores announced a non-full-attention kind, and
+        removals of a copy held elsewhere (``held_here``), are ignored (and counted).
         """
+        if not held_here(locality):
+            self._ignored_removals += len(block_hashes)
+            return
         try:
             tier = TIER_OF[medium]
         except (KeyError, TypeError):
@@ -523,7 +594,12 @@ class PrefixIndex:
             w.held[GPU] -= removed
 
     def _release(self, w: _Worker, block_hash: BlockHash, tier: int) -> None:
-        """Remove one reference (worker, engine hash, tier), counting unknown ones."""
+        """Remove (worker, engine hash, tier) whatever its reference count, counting
+        unknown ones. A store of a hash the worker holds may be a reuse report (vLLM's
+        ``kv_cache_report_mode: "full"``), which no removal ever pairs, or a second real
+        copy, which its own removal follows; the wire cannot tell them apart, so the first
+        removal ends the holding: a second copy is under-reported until it is stored
+        again, and a reported block never outlives its eviction (docs/decisions.md)."""
         key = w.handles.get(block_hash)
         if key is None:
             if not self._end_unconfirmed(w, (block_hash,)):
@@ -534,10 +610,9 @@ class PrefixIndex:
         if not current:
             self._unknown_removals += 1
             return
-        unit = UNITS[tier]
+        unit = UNITS[tier] * current
         packed -= unit
-        if current == 1:
-            w.held[tier] -= 1
+        w.held[tier] -= 1
         if not packed:
             del w.handles[block_hash]
             w.counts.pop(block_hash, None)
@@ -643,6 +718,7 @@ class PrefixIndex:
             return
         self.clear_worker(worker)
         self._set_block_size(w, 0)
+        self._set_lookahead(w, 0)
         del self._workers[worker]
         self._by_slot[w.slot] = None
         heapq.heappush(self._free_slots, w.slot)
@@ -651,6 +727,18 @@ class PrefixIndex:
                 self._by_slot.pop()
             self._free_slots = [s for s in self._free_slots if s < len(self._by_slot)]
             heapq.heapify(self._free_slots)
+
+    def _set_lookahead(self, w: _Worker, lookahead: int) -> None:
+        """A worker's engine hashes ``lookahead`` tokens after each block from now on: an
+        engine other than the one whose blocks it holds, which are cleared."""
+        if w.handles or w.unconfirmed:
+            self.clear_worker(w.worker)
+        w.lookahead = lookahead
+        if lookahead:
+            self._lookers[w.worker] = w
+            self._lookers_mask |= w.bit
+        elif self._lookers.pop(w.worker, None) is not None:
+            self._lookers_mask &= w.keep
 
     def _set_block_size(self, w: _Worker, size: int) -> None:
         """The one way a worker's block size changes (0: none), so ``_sized`` follows."""
@@ -908,6 +996,8 @@ class PrefixIndex:
         token_ids: Sequence[int] | bytes,
         *,
         lora_name: str | None = None,
+        cache_salt: str | None = None,
+        following: Sequence[int] | bytes = b"",
         workers: Iterable[WorkerKey] | None = None,
         now: float | None = None,
         matched_only: bool = False,
@@ -919,8 +1009,13 @@ class PrefixIndex:
         workers, not the selection (the walk itself follows bit masks, whatever the fleet).
 
         Each worker is matched at its own block size; the trailing partial block never
-        matches. Blocks stored with extra keys (multimodal, cache salt) cannot be matched
-        by tokens alone. Raises ``ValueError`` for token ids outside ``[0, 2**32)``.
+        matches. Blocks stored under a cache salt match only a query with that
+        ``cache_salt`` (and it matches nothing else); blocks stored with other extra keys
+        (multimodal) cannot be matched by tokens alone. A worker whose engine hashes L
+        lookahead tokens with each block matches a block only when the prompt has its next
+        L tokens: from ``token_ids``, then ``following`` (tokens of the prompt that are not
+        matched themselves, such as the last one vLLM always computes). Raises
+        ``ValueError`` for token ids outside ``[0, 2**32)``.
         ``token_ids`` may be given as their ``keys.token_bytes`` (converted once by a caller
         that also ``place``s them).
         Placement guesses count as held (``Match.pending``); with ``now`` given, those
@@ -931,15 +1026,18 @@ class PrefixIndex:
             if self._unconfirmed_until:
                 self.expire_unconfirmed(now)
         tokens = token_bytes(token_ids)
+        after = token_bytes(following) if following else b""
         result: dict[WorkerKey, Match] = {}
         if workers is None and matched_only:
             # Every worker, each size's at once: the walk and the answer cost the holders.
             for block_size, alive in self._sized.items():
-                ended, tiered_hits = self._walk_tokens(
-                    root_key(block_size, lora_name), tokens, block_size, alive)
+                ended, tiered_hits = self._walk_all(
+                    root_key(block_size, lora_name, cache_salt), tokens, after, block_size,
+                    alive)
                 self._assemble_holders(result, ended, tiered_hits, block_size)
             if self.placements or self._unconfirmed_until:
-                self._add_guesses(result, self._guessed_among(None), tokens, lora_name)
+                self._add_guesses(result, self._guessed_among(None), tokens, lora_name,
+                                  cache_salt)
             return result
         targets = self._select(workers)
         by_size: dict[int, list[_Worker]] = {}
@@ -953,9 +1051,8 @@ class PrefixIndex:
             alive = 0
             for w in members:
                 alive |= w.bit
-            ended, tiered_hits = self._walk_tokens(
-                root_key(block_size, lora_name), tokens, block_size, alive
-            )
+            ended, tiered_hits = self._walk_all(
+                root_key(block_size, lora_name, cache_salt), tokens, after, block_size, alive)
             if matched_only:
                 self._assemble_holders(result, ended, tiered_hits, block_size)
             else:
@@ -964,7 +1061,7 @@ class PrefixIndex:
             guessed = targets
             if matched_only and len(targets) > 1:
                 guessed = self._guessed_among({w.worker for w in targets})
-            self._add_guesses(result, guessed, tokens, lora_name)
+            self._add_guesses(result, guessed, tokens, lora_name, cache_salt)
         return result
 
     def _guessed_among(self, selected: set[WorkerKey] | None) -> list[_Worker]:
@@ -975,8 +1072,8 @@ class PrefixIndex:
                 if key in known and (selected is None or key in selected)]
 
     def place(self, worker: WorkerKey, token_ids: Sequence[int] | bytes, *,
-              block_size: int | None = None,
-              lora_name: str | None = None, expires: float) -> int:
+              block_size: int | None = None, lora_name: str | None = None,
+              cache_salt: str | None = None, expires: float) -> int:
         """Guess that ``worker`` will hold the full blocks of ``token_ids`` until
         ``expires`` (see ``index.placement``); blocks it already holds are not guessed.
 
@@ -989,7 +1086,7 @@ class PrefixIndex:
         w = w or self._worker(worker)
         if not w.block_size:
             self._set_block_size(w, block_size)
-        tokens, root = token_bytes(token_ids), root_key(w.block_size, lora_name)
+        tokens, root = token_bytes(token_ids), root_key(w.block_size, lora_name, cache_salt)
         keys = self._chain_keys(tokens, w.block_size, root)
         # The blocks it holds from the first: a walk of its bit alone (in C, for the
         # compiled index; a loop over the keys here would be a Python step per block).
@@ -998,14 +1095,15 @@ class PrefixIndex:
         return len(keys) - held
 
     def withdraw(self, worker: WorkerKey, token_ids: Sequence[int], *,
-                 lora_name: str | None = None, expires: float) -> int:
+                 lora_name: str | None = None, cache_salt: str | None = None,
+                 expires: float) -> int:
         """Take back the guess ``place`` made for these tokens with this ``expires`` (the
         request was served by another worker); returns the number of blocks taken back."""
         w = self._workers.get(worker)
         if w is None or not w.block_size:
             return 0
         keys = self._chain_keys(token_bytes(token_ids), w.block_size,
-                                root_key(w.block_size, lora_name))
+                                root_key(w.block_size, lora_name, cache_salt))
         return self.placements.withdraw(worker, keys, expires)
 
     def _chain_keys(self, tokens: bytes, block_size: int, parent: bytes) -> list[bytes]:
@@ -1017,7 +1115,7 @@ class PrefixIndex:
         return chain_keys(tokens, block_size, parent=parent)
 
     def _add_guesses(self, result: dict[WorkerKey, Match], targets: list[_Worker],
-                     tokens: bytes, lora_name: str | None) -> None:
+                     tokens: bytes, lora_name: str | None, cache_salt: str | None) -> None:
         """Extend the matches of workers with placement guesses and unconfirmed blocks: a
         block counts while the worker really holds it, is guessed to, or holds it
         unconfirmed; blocks past the real match that it does hold (beyond a pending gap)
@@ -1030,7 +1128,7 @@ class PrefixIndex:
             keys = keys_by_size.get(w.block_size)
             if keys is None:
                 keys = keys_by_size[w.block_size] = self._chain_keys(
-                    tokens, w.block_size, root_key(w.block_size, lora_name))
+                    tokens, w.block_size, root_key(w.block_size, lora_name, cache_salt))
             real = result.get(w.worker)
             if self._fast is not None and w.bit <= UINT64_MASK:
                 # The match walked the same keys: the worker really holds its blocks.
@@ -1051,6 +1149,59 @@ class PrefixIndex:
             by_medium["GPU"] += blocks - pending - real.blocks
             result[w.worker] = Match(blocks, blocks * w.block_size, w.block_size, by_medium,
                                      pending)
+
+    def _walk_all(self, root: bytes, tokens: bytes, after: bytes, block_size: int,
+                  alive: int) -> tuple[list[tuple[int, int]], list[tuple[bytes, int]]]:
+        """``_walk_tokens`` for the workers of ``alive``, those whose engines hash lookahead
+        tokens walked apart, by each one's lookahead (``_walk_ahead``)."""
+        looking = alive & self._lookers_mask
+        if not looking:
+            return self._walk_tokens(root, tokens, block_size, alive)
+        ended: list[tuple[int, int]] = []
+        tiered_hits: list[tuple[bytes, int]] = []
+        if alive & ~looking:
+            ended, tiered_hits = self._walk_tokens(root, tokens, block_size, alive & ~looking)
+        by_lookahead: dict[int, int] = {}
+        for w in self._lookers.values():
+            if w.bit & looking:
+                by_lookahead[w.lookahead] = by_lookahead.get(w.lookahead, 0) | w.bit
+        for lookahead, mask in by_lookahead.items():
+            more, hits = self._walk_ahead(root, tokens, after, block_size, lookahead, mask)
+            ended += more
+            tiered_hits += hits
+        return ended, tiered_hits
+
+    def _walk_ahead(self, parent_key: bytes, tokens: bytes, after: bytes, block_size: int,
+                    lookahead: int, alive: int,
+                    ) -> tuple[list[tuple[int, int]], list[tuple[bytes, int]]]:
+        """``_walk_tokens`` for workers whose engines hash the ``lookahead`` tokens after
+        each block with it: a block of ``tokens`` is walked only when ``tokens + after``
+        holds its next ``lookahead`` tokens (vLLM hashes it only then). Python: such
+        workers are few, and their keys end with those tokens (``keys.lookahead_suffix``)."""
+        step = block_size * TOKEN_BYTES
+        ahead = lookahead * TOKEN_BYTES
+        full = tokens + after
+        blocks = min(len(tokens) // step, max(0, len(full) - ahead) // step)
+        digest = xxh3_128_digest
+        get_node = self._nodes.get
+        ended: list[tuple[int, int]] = []
+        tiered_hits: list[tuple[bytes, int]] = []
+        for position in range(blocks):
+            start = position * step
+            end = start + step
+            key = digest(parent_key + full[start:end] + lookahead_suffix(full[end:end + ahead]))
+            value = get_node(key, 0)
+            held = value & alive
+            if held != alive:
+                ended.append((alive ^ held, position))
+                alive = held
+                if not alive:
+                    return ended, tiered_hits
+            if value & TIERED:
+                tiered_hits.append((key, alive))
+            parent_key = key
+        ended.append((alive, blocks))
+        return ended, tiered_hits
 
     def _walk_tokens(self, parent_key: bytes, tokens: bytes, block_size: int,
                      alive: int) -> tuple[list[tuple[int, int]], list[tuple[bytes, int]]]:

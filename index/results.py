@@ -36,7 +36,8 @@ class IndexStats:
       or for a token-less (offload) store the block's own hash, was unknown for that worker.
     - ``unknown_removals``: removals of a hash (in a medium) the worker did not hold.
     - ``ignored_blocks`` / ``ignored_removals``: blocks stored in / removed from KV-cache
-      groups that are not full attention (sliding window, mamba, ...).
+      groups that hold no full prefix (sliding window, mamba, ...), or held elsewhere
+      than the publishing worker (a ``locality`` other than "LOCAL").
     - ``hash_conflicts``: a worker re-announced one of its engine hashes for different token
       content; the newer announcement replaced the older one.
     - ``estimated_bytes``: see ``PrefixIndex.stats``.

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 TOKENS_PER_WORK = 16
 _TOKEN_LIMIT = 2**32
 #: The KV-cache spec kinds the index indexes (``prefix_index.INDEXED_KINDS``).
-PLAIN_KINDS = (None, "full_attention", "mla_attention")
+PLAIN_KINDS = (None, "full_attention", "mla_attention", "sink_full_attention")
 #: A bigger block size is never plain (it keeps the compiled loop's sizes in machine ints).
 MAX_PLAIN_BLOCK_SIZE = 2**20
 
@@ -95,9 +95,10 @@ def token_list(tokens: Any) -> Any:
 
 
 def on_gpu_group_zero(event: Any) -> bool:
-    """Whether a store or removal names the GPU tier (or none) and KV-cache group 0 (or
-    none): the only place a run applies."""
-    return event.medium in (None, "GPU") and event.group_idx in (None, 0)
+    """Whether a store or removal names the GPU tier (or none), KV-cache group 0 (or none)
+    and no locality: the only place a run applies."""
+    return (event.medium in (None, "GPU") and event.group_idx in (None, 0)
+            and getattr(event, "locality", None) is None)
 
 
 def plain_store(index: PrefixIndex, worker: Hashable, event: Any, limits: RunLimits) -> bool:
@@ -106,7 +107,11 @@ def plain_store(index: PrefixIndex, worker: Hashable, event: Any, limits: RunLim
     if not on_gpu_group_zero(event):
         return False
     if (event.kv_cache_spec_kind not in PLAIN_KINDS or event.lora_name is not None
-            or event.lora_id is not None):
+            or event.lora_id is not None
+            or getattr(event, "lookahead_token_ids", None) is not None):
+        return False
+    w = index._workers.get(worker)
+    if w is not None and w.lookahead:  # its stores without lookahead mean another engine
         return False
     hashes, tokens, size = event.block_hashes, token_list(event.token_ids), event.block_size
     blocks = len(hashes) if type(hashes) is list else -1

@@ -247,6 +247,11 @@ async def _generate(inst: SimInstance, request: Request, *, chat: bool) -> Respo
     max_tokens = body.get(limit, 16)
     if type(max_tokens) is not int or max_tokens < 1:
         return _error(400, f"'{limit}' must be a positive integer", limit)
+    cache_salt = body.get("cache_salt")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        return _error(400, "'cache_salt' must be a non-empty string", "cache_salt")
+    xargs = body.get("vllm_xargs")
+    report_reused = isinstance(xargs, dict) and xargs.get("kv_cache_report_mode") == "full"
     stream, options = body.get("stream", False), body.get("stream_options")
     if not isinstance(stream, bool):
         return _error(400, "'stream' must be a boolean", "stream")
@@ -271,7 +276,8 @@ async def _generate(inst: SimInstance, request: Request, *, chat: bool) -> Respo
     futures: list[Future[RequestOutcome]] = []
     try:
         for engine_id, tokens in zip(engine_ids, prompts, strict=True):
-            futures.append(target.submit(tokens, planned_output(tokens, max_tokens), engine_id))
+            futures.append(target.submit(tokens, planned_output(tokens, max_tokens), engine_id,
+                                         cache_salt=cache_salt, report_reused=report_reused))
     except EngineError as exc:
         for engine_id in engine_ids[:len(futures)]:
             target.abort(engine_id)

@@ -95,14 +95,18 @@ class SimCluster:
         max_tokens: int = 8,
         dp_rank: int | None = None,
         client: httpx.Client | None = None,
+        cache_salt: str | None = None,
     ) -> dict[str, Any]:
-        """``POST /v1/completions`` on one instance; the JSON body (raises on HTTP errors)."""
+        """``POST /v1/completions`` on one instance (a tenant's with ``cache_salt``); the
+        JSON body (raises on HTTP errors)."""
         headers = {} if dp_rank is None else {"X-data-parallel-rank": str(dp_rank)}
-        body = {
+        body: dict[str, Any] = {
             "model": self.configs[instance].model,
             "prompt": prompt if isinstance(prompt, str) else list(prompt),
             "max_tokens": max_tokens,
         }
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
         own = client is None
         http = client or httpx.Client(timeout=60)
         try:

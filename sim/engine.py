@@ -121,6 +121,9 @@ class _Request:
     cached_tokens: int = -1  # set once, at first scheduling
     first_token_time: float | None = None
     preemptions: int = 0
+    cache_salt: str | None = None
+    # vLLM's kv_cache_report_mode "full": the blocks it reuses are announced again.
+    report_reused: bool = False
 
     @property
     def num_output(self) -> int:
@@ -145,6 +148,7 @@ class Engine:
         max_model_len: int | None = None,
         time_model: TimeModel | None = None,
         hash_format: HashFormat = "int",
+        lookahead: int = 0,
     ) -> None:
         if block_size < 1 or num_blocks < 2:
             raise ValueError("need block_size >= 1 and num_blocks >= 2 (block 0 is reserved)")
@@ -163,6 +167,9 @@ class Engine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.time_model = time_model or TimeModel()
         self.hash_format = hash_format
+        # vLLM 0.33's lookahead block hashes: each block hashed with the L tokens after it,
+        # and only once they exist (speculative decoding with block drop).
+        self.lookahead = lookahead
         self._key = hashlib.blake2b(seed.to_bytes(16, "big", signed=True)).digest()[:32]
         self._root = hashlib.blake2b(b"root", key=self._key, digest_size=32).digest()
         self._blocks = [_Block(i) for i in range(num_blocks)]
@@ -194,35 +201,52 @@ class Engine:
 
     # --- hashing ------------------------------------------------------------------------------
 
-    def hash_block(self, parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
-        """The engine's hash of a full block whose parent block has hash ``parent``."""
+    def hash_block(self, parent: BlockHash | None, tokens: Sequence[int],
+                   cache_salt: str | None = None, ahead: Sequence[int] = ()) -> BlockHash:
+        """The engine's hash of a full block whose parent block has hash ``parent``; a
+        first block (no parent) of a salted request hashes its ``cache_salt`` too, as vLLM
+        puts it in the first block's extra keys; ``ahead``: its lookahead tokens."""
         h = hashlib.blake2b(key=self._key, digest_size=32)
         h.update(self._root if parent is None else _as_bytes(parent))
         h.update(array("Q", tokens).tobytes())
+        if parent is None and cache_salt:
+            h.update(b"\x00salt\x00" + cache_salt.encode())
+        if ahead:
+            h.update(b"\x00ahead\x00" + array("Q", ahead).tobytes())
         digest = h.digest()
         if self.hash_format == "bytes":
             return digest
         return int.from_bytes(digest[:8], "big")  # uint64; half of them are >= 2**63
 
-    def block_hashes(self, tokens: Sequence[int]) -> list[BlockHash]:
-        """Hashes of every full block of ``tokens``."""
+    def block_hashes(self, tokens: Sequence[int],
+                     cache_salt: str | None = None) -> list[BlockHash]:
+        """Hashes of every full block of ``tokens`` (under ``cache_salt``, if any) that has
+        ``lookahead`` tokens after it."""
         out: list[BlockHash] = []
-        parent: BlockHash | None = None
-        bs = self.block_size
-        for start in range(0, len(tokens) - bs + 1, bs):
-            parent = self.hash_block(parent, tokens[start : start + bs])
-            out.append(parent)
+        self._extend_hashes(out, tokens, cache_salt)
         return out
+
+    def _extend_hashes(self, hashes: list[BlockHash], tokens: Sequence[int],
+                       cache_salt: str | None) -> None:
+        """Append the hashes of the blocks of ``tokens`` that can be hashed now."""
+        bs, ahead = self.block_size, self.lookahead
+        k = len(hashes)
+        while (k + 1) * bs + ahead <= len(tokens):
+            parent = hashes[-1] if hashes else None
+            hashes.append(self.hash_block(parent, tokens[k * bs:(k + 1) * bs], cache_salt,
+                                          tokens[(k + 1) * bs:(k + 1) * bs + ahead]))
+            k += 1
 
     # --- read-only views ----------------------------------------------------------------------
 
-    def lookup(self, tokens: Sequence[int]) -> int:
-        """Tokens of the longest cached prefix of ``tokens`` in whole blocks (no side effects).
+    def lookup(self, tokens: Sequence[int], cache_salt: str | None = None) -> int:
+        """Tokens of the longest cached prefix of ``tokens`` (under ``cache_salt``) in whole
+        blocks (no side effects).
 
         This is what an index of this engine's events should answer; admission itself can use
         at most ``len(prompt) - 1`` of them."""
         matched = 0
-        for block_hash in self.block_hashes(tokens):
+        for block_hash in self.block_hashes(tokens, cache_salt):
             if block_hash not in self._cached:
                 break
             matched += 1
@@ -271,8 +295,11 @@ class Engine:
         output: Sequence[int],
         *,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        report_reused: bool = False,
     ) -> None:
-        """Queue a request that will "generate" exactly ``output`` (at least one token)."""
+        """Queue a request that will "generate" exactly ``output`` (at least one token),
+        its blocks cached under ``cache_salt`` (a tenant's: shared with no other salt)."""
         if request_id in self._ids:
             raise EngineError(f"request id {request_id!r} is already in flight")
         if not prompt:
@@ -288,8 +315,9 @@ class Engine:
         arrival = self.clock if arrival_time is None else arrival_time
         if not self.has_work():
             self.clock = max(self.clock, arrival)
-        req = _Request(request_id, list(prompt), list(output), arrival, tokens=list(prompt))
-        req.block_hashes = self.block_hashes(req.tokens)
+        req = _Request(request_id, list(prompt), list(output), arrival, tokens=list(prompt),
+                       cache_salt=cache_salt or None, report_reused=report_reused)
+        req.block_hashes = self.block_hashes(req.tokens, req.cache_salt)
         self._ids.add(request_id)
         self._waiting.append(req)
 
@@ -348,11 +376,7 @@ class Engine:
 
     def _sample(self, req: _Request) -> None:
         req.tokens.append(req.planned_output[req.num_output])
-        if len(req.tokens) % self.block_size == 0:
-            parent = req.block_hashes[-1] if req.block_hashes else None
-            req.block_hashes.append(
-                self.hash_block(parent, req.tokens[-self.block_size :])
-            )
+        self._extend_hashes(req.block_hashes, req.tokens, req.cache_salt)
 
     def _finish(self, req: _Request, end: float) -> RequestOutcome:
         self._running.remove(req)
@@ -404,10 +428,25 @@ class Engine:
                 req.cached_tokens = len(hits) * self.block_size
                 self.prefix_cache_queries += len(req.prompt)
                 self.prefix_cache_hits += req.cached_tokens
+                if hits and req.report_reused:
+                    self._report_reused(req, len(hits))
             self._running.append(req)
             scheduled.append((req, num_new))
             budget -= num_new
         return scheduled
+
+    def _report_reused(self, req: _Request, blocks: int) -> None:
+        """A reuse report, as vLLM sends it: the request's hit blocks from its first one,
+        stored again (nothing allocated; no removal will pair with it)."""
+        bs, ahead = self.block_size, self.lookahead
+        self._events.append(BlockStored(
+            block_hashes=list(req.block_hashes[:blocks]), parent_block_hash=None,
+            token_ids=req.tokens[:blocks * bs], block_size=bs, medium=MEDIUM,
+            extra_keys=[[req.cache_salt] if k == 0 and req.cache_salt else None
+                        for k in range(blocks)],
+            group_idx=0, kv_cache_spec_kind=KV_SPEC_KIND,
+            lookahead_token_ids=[req.tokens[(k + 1) * bs:(k + 1) * bs + ahead]
+                                 for k in range(blocks)] if ahead else None))
 
     def _computed_blocks(self, req: _Request) -> list[_Block]:
         max_hit_blocks = (len(req.tokens) - 1) // self.block_size
@@ -459,9 +498,10 @@ class Engine:
 
     def _cache_full_blocks(self, req: _Request, num_full: int) -> None:
         first = req.num_cached_blocks
+        num_full = min(num_full, len(req.block_hashes))  # lookahead: hashed blocks only
         if num_full <= first:
             return
-        bs = self.block_size
+        bs, ahead = self.block_size, self.lookahead
         new_hashes = req.block_hashes[first:num_full]
         for block, block_hash in zip(req.blocks[first:num_full], new_hashes, strict=True):
             block.block_hash = block_hash
@@ -473,9 +513,13 @@ class Engine:
                 token_ids=req.tokens[first * bs : num_full * bs],
                 block_size=bs,
                 medium=MEDIUM,
-                extra_keys=[None] * len(new_hashes),
+                # vLLM's extra keys: the salt in the first block's only.
+                extra_keys=[[req.cache_salt] if first + i == 0 and req.cache_salt else None
+                            for i in range(len(new_hashes))],
                 group_idx=0,
                 kv_cache_spec_kind=KV_SPEC_KIND,
+                lookahead_token_ids=[req.tokens[(k + 1) * bs:(k + 1) * bs + ahead]
+                                     for k in range(first, num_full)] if ahead else None,
             )
         )
         req.num_cached_blocks = num_full

@@ -40,6 +40,7 @@ class SimRank:
             max_model_len=config.max_model_len,
             time_model=config.time_model,
             hash_format=config.hash_format,  # type: ignore[arg-type]
+            lookahead=config.lookahead,
         )
         self.publisher = EventPublisher(
             endpoint=endpoint,
@@ -89,13 +90,15 @@ class SimRank:
     def load(self) -> int:
         return self.engine.load()
 
-    def submit(self, prompt: list[int], output: list[int],
-               request_id: str) -> Future[RequestOutcome]:
+    def submit(self, prompt: list[int], output: list[int], request_id: str, *,
+               cache_salt: str | None = None,
+               report_reused: bool = False) -> Future[RequestOutcome]:
         """Queue an HTTP request; the future resolves when it finishes. Raises EngineError."""
         fut: Future[RequestOutcome] = Future()
         with self._wake:
             now = time.monotonic() - self._t0
-            self.engine.add_request(request_id, prompt, output, arrival_time=now)
+            self.engine.add_request(request_id, prompt, output, arrival_time=now,
+                                    cache_salt=cache_salt, report_reused=report_reused)
             self._pending[request_id] = fut
             self._wake.notify_all()
         return fut

@@ -24,6 +24,9 @@ class SimInstanceSpec:
     vocab_size: int = 32000
     time_model: TimeModel = field(default_factory=TimeModel)
     hash_format: str = "int"
+    # vLLM 0.33's lookahead block hashes (speculative decoding with block drop): each block
+    # hashed with this many tokens after it; 0: none.
+    lookahead: int = 0
     encoding: str = "map"  # "map" (vLLM >= ~0.26) or "array" (older)
     replay_format: str = "new"  # replay reply frames of 0.32.0 ("new") or older ("old")
     topic: str = "kv-events"

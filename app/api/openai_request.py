@@ -1,9 +1,9 @@
 """What the proxy reads of an OpenAI request body, and the routing question it asks.
 
-The body itself goes to the instance byte for byte; kvroute reads only `model` and the
-prompt (`prompt` for completions; for chat, `messages` and the fields that change how the
-chat template renders them), decoded with the structs below, which the OpenAPI document
-describes. Every other field is the instance's to judge.
+The body itself goes to the instance byte for byte; kvroute reads only `model`,
+`cache_salt` and the prompt (`prompt` for completions; for chat, `messages` and the fields
+that change how the chat template renders them), decoded with the structs below, which the
+OpenAPI document describes. Every other field is the instance's to judge.
 
 A completions `prompt` is text, token ids, or a batch of either; a batch is routed by its
 first prompt (vLLM runs a batch on the one instance it reaches). msgspec cannot decode
@@ -19,6 +19,8 @@ import msgspec
 
 from kvroute.app.api.json_body import decode_json, integral_numbers
 from kvroute.app.api.route_request import (
+    CACHE_SALT,
+    CacheSalt,
     ChatMessage,
     ChatTemplateArgs,
     RouteRequest,
@@ -44,6 +46,7 @@ class CompletionQuestion(msgspec.Struct, forbid_unknown_fields=False):
 
     prompt: Annotated[Any, msgspec.Meta(extra_json_schema=PROMPT_SCHEMA)]
     model: str | None = None
+    cache_salt: Annotated[CacheSalt | None, msgspec.Meta(description=CACHE_SALT)] = None
 
 
 class ChatQuestion(ChatTemplateArgs, forbid_unknown_fields=False):
@@ -52,6 +55,7 @@ class ChatQuestion(ChatTemplateArgs, forbid_unknown_fields=False):
 
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     model: str | None = None
+    cache_salt: Annotated[CacheSalt | None, msgspec.Meta(description=CACHE_SALT)] = None
 
 
 _QUESTIONS: dict[str, type[CompletionQuestion] | type[ChatQuestion]] = {
@@ -66,7 +70,7 @@ def route_request_of(path: str, body: bytes,
         read = decode_json(body, _QUESTIONS[path])
     except InvalidRequest as exc:  # JSON of the wrong shape: not the request kvroute reads
         raise MalformedRequest(exc.message, exc.field) from None
-    question: dict[str, Any] = {"model": read.model}
+    question: dict[str, Any] = {"model": read.model, "cache_salt": read.cache_salt}
     where = "messages"
     if isinstance(read, ChatQuestion):
         try:  # the rules the schema states and msgspec cannot check

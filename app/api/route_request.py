@@ -137,6 +137,12 @@ def check_messages(messages: list[dict[str, Any]], max_chars: int | None = None)
                        "messages")
 
 
+#: The longest ``cache_salt`` kvroute takes (vLLM sets no bound; a salt names a tenant).
+CACHE_SALT_MAX_CHARS = 1024
+CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=CACHE_SALT_MAX_CHARS)]
+CACHE_SALT = ("the tenant's `cache_salt`, as sent to vLLM: only blocks cached under it match "
+              "(and it matches no other tenant's, nor unsalted blocks)")
+
 # What each input is, for people (the limited fields of route_request_type say it too).
 TOKEN_IDS = "the prompt's token ids (at most `max_prompt_tokens`)"
 BLOCK_HASHES = ("vLLM's block hashes of the prompt: 64-bit ints, signed or not, or hex "
@@ -156,6 +162,7 @@ class MatchRequest(ChatTemplateArgs, forbid_unknown_fields=True):
     model: documented(str | None, "only instances serving it (a LoRA adapter's name "
                                   "matches the blocks cached for it)") = None
     lora_name: documented(str | None, "the LoRA adapter the blocks were cached under") = None
+    cache_salt: documented(CacheSalt | None, CACHE_SALT) = None
     candidates: documented(
         Annotated[list[InstanceId], msgspec.Meta(min_length=1)] | None,
         "only these instances (ids)") = None

@@ -81,7 +81,8 @@ class HugeStore:
         self._hash_pieces: deque[list[Hash]] = deque()
         self._token_pieces: deque[array[int] | list[int]] = deque()
         self._decoded = False  # every step ran and the event is valid
-        self.valid = (lazy.extra_keys is None and self.blocks > 0 and (
+        self.valid = (lazy.extra_keys is None and lazy.lookahead_token_ids is None
+                      and self.blocks > 0 and (
             not self.has_tokens or (type(block_size) is int and block_size > 0
                                     and self._token_count == self.blocks * block_size)))
 

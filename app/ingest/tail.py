@@ -227,6 +227,8 @@ def describe_event(event: Any) -> str:
             parts.append(f"lora {event.lora_name or event.lora_id}")
         if event.group_idx or event.kv_cache_spec_kind not in (None, "full_attention"):
             parts.append(f"group {event.group_idx or 0} {event.kv_cache_spec_kind or ''}".strip())
+        if event.locality is not None:
+            parts.append(f"locality {event.locality}")
         return "  ".join(parts)
     if isinstance(event, BlockRemoved):
         n = len(event.block_hashes)

@@ -75,6 +75,9 @@ class BlockStored(
     locality: Any = None
     ownership: Any = None
     session_id: Any = None
+    # vLLM 0.33: per block, the tokens after it that its hash covers too (speculative
+    # decoding with block drop); none without lookahead.
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class BlockRemoved(
@@ -132,6 +135,7 @@ class RawStored(
     locality: Any = None
     ownership: Any = None
     session_id: Any = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 _token_list = msgspec.msgpack.Decoder(list[int])
@@ -452,6 +456,8 @@ def apply_event(index: IndexWriter, worker: Any, event: Event) -> int:
             medium=normalise_medium(event.medium),
             group_idx=event.group_idx or 0,
             kv_cache_spec_kind=event.kv_cache_spec_kind,
+            locality=event.locality,
+            lookahead_token_ids=event.lookahead_token_ids,
         )
         return len(event.block_hashes)
     if isinstance(event, BlockRemoved):
@@ -460,6 +466,7 @@ def apply_event(index: IndexWriter, worker: Any, event: Event) -> int:
             event.block_hashes,
             medium=normalise_medium(event.medium),
             group_idx=event.group_idx or 0,
+            locality=event.locality,
         )
         return len(event.block_hashes)
     index.clear_worker(worker)
@@ -508,7 +515,7 @@ def slices(event: BlockStored | BlockRemoved, max_blocks: int,
     applied in order to a ``PrefixIndex``, leave it exactly as ``event`` applied whole.
 
     - A store's slice after the first hangs off the previous slice's last hash, with the
-      token ids and extra keys of its own blocks (block k keeps
+      token ids, extra keys and lookahead tokens of its own blocks (block k keeps
       ``token_ids[k*block_size:(k+1)*block_size]`` whichever slice it is in).
     - When the worker does not hold the event's parent (``holds(parent)`` is false; asked
       only when the event is split, None means it does), the whole chain is orphaned:
@@ -518,9 +525,10 @@ def slices(event: BlockStored | BlockRemoved, max_blocks: int,
       independent per hash: their slices split the hashes, nothing else.
     - A store the index would reject for its token ids (not filling its blocks, or
       outside ``[0, 2**32)``; checked only when the store is split: one pass over its
-      tokens), its block size or its extra keys' count is yielded whole: the index rejects
-      it before changing anything. Nothing else can be rejected half-way: a decoded
-      event's hashes are ints or bytes and its extra keys plain msgpack values.
+      tokens), its block size, or its extra keys' or lookahead lists' count is yielded
+      whole: the index rejects it before changing anything. Nothing else can be rejected
+      half-way: a decoded event's hashes are ints or bytes and its extra keys plain
+      msgpack values.
 
     An event that fits in one slice is yielded as it is (no copy).
     """
@@ -534,8 +542,10 @@ def slices(event: BlockStored | BlockRemoved, max_blocks: int,
             yield msgspec.structs.replace(event, block_hashes=hashes[start:start + max_blocks])
         return
     tokens, block_size, extra = event.token_ids, event.block_size, event.extra_keys
+    ahead = event.lookahead_token_ids
     if (type(block_size) is not int or block_size <= 0 or len(tokens) != count * block_size
-            or (extra is not None and len(extra) != count)):
+            or (extra is not None and len(extra) != count)
+            or (ahead is not None and len(ahead) != count)):
         yield event
         return
     per_slice = max(1, min(max_blocks, max_blocks * SLICE_TOKENS_PER_BLOCK // block_size))
@@ -550,7 +560,8 @@ def slices(event: BlockStored | BlockRemoved, max_blocks: int,
         yield msgspec.structs.replace(
             event, block_hashes=piece, parent_block_hash=parent,
             token_ids=tokens[start * block_size:end * block_size],
-            extra_keys=None if extra is None else extra[start:end])
+            extra_keys=None if extra is None else extra[start:end],
+            lookahead_token_ids=None if ahead is None else ahead[start:end])
         if chained:
             parent = piece[-1]
 

@@ -58,6 +58,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from kvroute.app.api.answers import ReplicasStatus
+from kvroute.app.api.route_request import CacheSalt
 from kvroute.app.state.store import StateStoreError
 from kvroute.app.tasks import cancel_and_wait, cancel_requested
 from kvroute.app.workers import WorkerKey
@@ -169,6 +170,8 @@ class _Guess(msgspec.Struct, array_like=True, frozen=True):
     block_size: Annotated[int, msgspec.Meta(gt=0, le=1 << 16)] | None
     lora_name: Name | None
     ttl: Annotated[float, msgspec.Meta(gt=0, le=MAX_TTL)]
+    # Last, with a default: a replica of an older kvroute sends guesses without it.
+    cache_salt: CacheSalt | None = None
 
 
 class _Load(msgspec.Struct, array_like=True, frozen=True):
@@ -212,6 +215,7 @@ class _Pending(NamedTuple):
     tokens: Sequence[int]
     block_size: int | None
     lora_name: str | None
+    cache_salt: str | None
     ttl: float
 
 
@@ -281,7 +285,8 @@ class Peers:
 
     # -- the request path: never waits ----------------------------------
     def publish_guess(self, worker: WorkerKey, tokens: Sequence[int], *,
-                      block_size: int | None, lora_name: str | None, ttl: float) -> None:
+                      block_size: int | None, lora_name: str | None,
+                      cache_salt: str | None = None, ttl: float) -> None:
         """Tell the other replicas that `worker` will hold `tokens`' full blocks for `ttl`
         seconds (as ``PrefixIndex.place``). The caller must not change `tokens` afterwards:
         it is read when the message is sent."""
@@ -294,7 +299,7 @@ class Peers:
             self.dropped["queue_full"] += 1
             return
         self._queue.append(_Pending(time.monotonic(), worker, tokens, block_size, lora_name,
-                                    ttl))
+                                    cache_salt, ttl))
         self._queued_tokens += size
         self._wake.set()
 
@@ -442,7 +447,8 @@ class Peers:
             if sys.byteorder != "little":
                 tokens.byteswap()
             taken.append(_Guess(pending.worker[0], pending.worker[1], tokens.tobytes(),
-                                pending.block_size, pending.lora_name, min(ttl, MAX_TTL)))
+                                pending.block_size, pending.lora_name, min(ttl, MAX_TTL),
+                                pending.cache_salt))
             tokens_taken += count
         return taken
 
@@ -507,7 +513,8 @@ class Peers:
             tokens.byteswap()
         try:
             self._index.place(key, tokens.tolist(), block_size=guess.block_size,
-                              lora_name=guess.lora_name, expires=now + guess.ttl)
+                              lora_name=guess.lora_name, cache_salt=guess.cache_salt,
+                              expires=now + guess.ttl)
         except ValueError:  # the index refused it; a peer's message is never fatal
             self.dropped["malformed"] += 1
             return

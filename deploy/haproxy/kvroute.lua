@@ -4,7 +4,7 @@
 -- POST /v1/completions and /v1/chat/completions, with `option http-buffer-request` so
 -- that the body is there. The action sends kvroute's POST /v1/route the prompt it finds
 -- (token ids when the body has them, else the text or the chat messages and their
--- template fields; `model` as given), through the address of haproxy.cfg's
+-- template fields; `model` and `cache_salt` as given), through the address of haproxy.cfg's
 -- `listen kvroute_api` section, whose timeouts are the deadline and which never
 -- retries. When kvroute names an instance that is a server of <backend>, the action sets
 --
@@ -200,6 +200,15 @@ local function question(path, body)
             parts[#parts + 1] = "\"model\":" .. raw
         elseif raw ~= "null" then
             return nil, "model is not a string"
+        end
+    end
+    -- A tenant's salt: vLLM caches its blocks apart, and kvroute matches them only with it.
+    if m.cache_salt then
+        local raw = body:sub(m.cache_salt[1], m.cache_salt[2])
+        if raw:byte(1) == 34 then
+            parts[#parts + 1] = "\"cache_salt\":" .. raw
+        elseif raw ~= "null" then
+            return nil, "cache_salt is not a string"
         end
     end
     if path == "/v1/chat/completions" then

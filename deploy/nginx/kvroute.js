@@ -4,8 +4,8 @@
  * nginx.conf calls route() as the content handler of /v1/completions and
  * /v1/chat/completions, once nginx has read the request body. route() sends kvroute's
  * POST /v1/route the prompt it finds (token ids when the body has them, else the text or
- * the chat messages and their template fields; `model` as given) and then hands the
- * request to one of two named locations, unchanged:
+ * the chat messages and their template fields; `model` and `cache_salt` as given) and
+ * then hands the request to one of two named locations, unchanged:
  *
  *   @kvroute   kvroute answered: proxy_pass to $kvroute_target (the instance's URL) with
  *              X-data-parallel-rank: $kvroute_rank;
@@ -47,6 +47,13 @@ function question(uri, text) {
             return 'model is not a string';
         }
         ask.model = body.model;
+    }
+    // A tenant's salt: vLLM caches its blocks apart, and kvroute matches them only with it.
+    if (body.cache_salt !== undefined && body.cache_salt !== null) {
+        if (typeof body.cache_salt !== 'string') {
+            return 'cache_salt is not a string';
+        }
+        ask.cache_salt = body.cache_salt;
     }
     if (uri === '/v1/chat/completions') {
         if (!Array.isArray(body.messages) || body.messages.length === 0) {

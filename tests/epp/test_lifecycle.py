@@ -127,6 +127,34 @@ def test_guesses_and_in_flight_follow_the_endpoint_the_gateway_served(fleet: Fle
     fleet.assert_nothing_left()
 
 
+def test_a_salted_request_leaves_its_guess_in_its_tenants_domain(fleet: Fleet) -> None:
+    """The picker reads `cache_salt` from the body as the proxy does: the guess it leaves
+    counts for that tenant's next request only."""
+    prompt = unique_tokens(1408, 8 * BLOCK)
+    full_blocks = (len(prompt) - 1) // BLOCK
+
+    async def run() -> None:
+        async with streams_to(fleet.server) as open_stream:
+            stream = open_stream()
+            answer = await pick(stream, "/v1/completions",
+                                completion(prompt, cache_salt="tenant-e"))
+            chosen = [fleet.endpoint(0), fleet.endpoint(1)].index(answer.endpoint)
+            key = (fleet.ids[chosen], int(answer.headers["x-data-parallel-rank"]))
+            salted = fleet.scores(token_ids=prompt, cache_salt="tenant-e")
+            assert salted[key]["pending_blocks"] == full_blocks
+            assert all(s["pending_blocks"] == 0 for s in fleet.scores(token_ids=prompt).values())
+            assert all(s["pending_blocks"] == 0 for s in fleet.scores(
+                token_ids=prompt, cache_salt="tenant-f").values())
+            await stream.response_headers(200)
+            assert (await stream.read()).WhichOneof("response") == "response_headers"
+            await stream.response_body(b"{}", end_of_stream=True)
+            assert streamed(await stream.read(), "response_body").end_of_stream
+            assert await stream.finish() == grpc.StatusCode.OK
+
+    scenario(run)
+    fleet.assert_nothing_left()
+
+
 # --- health and TLS ---------------------------------------------------------------------------
 
 

@@ -125,7 +125,7 @@ class Model:
                 content = (content[0], content[1],
                            content[2] + ((tokens, visible_extra(extra, content[1])),))
                 contents.append(content)
-        if kind not in (None, "full_attention", "mla_attention"):
+        if kind not in (None, "full_attention", "mla_attention", "sink_full_attention"):
             w.groups[group_idx] = False
             self.ignored_blocks += len(hashes)
             return hashes
@@ -162,7 +162,7 @@ class Model:
             if counts is None or not counts[tier]:
                 self.unknown_removals += 1
                 continue
-            counts[tier] -= 1
+            counts[tier] = 0  # every store of it: reuse reports pair with no removal
             if not any(counts):
                 del w.refs[block_hash]
                 del w.content_of[block_hash]
@@ -189,7 +189,9 @@ class Model:
             blocks += 1
         return Match(blocks, blocks * block_size, block_size, dict(zip(TIERS, tiers, strict=True)))
 
-    def match(self, tokens: list[int], lora, workers=None) -> dict:
+    def match(self, tokens: list[int], lora, workers=None, salt=None) -> dict:
+        """vLLM's rule: a request's ``cache_salt`` is its first block's one extra key (after
+        the LoRA name); a query names it or matches no salted block."""
         names = self.workers if workers is None else [n for n in workers if n in self.workers]
         out = {}
         for name in names:
@@ -199,7 +201,8 @@ class Model:
             if size:
                 blocks: tuple = ()
                 for k in range(len(tokens) // size):
-                    blocks = blocks + ((tuple(tokens[k * size : (k + 1) * size]), None),)
+                    extra = (salt,) if k == 0 and salt is not None else None
+                    blocks = blocks + ((tuple(tokens[k * size : (k + 1) * size]), extra),)
                     path.append((size, lora, blocks))
             out[name] = self._answer(w, path, size)
         return out
@@ -263,7 +266,10 @@ class IndexMachine(RuleBasedStateMachine):
         for _ in range(count):
             tokens = tuple(data.draw(st.lists(token_st, min_size=size, max_size=size)))
             extra_choices: list = [None]
-            extra_choices += [(LORA,), (LORA, "img")] if lora else [("img",)]
+            # ("img",): one string alone, as a salted request's first block carries its
+            # salt; ("img", "x"): extra keys no token query can know.
+            extra_choices += ([(LORA,), (LORA, "img"), (LORA, "img", "x")] if lora
+                              else [("img",), ("img", "x")])
             extra = data.draw(st.sampled_from(extra_choices), label="extra")
             blocks.append((tokens, extra))
         return blocks
@@ -294,7 +300,8 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), name=workers_st, lora=st.sampled_from([None, None, LORA]),
           medium=st.sampled_from(MEDIUMS), variant=st.sampled_from([0, 0, 0, 1]),
-          kind=st.sampled_from([None, "full_attention", "mla_attention"]))
+          kind=st.sampled_from([None, "full_attention", "mla_attention",
+                                "sink_full_attention"]))
     def store_from_root(self, data, name, lora, medium, variant, kind):
         self._store(name, None, self._draw_blocks(data, name, lora), lora, medium, variant,
                     kind=kind)
@@ -418,7 +425,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ checks
 
-    def _queries(self) -> list[tuple[list[int], str | None]]:
+    def _queries(self) -> list[tuple[list[int], str | None, str | None]]:
         contents = sorted(
             {c for w in self.model.workers.values() for c in w.content_of.values()},
             key=lambda c: (-len(c[2]), repr(c)),
@@ -426,27 +433,31 @@ class IndexMachine(RuleBasedStateMachine):
         queries = []
         for _size, lora, blocks in contents:
             tokens = [t for block_tokens, _ in blocks for t in block_tokens]
-            queries.append((tokens, lora))
-            queries.append((tokens + [1], lora))  # trailing partial block
-            queries.append((tokens[: max(0, len(tokens) - 3)] + [2, 2, 2, 2, 2], lora))
-        queries.append(([0, 1, 2, 0, 1, 2, 0, 1], None))
-        queries.append(([], None))
+            for salt in (None, "img"):
+                queries.append((tokens, lora, salt))
+                queries.append((tokens + [1], lora, salt))  # trailing partial block
+                queries.append((tokens[: max(0, len(tokens) - 3)] + [2, 2, 2, 2, 2], lora,
+                                salt))
+        queries.append(([0, 1, 2, 0, 1, 2, 0, 1], None, None))
+        queries.append(([], None, None))
         return queries
 
     @invariant()
     def token_queries_agree(self):
         subset = sorted(self.model.workers)[::2] + [NOT_A_WORKER]
-        for tokens, lora in self._queries():
-            everyone = self.model.match(tokens, lora)
-            assert self.index.match(tokens, lora_name=lora) == everyone
-            assert self.index.match(tokens, lora_name=lora, matched_only=True) == \
-                _matched(everyone)
-            chosen = self.model.match(tokens, lora, subset)
-            assert self.index.match(tokens, lora_name=lora, workers=subset) == chosen
-            assert self.index.match(tokens, lora_name=lora, workers=subset, matched_only=True) \
-                == _matched(chosen)
-            assert self.index.match(tokens, lora_name=None if lora else LORA) == \
-                self.model.match(tokens, None if lora else LORA)
+        for tokens, lora, salt in self._queries():
+            everyone = self.model.match(tokens, lora, salt=salt)
+            assert self.index.match(tokens, lora_name=lora, cache_salt=salt) == everyone
+            assert self.index.match(tokens, lora_name=lora, cache_salt=salt,
+                                    matched_only=True) == _matched(everyone)
+            chosen = self.model.match(tokens, lora, subset, salt=salt)
+            assert self.index.match(tokens, lora_name=lora, cache_salt=salt,
+                                    workers=subset) == chosen
+            assert self.index.match(tokens, lora_name=lora, cache_salt=salt, workers=subset,
+                                    matched_only=True) == _matched(chosen)
+            assert self.index.match(tokens, lora_name=None if lora else LORA,
+                                    cache_salt=salt) == \
+                self.model.match(tokens, None if lora else LORA, salt=salt)
 
     @invariant()
     def hash_queries_agree(self):

@@ -169,12 +169,12 @@ def test_a_huge_store_over_the_wire_is_applied_a_slice_at_a_time_while_routes_ar
 
     ``read``: a plain store, which the compiled index reads (``read_plain_batch``) and the
     applier rebuilds a slice at a time (``app.ingest.plain_slices``). ``decoded``: the same store
-    with a locality, which the index does not read: it goes through ``HugeStore``."""
+    with a session id, which the index does not read: it goes through ``HugeStore``."""
     slice_blocks = 512
     blocks = HUGE_EVENT_BYTES // 40 + 1_000  # a 16-token block encodes to over 40 bytes
     huge = chain(1, blocks, block_size=16, seed=3)
     if not plain:
-        huge = msgspec.structs.replace(huge, locality="rack-1")
+        huge = msgspec.structs.replace(huge, session_id="request-7")
     assert len(raw_event(huge, "map")) > HUGE_EVENT_BYTES
     for encoding in ("map", "array"):
         payload = encode_batch([huge], ts=0.0, encoding=encoding)

@@ -194,7 +194,7 @@ def test_map_events_skip_unknown_fields_and_types_and_count_bad_ones():
     assert [type(e).__name__ for e in batch.events] == ["BlockStored", "BlockRemoved"]
     recorder = Recorder()
     apply_batch(recorder, "w", batch)
-    assert recorder.calls[1][3] == {"medium": "STORAGE", "group_idx": 0}
+    assert recorder.calls[1][3] == {"medium": "STORAGE", "group_idx": 0, "locality": None}
 
 
 @pytest.mark.parametrize("raw_tokens", [False, True])

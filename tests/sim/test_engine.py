@@ -16,7 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvroute.app.ingest.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from kvroute.app.ingest.wire import AllBlocksCleared, BlockRemoved, BlockStored, apply_event
+from kvroute.index import PrefixIndex
 from kvroute.sim.engine import Engine, EngineError
 
 Key = tuple[int, ...]
@@ -316,3 +317,61 @@ def test_duplicate_request_ids_are_refused():
     engine.add_request("x", [1], [1])
     with pytest.raises(EngineError, match="already in flight"):
         engine.add_request("x", [2], [1])
+
+
+def test_a_salted_request_is_cached_apart_and_announced_with_its_salt():
+    """vLLM's rule: `cache_salt` goes into the first block's extra keys, so the same prompt
+    under two salts, and unsalted, is cached three times; an index fed the events matches
+    each tenant exactly as the engine looks it up."""
+    engine = Engine(num_blocks=64, block_size=4, seed=5)
+    prompt = list(range(1, 14))  # three full blocks and a partial one
+    for number, salt in enumerate(["tenant-a", "tenant-b", None]):
+        engine.add_request(f"r{number}", prompt, [1], cache_salt=salt)
+    stores = []
+    index = PrefixIndex()
+    while engine.has_work():
+        for event in engine.step().events:
+            apply_event(index, ("w", 0), event)
+            if isinstance(event, BlockStored) and event.parent_block_hash is None:
+                stores.append(event)
+    assert sorted(str(s.extra_keys[0]) for s in stores) == sorted(
+        ["['tenant-a']", "['tenant-b']", "None"])
+    assert all(extra is None for s in stores for extra in s.extra_keys[1:])
+    for salt in ("tenant-a", "tenant-b", None):
+        assert engine.lookup(prompt, salt) == 12
+        assert index.match(prompt, cache_salt=salt)[("w", 0)].blocks == 3
+    assert engine.lookup(prompt, "tenant-c") == 0
+    assert index.match(prompt, cache_salt="tenant-c")[("w", 0)].blocks == 0
+
+
+def test_an_engine_with_lookahead_hashes_each_block_with_the_tokens_after_it():
+    """vLLM 0.33 with speculative decoding and block drop: a block is hashed (and cached)
+    only once the L tokens after it exist, and a prompt hits it only with those tokens;
+    the index fed its events answers as the engine looks up."""
+    engine = Engine(num_blocks=64, block_size=4, seed=5, lookahead=2)
+    prompt = list(range(1, 15))  # 14 tokens: blocks 0-2 have two tokens after them
+    engine.add_request("a", prompt, [1])
+    index = PrefixIndex()
+    stores = []
+    while engine.has_work():
+        for event in engine.step().events:
+            apply_event(index, ("w", 0), event)
+            stores += [event] if isinstance(event, BlockStored) else []
+    assert [len(s.lookahead_token_ids) for s in stores] == [len(s.block_hashes) for s in stores]
+    assert stores[0].lookahead_token_ids[0] == [5, 6]
+    for query in (prompt, prompt[:12] + [13, 99], prompt[:9] + [50] + prompt[10:], prompt[:10]):
+        answer = index.match(query[:-1], following=query[-1:])[("w", 0)].tokens
+        assert answer == min(engine.lookup(query), (len(query) - 1) // 4 * 4), query
+
+
+def test_a_request_in_report_mode_full_announces_the_blocks_it_reused():
+    engine = Engine(num_blocks=64, block_size=4, seed=5)
+    prompt = list(range(1, 14))
+    engine.add_request("a", prompt, [1])
+    run_to_idle(engine, EventModel())
+    engine.add_request("b", prompt, [1], report_reused=True)
+    reported = []
+    while engine.has_work():
+        reported += [e for e in engine.step().events if isinstance(e, BlockStored)]
+    assert [(r.parent_block_hash, r.block_hashes) for r in reported] == [
+        (None, engine.block_hashes(prompt))]

@@ -3,7 +3,11 @@
 Several engines (different hash seeds, like different vLLM processes) serve random traffic
 with evictions, preemptions and resets; every step's batch goes through the wire encoding
 (both event encodings) and ``apply_batch`` into one fresh ``PrefixIndex``. After every step
-the index's match for each engine equals ``engine.lookup``.
+the index's match for each engine is never above ``engine.lookup`` (no false hit), and
+equals what the engine's events say by kvroute's rule: a hash is held from a store of it
+until a removal of it, however often it was stored (a second real copy of a hash is then
+under-reported after the first copy's eviction; docs/decisions.md). Without duplicate
+copies the two are the same.
 """
 
 from __future__ import annotations
@@ -11,7 +15,14 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvroute.app.ingest.wire import apply_batch, decode_batch, encode_batch
+from kvroute.app.ingest.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    apply_batch,
+    decode_batch,
+    encode_batch,
+)
 from kvroute.index import PrefixIndex
 from kvroute.sim.engine import Engine
 
@@ -40,6 +51,26 @@ def test_index_fed_by_events_matches_every_engine(block_size, num_blocks, encodi
     workers = [(f"sim-{i}", 0) for i in range(3)]
     index = PrefixIndex()
     probes: list[list[int]] = [[0] * 40, [1, 2, 3] * 10]
+    held: list[set] = [set() for _ in engines]  # each engine's hashes by kvroute's rule
+
+    def follow(i: int, events: list) -> None:
+        for event in events:
+            if isinstance(event, BlockStored):
+                parent = event.parent_block_hash
+                if parent is None or parent in held[i]:  # an orphan chain is not placed
+                    held[i].update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                held[i].difference_update(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                held[i].clear()
+
+    def by_rule(i: int, probe: list[int]) -> int:
+        blocks = 0
+        for block_hash in engines[i].block_hashes(probe):
+            if block_hash not in held[i]:
+                break
+            blocks += 1
+        return blocks * engines[i].block_size
 
     def step(i: int) -> None:
         result = engines[i].step()
@@ -48,13 +79,14 @@ def test_index_fed_by_events_matches_every_engine(block_size, num_blocks, encodi
             assert batch.malformed == 0
             apply_batch(index, workers[i], batch)
             assert batch.malformed == 0, "the index refused an event the engine emitted"
+            follow(i, result.events)
         for probe in probes:
             matches = index.match(probe)
             for j, engine in enumerate(engines):
                 if engine.unpublished_events:
                     continue  # a reset not yet announced: the index cannot know it yet
                 got = matches[workers[j]].tokens if workers[j] in matches else 0
-                assert got == engine.lookup(probe), (j, probe)
+                assert got == by_rule(j, probe) <= engine.lookup(probe), (j, probe)
 
     for n, (i, op, tokens, count) in enumerate(ops):
         engine = engines[i]
