@@ -13,6 +13,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -166,8 +167,9 @@ class Engine:
             self.boot_seconds = time.monotonic() - self._started_at
         return ok
 
-    def complete(self, token_ids: list[int], max_tokens: int = 1) -> dict:
-        """One completion; returns the response JSON."""
+    def complete(self, token_ids: list[int], max_tokens: int = 1, **extra: Any) -> dict:
+        """One completion (``extra``: more fields of the body, such as ``cache_salt``);
+        returns the response JSON."""
         response = self.http.post(
             "/v1/completions",
             json={
@@ -175,14 +177,15 @@ class Engine:
                 "prompt": token_ids,
                 "max_tokens": max_tokens,
                 "temperature": 0.0,
+                **extra,
             },
         )
         response.raise_for_status()
         return response.json()
 
-    def cached_tokens(self, token_ids: list[int]) -> int:
+    def cached_tokens(self, token_ids: list[int], **extra: Any) -> int:
         """Send the prompt; return the prefix-cache hit vLLM reports for it."""
-        usage = self.complete(token_ids)["usage"]
+        usage = self.complete(token_ids, **extra)["usage"]
         details = usage.get("prompt_tokens_details") or {}
         return int(details.get("cached_tokens") or 0)
 

@@ -197,8 +197,15 @@ def check_routes_where_kvroute_says(setup: Setup, lb: Balancer) -> str:
             "messages": [{"role": "system", "content": text(10 * BLOCK)},
                          {"role": "user", "name": "ops", "content": "which instance holds this?"}]}
     plans.append(("chat", "/v1/chat/completions", chat, chat, chat))
-    # every worker at least once, text and chat on workers of their own
-    targets = workers + [workers[1], workers[2]]
+    # A tenant's request: the engine caches it under its salt, and only a question with the
+    # salt finds it, so the glue must pass `cache_salt` on.
+    salted = tokens(10 * BLOCK + 3)
+    plans.append(("salted", "/v1/completions",
+                  {"model": MODEL, "prompt": salted, "cache_salt": "tenant-lb"},
+                  {"model": MODEL, "prompt": salted + tokens(5), "cache_salt": "tenant-lb"},
+                  {"model": MODEL, "token_ids": salted, "cache_salt": "tenant-lb"}))
+    # every worker at least once, text, chat and the tenant on workers of their own
+    targets = workers + [workers[1], workers[2], workers[-1]]
     lines = []
     for (what, path, warm, body, question), (instance, rank) in zip(plans, targets,
                                                                      strict=True):
@@ -359,6 +366,9 @@ def check_question(setup: Setup, lb: Balancer) -> str:
         ("text, model null", "/v1/completions", {"model": None, "prompt": "some \"text\"\n"},
          {"prompt": "some \"text\"\n"}),
         ("no model", "/v1/completions", {"prompt": toks2}, {"token_ids": toks2}),
+        ("a tenant's salt", "/v1/completions",
+         {"model": MODEL, "prompt": toks2, "cache_salt": "tenant \"q\""},
+         {"model": MODEL, "token_ids": toks2, "cache_salt": "tenant \"q\""}),
         ("a batch of token lists", "/v1/completions", {"model": MODEL, "prompt": [toks, toks2]},
          {"model": MODEL, "token_ids": toks}),
         ("a batch of texts", "/v1/completions", {"model": MODEL, "prompt": ["first", "second"]},

@@ -16,7 +16,10 @@ and the check must fail). ``--checks 10`` runs that check alone. Check 11 routes
 completions through kvroute's Endpoint Picker (ext_proc gRPC), the harness playing
 the gateway (``--checks 11`` alone: about two minutes after the engines are up). Check
 12 reads kvroute's own predicted-vs-actual metrics for requests it proxies, and empties an
-engine's cache behind kvroute's back to see the difference counted.
+engine's cache behind kvroute's back to see the difference counted. Check 13 evicts a prompt
+that vLLM's reuse reports (``kv_cache_report_mode: "full"``) re-announced, and check 14 sends
+one prompt under two cache salts and none, through the route API and the proxy
+(:mod:`e2e.tenant_checks`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from e2e.model import write_model_dir
 from e2e.processes import ProcessSet, install_signal_handlers
 from e2e.service import Kvroute, KvrouteError
 from e2e.tap import EventTap
+from e2e.tenant_checks import check_reuse_reports, check_tenants
 from e2e.workloads import shared_prefix_workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +57,7 @@ EVENTS_ONLY = {"KVROUTE_PLACEMENT_TTL": "0", "KVROUTE_PROXY": "true"}
 # Check 10 restarts the engines with a replay buffer this small (checks 5, 8 and 9 need
 # the default one: a kvroute they start from nothing rebuilds from a replay from seq 0).
 SAVED_STATE_BUFFER = 32
-CHECKS = {str(n) for n in range(1, 13)}
+CHECKS = {str(n) for n in range(1, 15)}
 
 
 class Clock:
@@ -177,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                 boot_timeout=args.boot_timeout, drop_saved_state=args.drop_saved_state)),
             ("11 epp", lambda: check_epp(cluster, rng)),
             ("12 hit accuracy", lambda: check_hit_accuracy(cluster, rng)),
+            ("13 reuse reports", lambda: check_reuse_reports(cluster, names[0], rng)),
+            ("14 tenants", lambda: check_tenants(cluster, rng)),
         ]
         assert {name.split()[0] for name, _ in plan} == CHECKS
         if selected is not None:

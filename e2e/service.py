@@ -86,18 +86,22 @@ class Kvroute:
         """Blocks the index holds for the instance's rank-0 worker, all media together."""
         return sum(int(v) for v in self.worker(instance_id).get("holdings", {}).values())
 
-    def route(self, token_ids: list[int], *, probe: bool = False) -> dict[str, Any]:
+    def route(self, token_ids: list[int], *, probe: bool = False,
+              cache_salt: str | None = None) -> dict[str, Any]:
         """kvroute's answer; a probe is a question only (the prompt will not be sent)."""
-        response = self.http.post("/v1/route", json={"token_ids": token_ids, "probe": probe})
+        body: dict[str, Any] = {"token_ids": token_ids, "probe": probe}
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        response = self.http.post("/v1/route", json=body)
         if response.status_code != 200:
             raise KvrouteError(f"POST /v1/route -> {response.status_code}: {response.text}")
         return response.json()
 
-    def matched(self, token_ids: list[int]) -> dict[str, int]:
-        """matched_tokens per instance id (rank 0) for this prompt."""
+    def matched(self, token_ids: list[int], cache_salt: str | None = None) -> dict[str, int]:
+        """matched_tokens per instance id (rank 0) for this prompt (a tenant's)."""
         return {
             score["instance"]: int(score["matched_tokens"])
-            for score in self.route(token_ids, probe=True)["scores"]
+            for score in self.route(token_ids, probe=True, cache_salt=cache_salt)["scores"]
             if score.get("dp_rank", 0) == 0
         }
 

@@ -61,7 +61,7 @@ class EventTap:
         self._lock = threading.Lock()
         self._batches: list[TappedBatch] = []
         self._types: Counter[str] = Counter()
-        self._held: Counter[object] = Counter()  # block hash -> copies the engine holds
+        self._held: Counter[object] = Counter()  # block hash -> stores of it since its removal
         self.restarts = 0
         self._epoch_start = 0  # index of the first batch of the engine now running
         self._ctx = zmq.Context()
@@ -101,11 +101,10 @@ class EventTap:
         if kind == "BlockStored":
             self._held.update(_block_hashes(event))
         elif kind == "BlockRemoved":
+            # kvroute's rule (docs/decisions.md): a removal ends the hash however often it
+            # was stored, since a reuse report is a store no removal pairs.
             for block_hash in _block_hashes(event):
-                if self._held[block_hash] > 1:
-                    self._held[block_hash] -= 1
-                else:
-                    self._held.pop(block_hash, None)
+                self._held.pop(block_hash, None)
         elif kind == "AllBlocksCleared":
             self._held.clear()
 
