@@ -474,32 +474,37 @@ def apply_event(index: IndexWriter, worker: Any, event: Event) -> int:
 
 
 def coalesced(events: Iterable[Event]) -> Iterator[Event]:
-    """``events`` with each run of consecutive BlockRemoved events of one medium and
-    KV-cache group merged into one event.
+    """``events`` with each run of consecutive BlockRemoved events of one medium, KV-cache
+    group and locality merged into one event.
 
     vLLM sends one hash per BlockRemoved event, so in a steady state half of all events
-    are single removals. Removals of one medium and group next to each other commute, so
-    one index call per run is the same change at a fraction of the per-call cost; stores
-    and clears keep their place between the runs.
+    are single removals. Removals of one medium, group and locality next to each other
+    commute, so one index call per run is the same change at a fraction of the per-call
+    cost; stores and clears keep their place between the runs.
     """
     run: list[Hash] = []
-    medium: str | None = None
-    group: int | None = None
+    kind: tuple[Any, ...] = ()
     for event in events:
         if isinstance(event, BlockRemoved):
-            if run and event.medium == medium and event.group_idx == group:
+            of = (event.medium, event.group_idx, event.locality)
+            if run and of == kind:
                 run.extend(event.block_hashes)
                 continue
             if run:
-                yield BlockRemoved(run, medium=medium, group_idx=group)
-            run, medium, group = list(event.block_hashes), event.medium, event.group_idx
+                yield _removal(run, kind)
+            run, kind = list(event.block_hashes), of
             continue
         if run:
-            yield BlockRemoved(run, medium=medium, group_idx=group)
+            yield _removal(run, kind)
             run = []
         yield event
     if run:
-        yield BlockRemoved(run, medium=medium, group_idx=group)
+        yield _removal(run, kind)
+
+
+def _removal(hashes: list[Hash], kind: tuple[Any, ...]) -> BlockRemoved:
+    medium, group, locality = kind
+    return BlockRemoved(hashes, medium=medium, group_idx=group, locality=locality)
 
 
 #: A slice of a store holds at most this many tokens per block it may hold (blocks of
