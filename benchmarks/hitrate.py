@@ -64,11 +64,12 @@ from kvroute.sim.workloads import (
     load_mooncake,
     multi_turn_chat,
     shared_system_prompts,
+    tenants,
 )
 
 POLICIES = ("random", "round-robin", "least-loaded", "consistent-hash", "approx-tree",
-            "approx-tree/2r", "kvroute", "kvroute-proxy", "oracle", "approx-tree+load",
-            "kvroute+load", "oracle+load")
+            "approx-tree/2r", "kvroute", "kvroute-blind", "kvroute-proxy", "oracle",
+            "approx-tree+load", "kvroute+load", "oracle+load")
 KVROUTE_POLICIES = ("kvroute", "kvroute+load", "kvroute-proxy")
 #: Pairs compared for index fidelity: same decision rule, kvroute's view vs the true caches.
 PAIRS = (("kvroute", "oracle", "approx-tree"),
@@ -106,6 +107,10 @@ def workloads(full: bool) -> list[WorkloadSpec]:
                      blocks[1]),
         WorkloadSpec("mooncake-trace", lambda seed: load_mooncake(TRACE, seed=seed, **trace),
                      blocks[2]),
+        # The shared prompts again, from four tenants with salts of their own: kvroute with
+        # the salts beside kvroute blind to them (a gateway that drops them) and the rest.
+        WorkloadSpec("tenants", lambda seed: tenants(
+            seed=seed, tenants=4, **{**shared, "groups": shared["groups"] // 4}), blocks[0]),
     ]
 
 
@@ -202,7 +207,8 @@ def simulate(sessions: Sequence[Session], workers: list[FleetWorker], policy: Po
             if feed is not None:
                 res.sync_s.append(feed.advance(now))
             started = time.perf_counter()
-            w = policy.choose(turn.prompt)
+            salt = sessions[s].cache_salt
+            w = policy.choose(turn.prompt, salt)
             res.route_s.append(time.perf_counter() - started)
             res.per_worker[w] += 1
             workers[w].assigned += 1
@@ -211,7 +217,7 @@ def simulate(sessions: Sequence[Session], workers: list[FleetWorker], policy: Po
             origin[rid] = (s, k)
             if follows is not None:
                 follows.placed(rid)
-            engine.add_request(rid, turn.prompt, turn.output, arrival_time=now)
+            engine.add_request(rid, turn.prompt, turn.output, arrival_time=now, cache_salt=salt)
             if not stepping[w]:
                 stepping[w] = True
                 heapq.heappush(heap, (max(now, engine.clock), 1, next(order), "step", w))
@@ -268,13 +274,15 @@ def engine_fleet(n: int, num_blocks: int, seed: int) -> list[FleetWorker]:
 
 def run_kvroute(sessions: Sequence[Session], n: int, num_blocks: int, seed: int, lag_s: float,
                 load_tokens: int | None, progress: tqdm | None, *, proxy: bool = False,
-                clients: int | None = None) -> tuple[RunResult, dict[str, float]]:
+                clients: int | None = None, blind: bool = False,
+                ) -> tuple[RunResult, dict[str, float]]:
     """The fleet as real simulated vLLM servers, kvroute as a real service registering them by
     URL; returns the run and the HTTP floor (GET /healthz round trip) measured alongside.
 
     Three ways to use kvroute: its own pick (``kvroute``); its scores through the caller's
     ``cheapest`` rule (``load_tokens`` given: ``kvroute+load``); or as its proxy decides
-    (``proxy``: ``kvroute-proxy``), with the proxy's in-flight ledger."""
+    (``proxy``: ``kvroute-proxy``), with the proxy's in-flight ledger. ``blind``: its own
+    pick, asked without the tenants' cache salts (``kvroute-blind``)."""
     from kvroute.app.config import Settings  # the service is only needed for this policy
     from kvroute.app.server import BackgroundServer
 
@@ -305,7 +313,8 @@ def run_kvroute(sessions: Sequence[Session], n: int, num_blocks: int, seed: int,
                 policy = KvrouteProxyPolicy(client, server.url, worker_of,
                                             server.service.inflight)
             else:
-                policy = KvroutePolicy(client, server.url, worker_of, workers, load_tokens)
+                policy = KvroutePolicy(client, server.url, worker_of, workers, load_tokens,
+                                       blind=blind)
             feed = KvrouteFeed(ranks, client, server.url, keys)
             floor = _http_floor(client, server.url)
             result = simulate(sessions, workers, policy, lag_s=lag_s, feed=feed,
@@ -401,6 +410,14 @@ def verdicts(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
             checks["at_least_round_robin"] = hit >= rr
             if wl.startswith("shared-system-prompts"):
                 checks["at_least_2x_round_robin"] = hit >= 2 * rr
+        # Tenants: the salts are what tell kvroute that a tenant's copy is not another's.
+        blind = by_policy.get("kvroute-blind", {}).get("hit_rate")
+        if "kvroute" in by_policy and blind is not None:
+            checks = out.setdefault(wl, {}).setdefault("kvroute", {})
+            hit = by_policy["kvroute"]["hit_rate"]
+            checks["points_over_kvroute-blind"] = round(100 * (hit - blind), 2)
+            if wl.startswith("tenants"):
+                checks["ahead_of_kvroute-blind"] = hit > blind
     return out
 
 
@@ -539,7 +556,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         run, run_floor = run_kvroute(
                             sessions[spec.name], args.instances, spec.num_blocks, args.seed,
                             lag_s, load, progress, proxy=name == "kvroute-proxy",
-                            clients=clients)
+                            clients=clients, blind=name == "kvroute-blind")
                         floor = {k: min(v, floor.get(k, v)) for k, v in run_floor.items()}
                     else:
                         workers = engine_fleet(args.instances, spec.num_blocks, args.seed)

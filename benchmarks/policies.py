@@ -40,7 +40,7 @@ class FleetWorker:
 class Policy(Protocol):
     name: str
 
-    def choose(self, prompt: Sequence[int]) -> int: ...
+    def choose(self, prompt: Sequence[int], cache_salt: str | None = None) -> int: ...
 
 
 @runtime_checkable
@@ -77,7 +77,7 @@ class RandomPolicy:
         self._n = len(workers)
         self._rng = random.Random(seed)
 
-    def choose(self, prompt: Sequence[int]) -> int:
+    def choose(self, prompt: Sequence[int], cache_salt: str | None = None) -> int:
         return self._rng.randrange(self._n)
 
 
@@ -87,7 +87,7 @@ class RoundRobinPolicy:
     def __init__(self, workers: Sequence[FleetWorker]) -> None:
         self._cycle = itertools.cycle(range(len(workers)))
 
-    def choose(self, prompt: Sequence[int]) -> int:
+    def choose(self, prompt: Sequence[int], cache_salt: str | None = None) -> int:
         return next(self._cycle)
 
 
@@ -97,7 +97,7 @@ class LeastLoadedPolicy:
     def __init__(self, workers: Sequence[FleetWorker]) -> None:
         self._workers = workers
 
-    def choose(self, prompt: Sequence[int]) -> int:
+    def choose(self, prompt: Sequence[int], cache_salt: str | None = None) -> int:
         return _least_loaded(self._workers)
 
 
@@ -113,7 +113,7 @@ class ConsistentHashPolicy:
         self._points = [p for p, _ in ring]
         self._owners = [w for _, w in ring]
 
-    def choose(self, prompt: Sequence[int]) -> int:
+    def choose(self, prompt: Sequence[int], cache_salt: str | None = None) -> int:
         key = _h64(repr(tuple(prompt[: self._bs])).encode())
         i = bisect.bisect(self._points, key) % len(self._points)
         return self._owners[i]
@@ -155,7 +155,7 @@ class ApproximateTreePolicy:
             keys.append(parent)
         return keys
 
-    def choose(self, prompt: Sequence[int]) -> int:
+    def choose(self, prompt: Sequence[int], cache_salt: str | None = None) -> int:
         keys = self._keys(prompt)
         matched = []
         for tree in self._trees:
@@ -193,8 +193,8 @@ class ReplicatedRouter:
         self._rng = random.Random(seed)
         self.name = f"{replicas[0].name}/{len(replicas)}r"
 
-    def choose(self, prompt: Sequence[int]) -> int:
-        return self._rng.choice(self._replicas).choose(prompt)
+    def choose(self, prompt: Sequence[int], cache_salt: str | None = None) -> int:
+        return self._rng.choice(self._replicas).choose(prompt, cache_salt)
 
 
 class OraclePolicy:
@@ -206,8 +206,8 @@ class OraclePolicy:
         self._load_tokens = load_tokens
         self.name = "oracle" if load_tokens is None else "oracle+load"
 
-    def choose(self, prompt: Sequence[int]) -> int:
-        matched = [w.engine.lookup(prompt) for w in self._workers]
+    def choose(self, prompt: Sequence[int], cache_salt: str | None = None) -> int:
+        matched = [w.engine.lookup(prompt, cache_salt) for w in self._workers]
         if self._load_tokens is not None:
             return cheapest(self._workers, matched, len(prompt), self._load_tokens)
         best = max(matched)
@@ -215,22 +215,30 @@ class OraclePolicy:
 
 
 class KvroutePolicy:
-    """kvroute through its HTTP API: ``POST /v1/route {"token_ids": [...]}``. Without
-    ``load_tokens`` the service's own pick is taken; with it, the answer's per-worker
-    ``scores`` go through ``cheapest`` (the caller's own policy, as the API intends)."""
+    """kvroute through its HTTP API: ``POST /v1/route {"token_ids": [...]}``, with the
+    request's ``cache_salt`` unless ``blind`` (a gateway that does not pass tenants' salts
+    on: kvroute then sees every tenant's blocks as the unsalted prompt's, which vLLM never
+    shares). Without ``load_tokens`` the service's own pick is taken; with it, the answer's
+    per-worker ``scores`` go through ``cheapest`` (the caller's own policy, as the API
+    intends)."""
 
     def __init__(self, client: httpx.Client, base_url: str,
                  worker_of: dict[tuple[str, int], int], workers: Sequence[FleetWorker],
-                 load_tokens: int | None = None) -> None:
+                 load_tokens: int | None = None, *, blind: bool = False) -> None:
         self._client = client
         self._url = f"{base_url}/v1/route"
         self._worker_of = worker_of
         self._workers = workers
         self._load_tokens = load_tokens
-        self.name = "kvroute" if load_tokens is None else "kvroute+load"
+        self._blind = blind
+        self.name = ("kvroute" if load_tokens is None else "kvroute+load") + (
+            "-blind" if blind else "")
 
-    def choose(self, prompt: Sequence[int]) -> int:
-        resp = self._client.post(self._url, json={"token_ids": list(prompt)})
+    def choose(self, prompt: Sequence[int], cache_salt: str | None = None) -> int:
+        question: dict[str, Any] = {"token_ids": list(prompt)}
+        if cache_salt is not None and not self._blind:
+            question["cache_salt"] = cache_salt
+        resp = self._client.post(self._url, json=question)
         if resp.status_code != 200:
             raise RuntimeError(f"kvroute answered {resp.status_code}: {resp.text[:300]}")
         answer: dict[str, Any] = resp.json()
@@ -264,8 +272,11 @@ class KvrouteProxyPolicy:
         self._chosen: tuple[tuple[str, int], int] | None = None
         self._tickets: dict[str, Ticket] = {}
 
-    def choose(self, prompt: Sequence[int]) -> int:
-        resp = self._client.post(self._url, json={"token_ids": list(prompt)})
+    def choose(self, prompt: Sequence[int], cache_salt: str | None = None) -> int:
+        question: dict[str, Any] = {"token_ids": list(prompt)}
+        if cache_salt is not None:
+            question["cache_salt"] = cache_salt
+        resp = self._client.post(self._url, json=question)
         if resp.status_code != 200:
             raise RuntimeError(f"kvroute answered {resp.status_code}: {resp.text[:300]}")
         answer: dict[str, Any] = resp.json()

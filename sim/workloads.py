@@ -8,6 +8,8 @@ chat is closed-loop like a real user. A one-shot request is a session of one tur
   sharing a long system prompt, each with its own question), Poisson arrivals.
 - ``multi_turn_chat``: every turn's prompt is the previous prompt + the previous answer + a
   new user message, so the whole history is a cacheable prefix.
+- ``tenants``: ``shared_system_prompts`` sent by each of several tenants with its own
+  ``cache_salt`` (the engine caches each tenant's copy apart).
 - ``mooncake_trace``: replay of a Mooncake-format JSONL trace (``timestamp`` in ms,
   ``input_length``, ``output_length``, ``hash_ids``); hash id h stands for 512 tokens drawn from
   a generator seeded by h, so equal hash ids mean equal token blocks, as in Mooncake.
@@ -18,8 +20,9 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 MOONCAKE_BLOCK_TOKENS = 512
 VOCAB = 32000
@@ -36,6 +39,7 @@ class Session:
     start: float
     turns: tuple[Turn, ...]
     think_s: float = 0.0
+    cache_salt: str | None = None  # the tenant's: its blocks are cached apart
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -71,6 +75,17 @@ def shared_system_prompts(
                          tuple(_tokens(rng, output_tokens))),))
         for t, (g, _) in zip(times, pairs, strict=True)
     ]
+
+
+def tenants(*, tenants: int = 4, seed: int = 0, **shared: Any) -> list[Session]:
+    """``shared_system_prompts`` sent by each of ``tenants`` tenants with its own
+    ``cache_salt``: the same system prompts, cached once per tenant and never shared
+    between tenants. The arrivals of all tenants interleave; ``groups`` is per tenant."""
+    sessions = [replace(session, cache_salt=f"tenant-{t}")
+                for t in range(tenants)
+                for session in shared_system_prompts(seed=seed, **shared)]
+    rng = random.Random(seed + 1)
+    return sorted(sessions, key=lambda session: (session.start, rng.random()))
 
 
 def multi_turn_chat(
