@@ -328,19 +328,17 @@ class BatchApplier:
         outcome.data_parallel_rank = batch.data_parallel_rank
         await self._paused_if_long(started)
         step = self.options.chunk_events
-        for start in range(0, len(batch.events), step):
-            for raws, huge in _split_huge(batch.events[start:start + step]):
-                if huge is not None and await self._apply_huge(seq, huge, outcome):
-                    continue
-                started = time.perf_counter()
-                events = decode_events(raws if huge is None else [huge], batch,
-                                       raw_tokens=self._runs is not None)
-                await self._paused_if_long(started)
-                if not await self._apply_events(seq, events, batch, outcome):
-                    break
-            else:
+        pieces = (piece for start in range(0, len(batch.events), step)
+                  for piece in _split_huge(batch.events[start:start + step]))
+        for raws, huge in pieces:
+            if huge is not None and await self._apply_huge(seq, huge, outcome):
                 continue
-            break
+            started = time.perf_counter()
+            events = decode_events(raws if huge is None else [huge], batch,
+                                   raw_tokens=self._runs is not None)
+            await self._paused_if_long(started)
+            if not await self._apply_events(seq, events, batch, outcome):
+                break
         outcome.malformed += batch.malformed
         outcome.unknown = batch.unknown
         return outcome
