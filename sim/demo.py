@@ -2,9 +2,10 @@
 
 Starts a simulated vLLM cluster on loopback, a kvroute service beside it,
 registers the instances by URL exactly as an operator would, then plays a small
-workload of chat-like prompts that share system prompts: each prompt is sent to
-kvroute's proxy (`POST /v1/completions`), which routes it and forwards it to the
-chosen instance, whose `cached_tokens` shows the hit (and feeds kvroute's
+workload of chat-like prompts that share system prompts, a third of them from each of two
+tenants with a `cache_salt` of their own (the engines cache a tenant's copy apart): each
+prompt is sent to kvroute's proxy (`POST /v1/completions`), which routes it and forwards it
+to the chosen instance, whose `cached_tokens` shows the hit (and feeds kvroute's
 predicted-vs-actual figures on the dashboard at `/dashboard`). A summary line per
 instance is printed every few seconds until Ctrl-C or `--duration`.
 """
@@ -25,6 +26,7 @@ from kvroute.sim.cluster import SimCluster
 __all__ = ["run_demo"]
 
 SUMMARY_EVERY = 3.0
+TENANTS = (None, "tenant-a", "tenant-b")  # who sends each prompt (None: no salt)
 LIVE_WITHIN = 60.0  # seconds: generous, a loaded machine connects subscribers slowly
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
          "november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee "
@@ -123,8 +125,11 @@ def _play(base: str, urls: list[str], rng: random.Random, duration: float | None
             system = rng.choice(prompts)
             question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 30)))
             prompt = f"{system}\nuser: {question}"
-            done = client.post(f"{base}/v1/completions",
-                               json={"model": "sim-model", "prompt": prompt, "max_tokens": 8})
+            body = {"model": "sim-model", "prompt": prompt, "max_tokens": 8}
+            tenant = rng.choice(TENANTS)
+            if tenant is not None:
+                body["cache_salt"] = tenant
+            done = client.post(f"{base}/v1/completions", json=body)
             done.raise_for_status()
             usage = done.json()["usage"]
             instance = done.headers["x-kvroute-instance"]
