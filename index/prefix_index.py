@@ -1183,25 +1183,15 @@ class PrefixIndex:
         full = tokens + after
         blocks = min(len(tokens) // step, max(0, len(full) - ahead) // step)
         digest = xxh3_128_digest
-        get_node = self._nodes.get
-        ended: list[tuple[int, int]] = []
-        tiered_hits: list[tuple[bytes, int]] = []
-        for position in range(blocks):
-            start = position * step
-            end = start + step
-            key = digest(parent_key + full[start:end] + lookahead_suffix(full[end:end + ahead]))
-            value = get_node(key, 0)
-            held = value & alive
-            if held != alive:
-                ended.append((alive ^ held, position))
-                alive = held
-                if not alive:
-                    return ended, tiered_hits
-            if value & TIERED:
-                tiered_hits.append((key, alive))
-            parent_key = key
-        ended.append((alive, blocks))
-        return ended, tiered_hits
+
+        def keys() -> Iterator[bytes]:
+            key = parent_key
+            for start in range(0, blocks * step, step):
+                end = start + step
+                key = digest(key + full[start:end] + lookahead_suffix(full[end:end + ahead]))
+                yield key
+
+        return self._walk_keys(keys(), alive)
 
     def _walk_tokens(self, parent_key: bytes, tokens: bytes, block_size: int,
                      alive: int) -> tuple[list[tuple[int, int]], list[tuple[bytes, int]]]:
@@ -1215,34 +1205,48 @@ class PrefixIndex:
             return self._fast.walk_tokens(self._nodes, parent_key, tokens, step, alive,
                                           bool(self._tiered), TIERED)
         digest = xxh3_128_digest
+        if len(tokens) % step:
+            tokens = tokens[: len(tokens) - len(tokens) % step]  # the partial block never matches
+        if self._tiered:
+            def keys() -> Iterator[bytes]:
+                key = parent_key
+                for (block,) in block_splitter(step)(tokens):
+                    key = digest(key + block)
+                    yield key
+
+            return self._walk_keys(keys(), alive)
+        # A GPU-only fleet: the same walk without looking for other tiers.
+        get_node = self._nodes.get
+        ended: list[tuple[int, int]] = []
+        position = -1
+        for position, (block,) in enumerate(block_splitter(step)(tokens)):
+            parent_key = digest(parent_key + block)
+            held = get_node(parent_key, 0) & alive
+            if held != alive:
+                ended.append((alive ^ held, position))
+                alive = held
+                if not alive:
+                    return ended, []
+        ended.append((alive, position + 1))
+        return ended, []
+
+    def _walk_keys(self, keys: Iterable[bytes], alive: int,
+                   ) -> tuple[list[tuple[int, int]], list[tuple[bytes, int]]]:
+        """``_walk_tokens``' answer for a query's block keys, in order."""
         get_node = self._nodes.get
         ended: list[tuple[int, int]] = []
         tiered_hits: list[tuple[bytes, int]] = []
-        if len(tokens) % step:
-            tokens = tokens[: len(tokens) - len(tokens) % step]  # the partial block never matches
         position = -1
-        if self._tiered:
-            for position, (block,) in enumerate(block_splitter(step)(tokens)):
-                key = digest(parent_key + block)
-                value = get_node(key, 0)
-                held = value & alive
-                if held != alive:
-                    ended.append((alive ^ held, position))
-                    alive = held
-                    if not alive:
-                        return ended, tiered_hits
-                if value & TIERED:
-                    tiered_hits.append((key, alive))
-                parent_key = key
-        else:  # a GPU-only fleet: the same walk without looking for other tiers
-            for position, (block,) in enumerate(block_splitter(step)(tokens)):
-                parent_key = digest(parent_key + block)
-                held = get_node(parent_key, 0) & alive
-                if held != alive:
-                    ended.append((alive ^ held, position))
-                    alive = held
-                    if not alive:
-                        return ended, tiered_hits
+        for position, key in enumerate(keys):
+            value = get_node(key, 0)
+            held = value & alive
+            if held != alive:
+                ended.append((alive ^ held, position))
+                alive = held
+                if not alive:
+                    return ended, tiered_hits
+            if value & TIERED:
+                tiered_hits.append((key, alive))
         ended.append((alive, position + 1))
         return ended, tiered_hits
 

@@ -194,21 +194,16 @@ local function question(path, body)
         return nil, "the body is not a JSON object"
     end
     local parts = {}
-    if m.model then
-        local raw = body:sub(m.model[1], m.model[2])
-        if raw:byte(1) == 34 then
-            parts[#parts + 1] = "\"model\":" .. raw
-        elseif raw ~= "null" then
-            return nil, "model is not a string"
-        end
-    end
-    -- A tenant's salt: vLLM caches its blocks apart, and kvroute matches them only with it.
-    if m.cache_salt then
-        local raw = body:sub(m.cache_salt[1], m.cache_salt[2])
-        if raw:byte(1) == 34 then
-            parts[#parts + 1] = "\"cache_salt\":" .. raw
-        elseif raw ~= "null" then
-            return nil, "cache_salt is not a string"
+    -- A tenant's salt too: vLLM caches its blocks apart, and kvroute matches them only with it.
+    for _, key in ipairs({"model", "cache_salt"}) do
+        local span = m[key]
+        if span then
+            local raw = body:sub(span[1], span[2])
+            if raw:byte(1) == 34 then
+                parts[#parts + 1] = "\"" .. key .. "\":" .. raw
+            elseif raw ~= "null" then
+                return nil, key .. " is not a string"
+            end
         end
     end
     if path == "/v1/chat/completions" then
