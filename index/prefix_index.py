@@ -1232,7 +1232,8 @@ class PrefixIndex:
 
     def _walk_keys(self, keys: Iterable[bytes], alive: int,
                    ) -> tuple[list[tuple[int, int]], list[tuple[bytes, int]]]:
-        """``_walk_tokens``' answer for a query's block keys, in order."""
+        """``_walk_tokens``' answer for a query's block keys, in order (a token walk's, a
+        lookahead walk's, or the keys a hash path resolved to)."""
         get_node = self._nodes.get
         ended: list[tuple[int, int]] = []
         tiered_hits: list[tuple[bytes, int]] = []
@@ -1271,21 +1272,7 @@ class PrefixIndex:
             alive |= w.bit
         if not alive:
             return {}
-        get_node = self._nodes.get
-        ended: list[tuple[int, int]] = []
-        tiered_hits: list[tuple[bytes, int]] = []
-        for position, key in enumerate(path):
-            value = get_node(key, 0)
-            held = value & alive
-            if held != alive:
-                ended.append((alive ^ held, position))
-                alive = held
-                if not alive:
-                    break
-            if value & TIERED:
-                tiered_hits.append((key, alive))
-        else:
-            ended.append((alive, len(path)))
+        ended, tiered_hits = self._walk_keys(path, alive)
         result: dict[WorkerKey, Match] = {}
         self._assemble(result, targets, ended, tiered_hits, None)
         return result

@@ -110,9 +110,6 @@ def plain_store(index: PrefixIndex, worker: Hashable, event: Any, limits: RunLim
             or event.lora_id is not None
             or getattr(event, "lookahead_token_ids", None) is not None):
         return False
-    w = index._workers.get(worker)
-    if w is not None and w.lookahead:  # its stores without lookahead mean another engine
-        return False
     hashes, tokens, size = event.block_hashes, token_list(event.token_ids), event.block_size
     blocks = len(hashes) if type(hashes) is list else -1
     extra = event.extra_keys
@@ -128,7 +125,8 @@ def plain_store(index: PrefixIndex, worker: Hashable, event: Any, limits: RunLim
     if not all(type(t) is int and 0 <= t < _TOKEN_LIMIT for t in tokens):
         return False
     w = index._workers.get(worker)
-    if w is None or len(w.handles) + blocks > limits.max_worker_blocks:
+    # A worker whose engine hashes lookahead: its store without them means another engine.
+    if w is None or w.lookahead or len(w.handles) + blocks > limits.max_worker_blocks:
         return False
     parent = event.parent_block_hash
     if parent is None:
