@@ -116,7 +116,7 @@ class _ArrayAllBlocksCleared(AllBlocksCleared, array_like=True, tag="AllBlocksCl
 class RawStored(
     msgspec.Struct, tag_field="type", tag="BlockStored", omit_defaults=True, gc=False
 ):
-    """A ``BlockStored`` as ``decode_batch(..., raw_tokens=True)`` leaves it: the token ids
+    """A ``BlockStored`` as ``decode_events(..., raw_tokens=True)`` leaves it: the token ids
     still msgpack (``msgspec.Raw``), for the index to read straight into its keys without
     an int object per token (``index.runs``). ``stored(event)`` makes the public event.
     Fields as ``BlockStored``'s, in the same order."""
@@ -199,14 +199,7 @@ class _RawMapEnvelope(msgspec.Struct, gc=False):
     data_parallel_rank: Any = None
 
 
-class _RawTokensEnvelope(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[RawStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
 _map_batch = msgspec.msgpack.Decoder(_MapEnvelope)
-_raw_tokens_batch = msgspec.msgpack.Decoder(_RawTokensEnvelope)
 _array_batch = msgspec.msgpack.Decoder(_ArrayEnvelope)
 _raw_batch = msgspec.msgpack.Decoder(_RawEnvelope)
 _raw_map_batch = msgspec.msgpack.Decoder(_RawMapEnvelope)
@@ -228,19 +221,8 @@ _DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeErr
                   RecursionError)
 
 
-def decode_batch(payload: Payload, *, raw_tokens: bool = False) -> EventBatch:
-    """Decode one payload frame; see the module docstring for what raises and what is counted.
-
-    ``raw_tokens``: a map-encoded batch keeps its stores' token ids encoded (``RawStored``,
-    not checked to be ints: ``stored`` says, where ``decode_batch`` would have counted the
-    event malformed); any other batch decodes as without it."""
-    if raw_tokens:
-        try:
-            env = _raw_tokens_batch.decode(payload)
-        except _DECODE_ERRORS:
-            pass
-        else:
-            return EventBatch(env.ts, env.events, env.data_parallel_rank)
+def decode_batch(payload: Payload) -> EventBatch:
+    """Decode one payload frame; see the module docstring for what raises and what is counted."""
     for decoder in (_map_batch, _array_batch):
         try:
             env = decoder.decode(payload)
@@ -282,9 +264,11 @@ def decode_envelope(payload: Payload) -> EventBatch:
 
 def decode_events(raws: Sequence[msgspec.Raw], batch: EventBatch, *,
                   raw_tokens: bool = False) -> list[Event]:
-    """Some of ``decode_envelope``'s raw events, decoded as ``decode_batch`` decodes them
-    (with ``raw_tokens`` as there): malformed and unknown ones are counted in ``batch`` and
-    left out. One C call when they all decode in one encoding; event by event otherwise."""
+    """Some of ``decode_envelope``'s raw events, decoded as ``decode_batch`` decodes them:
+    malformed and unknown ones are counted in ``batch`` and left out. One C call when they
+    all decode in one encoding; event by event otherwise. ``raw_tokens``: map-encoded
+    stores keep their token ids encoded (``RawStored``, not checked to be ints: ``stored``
+    says, where ``decode_batch`` would have counted the event malformed)."""
     joined = _array_header(len(raws)) + b"".join(raws)
     for decoder in ((_raw_tokens_events, _array_events) if raw_tokens
                     else (_map_events, _array_events)):

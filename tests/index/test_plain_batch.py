@@ -37,7 +37,7 @@ from kvroute.index import PrefixIndex
 from kvroute.index.runs import MAX_PLAIN_BLOCK_SIZE, PLAIN_KINDS, RunLimits
 from tests.support.events import TEST_OPTIONS
 from tests.support.index_impl import layout
-from tests.support.plain_events import WORKERS, random_events
+from tests.support.plain_events import WORKERS, decoded_for_runs, random_events
 from tests.support.waiting import run_async
 
 pytestmark = pytest.mark.skipif(PrefixIndex().implementation != "compiled",
@@ -89,7 +89,7 @@ def check_reading(payload: bytes) -> bool:
     """The reader against ``decode_batch`` on one payload; whether it took it."""
     plain = READER.read_plain_batch(payload)
     try:
-        batch = decode_batch(payload, raw_tokens=True)
+        batch = decoded_for_runs(payload)
     except ValueError:
         assert plain is None
         return False
@@ -202,7 +202,7 @@ def test_a_payload_is_read_exactly_as_decoded_or_not_at_all(payload: bytes) -> N
     taken = check_reading(payload)
     # And it is taken whenever every event is plain in form (the lane is not left unused).
     try:
-        batch = decode_batch(payload, raw_tokens=True)
+        batch = decoded_for_runs(payload)
     except ValueError:
         return
     body = msgspec.msgpack.decode(payload)

@@ -26,7 +26,7 @@ from kvroute.app.ingest.wire import (
 from kvroute.index import PrefixIndex
 from kvroute.index.runs import RunLimits
 from tests.support.index_impl import TwinIndex, layout
-from tests.support.plain_events import BLOCK, WORKERS, random_events
+from tests.support.plain_events import BLOCK, WORKERS, decoded_for_runs, random_events
 
 LIMITS = RunLimits(stored=(BlockStored, RawStored), removed=BlockRemoved,
                    max_event_blocks=40, max_worker_blocks=400, max_work=64)
@@ -92,7 +92,7 @@ def feed_plain(index: PrefixIndex, worker: tuple, events: list, rng: random.Rand
             continue
         payload = encode_batch(events[position:end], ts=0.0)
         plain = index.read_plain_batch(payload)
-        decoded = decode_batch(payload, raw_tokens=True).events
+        decoded = decoded_for_runs(payload).events
         at = 0
         while at < len(plain):
             done = index.apply_run(worker, plain, at, rng.choice([0, 3, 16, 64]),
@@ -226,10 +226,10 @@ def test_raw_token_ids_decode_to_what_decode_batch_makes() -> None:
                           block_size=BLOCK, lora_id=3),
               BlockRemoved(block_hashes=[5]), AllBlocksCleared()]
     payload = encode_batch(events, ts=1.0, dp_rank=2)
-    raw = decode_batch(payload, raw_tokens=True)
+    raw = decoded_for_runs(payload)
     assert isinstance(raw.events[0], RawStored)
     assert [stored(raw.events[0]), *raw.events[1:]] == decode_batch(payload).events
     assert raw.data_parallel_rank == 2
     # The array encoding (older vLLM) decodes as it always did.
-    old = decode_batch(encode_batch(events, encoding="array"), raw_tokens=True)
+    old = decoded_for_runs(encode_batch(events, encoding="array"))
     assert old.events == decode_batch(encode_batch(events, encoding="array")).events

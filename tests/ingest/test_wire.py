@@ -33,6 +33,7 @@ from kvroute.app.ingest.wire import (
 )
 from kvroute.index import PrefixIndex
 from tests.support.fixtures import session_frames
+from tests.support.plain_events import decoded_for_runs
 
 pack = msgspec.msgpack.encode
 
@@ -205,12 +206,13 @@ def test_a_string_that_is_not_utf8_costs_only_its_event(raw_tokens: bool) -> Non
     msgspec's limit makes the payload undecodable."""
     store = {"type": "BlockStored", "block_hashes": [1], "token_ids": [1], "block_size": 1}
     payload = pack([3.0, [{**store, "locality": "x"}, store], 0]).replace(b"\xa1x", b"\xa1\x80")
-    batch = decode_batch(payload, raw_tokens=raw_tokens)
+    decode = decoded_for_runs if raw_tokens else decode_batch
+    batch = decode(payload)
     assert batch.malformed == 1 and len(batch.events) == 1
     nested = pack([3.0, [{**store, "locality": None}], 0]).replace(
         b"\xa8locality\xc0", b"\xa8locality" + b"\x91" * 5000 + b"\xc0")
     with pytest.raises(WireError):
-        decode_batch(nested, raw_tokens=raw_tokens)
+        decode(nested)
 
 
 @pytest.mark.parametrize("payload", [

@@ -11,13 +11,25 @@ from kvroute.app.ingest.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EventBatch,
+    Payload,
     RawStored,
+    decode_envelope,
+    decode_events,
 )
 
 BLOCK = 4
 
 
 WORKERS = [("w0", 0), ("w1", 0), ("w2", 0)]
+
+
+def decoded_for_runs(payload: Payload) -> EventBatch:
+    """``payload`` as the applier's decoded path decodes it for the index's runs: stores of
+    a map-encoded batch keep their token ids encoded (``RawStored``)."""
+    batch = decode_envelope(payload)
+    batch.events = decode_events(batch.events, batch, raw_tokens=True)
+    return batch
 
 
 def as_raw(event: BlockStored) -> RawStored:
